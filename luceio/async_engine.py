@@ -1,0 +1,132 @@
+"""AsyncEngine: one asyncio loop owns the engine. A background task drives steps while there is
+work; the forward runs on one worker thread so the loop keeps serving; only the loop thread
+touches engine state. Each request gets a stream fed by the step task."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from .config import EngineArgs
+from .engine import LLMEngine, PromptType
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("luceio")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="luceio-forward")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kw) -> "AsyncEngine":
+        return cls(LLMEngine(args, **kw))
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **engine_args) -> "AsyncEngine":
+        return cls(LLMEngine(EngineArgs(model=model, **engine_args)))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # requests ----------------------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutputs (cumulative by default; see SamplingParams.output_kind).
+        Leaving the iteration early aborts the request and frees its blocks."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        self._ensure_running()
+        request_id = self.engine.add_request(request_id, prompt, sampling_params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+                self.engine.finish_step(None, None)  # drop the abort's own output
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._dispatch(self.engine.finish_step(None, None))
+
+    # the step task -----------------------------------------------------------------------------
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="luceio-steps")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                batch = self.engine.schedule_step()
+                result = None
+                if batch is not None:
+                    result = await loop.run_in_executor(self._executor, self.engine.execute, batch)
+                self._dispatch(self.engine.finish_step(batch, result))
+                if batch is None:
+                    await asyncio.sleep(0.001)
+                else:
+                    await asyncio.sleep(0)  # let the consumers run between steps
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a broken step fails its requests, not the server
+                logger.exception("engine step failed; aborting in-flight requests")
+                self._fail_all(e)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        ids = list(self.engine.states)
+        self.engine.abort_request(ids)
+        self.engine.finish_step(None, None)
+        for rid in ids:
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(RuntimeError(f"engine step failed: {error}"))
+
+    # lifecycle ---------------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Aborts what is in flight, stops the step task and the worker thread."""
+        self._closed = True
+        ids = list(self.engine.states)
+        if ids:
+            self.engine.abort_request(ids)
+            self._dispatch(self.engine.finish_step(None, None))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,96 @@
+"""Per-request block tables over a `BlockPool`. Deals in ids and counts, never tensors."""
+from __future__ import annotations
+
+from ..request import Request
+from .block_pool import BlockPool, hash_block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[int]] = {}  # chained hashes of the full blocks
+        self.num_cached_blocks: dict[str, int] = {}  # how many of its blocks are registered
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def _hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
+        hashes = self.block_hashes.setdefault(req.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a new request: (block ids, tokens covered). At least one
+        token is always left to compute, so the step produces logits for it."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        hashes = self._hashes(req, req.num_tokens - 1)
+        blocks: list[int] = []
+        for i, h in enumerate(hashes):
+            b = self.pool.lookup(h, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * bs
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Makes room for `num_new_tokens` beyond the request's computed tokens (plus the
+        prefix-hit `computed_blocks` of a newly admitted request). False if the pool is short."""
+        computed_blocks = computed_blocks or []
+        table = self.block_tables.setdefault(req.request_id, [])
+        num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(table) - len(computed_blocks)
+        if needed > self.pool.num_free_excluding(computed_blocks):
+            if not table:
+                del self.block_tables[req.request_id]
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self.num_cached_blocks[req.request_id] = len(table)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Registers the request's newly full, verified blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        table = self.block_tables.get(req.request_id, [])
+        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(req, num_full * bs)
+        for i in range(start, num_full):
+            self.pool.cache(table[i], hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+        self.num_cached_blocks[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        """Releases the request's blocks, tail first so shared prefixes outlive their tails."""
+        table = self.block_tables.pop(req.request_id, [])
+        self.pool.free(list(reversed(table)))
+        self.block_hashes.pop(req.request_id, None)
+        self.num_cached_blocks.pop(req.request_id, None)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Returns blocks past what `num_tokens` tokens need (after rejected drafts)."""
+        table = self.block_tables.get(req.request_id)
+        if not table:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free(list(reversed(extra)))

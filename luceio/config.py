@@ -1,0 +1,132 @@
+"""Engine configuration: frozen dataclasses, one per subsystem, built from one `EngineArgs`.
+
+Each `EngineArgs` field's `help` metadata becomes the CLI help of its `--flag`, so the server,
+`LLM(...)` keyword arguments and `AsyncEngine.from_engine_args` share one source of truth.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int | None  # None: size from memory
+    kv_cache_memory: int  # bytes, CPU budget or explicit GPU budget (0 = use fraction)
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_queued_requests: int
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None
+    draft_model: str | None
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = _opt(None, "HF checkpoint folder, .gguf file, or short name "
+                             "(smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b); "
+                             "default smollm2-135m")
+    dtype: str = _opt("auto", "weights and activations: auto (bf16 on GPU, fp32 on CPU), "
+                      "float32, float16, bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
+    device: str = _opt("auto", "auto (the GPU when torch sees one, else cpu), cpu, cuda, cuda:N")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens; default the "
+                                     "model's own context length")
+    seed: int = _opt(0, "seed for requests that set none")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _opt(None, "fixed number of KV blocks (overrides memory sizing)")
+    kv_cache_memory: int = _opt(0, "bytes for the KV cache; 0 = a fraction of free GPU memory "
+                                "on GPU, 1 GiB on CPU")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    max_num_seqs: int = _opt(128, "most requests running at once")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (long prompts are "
+                                       "prefilled in chunks of at most this)")
+    max_queued_requests: int = _opt(1024, "most requests waiting; more are refused")
+    enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft",
+                                          choices=[None, "ngram", "draft"])
+    draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
+    num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for f in dataclasses.fields(cls):
+            add_field_arg(parser, f)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}[self.dtype]
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
+                               self.max_queued_requests)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory,
+                           self.gpu_memory_utilization, self.enable_prefix_caching)
+
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative_method, self.draft_model,
+                                 self.num_speculative_tokens)
+
+
+def add_field_arg(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    """One `--flag` from a dataclass field: its type, default, choices and help."""
+    flag = "--" + f.name.replace("_", "-")
+    meta = f.metadata
+    kw = {"default": f.default, "help": meta.get("help", "")}
+    if "choices" in meta:
+        kw["choices"] = meta["choices"]
+    if f.type in ("bool", bool):
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = _parse_type(str(f.type))
+    parser.add_argument(flag, dest=f.name, **kw)
+
+
+def _parse_type(type_str: str):
+    if "int" in type_str:
+        return int
+    if "float" in type_str:
+        return float
+    return str

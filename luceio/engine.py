@@ -1,0 +1,241 @@
+"""LLMEngine.step(): schedule → run → sample → update → outputs.
+
+A step is split in three so the async engine can run the middle part on a worker thread while
+only the event-loop thread touches engine state: `schedule_step()` (scheduler + batch tensors),
+`execute(batch)` (forward + sampling, tensors only) and `finish_step(batch, result)` (token
+appends, stop checks, outputs)."""
+from __future__ import annotations
+
+import itertools
+import os
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCacheManager
+from .config import EngineArgs
+from .loader import load_checkpoint
+from .output_processor import RequestState
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
+from .runner import ModelRunner, StepInputs
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger("luceio")
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class Batch:
+    sched: SchedulerOutput
+    inputs: StepInputs
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, model=None, tokenizer: Tokenizer | None = None):
+        self.args = args
+        device = args.resolved_device()
+        dtype = args.resolved_dtype(device)
+        ckpt = load_checkpoint(_resolve(args.model)) if model is None else None
+        self.model_config = ckpt.config if ckpt else {}
+        if tokenizer is None and ckpt is not None and ckpt.tokenizer is not None:
+            tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config,
+                                  ckpt.config)
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(ckpt, dtype, device, args.cache_config(),
+                                  self._max_len_hint(ckpt, model, args), model=model)
+        self.max_model_len = self._max_len_hint(ckpt, model, args)
+        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
+        self.sampler = Sampler(args.seed)
+        self.states: dict[str, RequestState] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kw) -> "LLMEngine":
+        return cls(args, **kw)
+
+    @staticmethod
+    def _max_len_hint(ckpt, model, args: EngineArgs) -> int:
+        cfg = model.cfg if model is not None else None
+        native = cfg.max_position_embeddings if cfg else \
+            ckpt.config.get("max_position_embeddings", 4096)
+        window = cfg.sliding_window if cfg else ckpt.config.get("sliding_window")
+        if window and (ckpt is None or ckpt.config.get("use_sliding_window", True)):
+            native = min(native, window)  # past the window this engine would not be exact
+        if args.max_model_len is None:
+            return native
+        if args.max_model_len > native:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context "
+                             f"{native}")
+        return args.max_model_len
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
+
+    # requests ----------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.runner.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.runner.cfg.vocab_size})")
+        return None, ids
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validates and queues a request; raises ValueError for one that can never run."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        if len(self.scheduler.waiting) >= self.args.max_queued_requests:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        arrival = arrival_time or time.monotonic()
+        samples = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
+                           self.eos_token_ids, self.max_model_len, parent_id=request_id, index=i,
+                           arrival_time=arrival) for i in range(params.n)]
+        for r in samples[1:]:
+            r.prefill_leader = samples[0]
+        self.states[request_id] = RequestState(request_id, text, ids, params, samples,
+                                               self.tokenizer)
+        for r in samples:
+            self.scheduler.add_request(r)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            for s in state.samples:
+                self.scheduler.finish(s.req.request_id, RequestStatus.FINISHED_ABORTED)
+            self._emit(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+
+    # one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.schedule_step()
+        result = self.execute(batch) if batch is not None else None
+        return self.finish_step(batch, result)
+
+    def schedule_step(self) -> Batch | None:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return None
+        return Batch(sched, self.runner.prepare(sched, self.kv.block_tables))
+
+    def execute(self, batch: Batch) -> StepResult:
+        """Forward and sampling. Reads request state, writes only tensors: safe off-loop."""
+        t0 = time.perf_counter()
+        logits = self.runner.execute(batch.inputs)
+        res = StepResult()
+        rows = batch.inputs.row_slices
+        by_id = {s.req.request_id: s for s in batch.sched.scheduled}
+        plain = [by_id[rid].req for rid in rows]
+        if plain:
+            idx = torch.tensor([rows[r.request_id].start for r in plain], device=logits.device)
+            out = self.sampler(logits[idx], plain)
+            for r, tok, lp in zip(plain, out.token_ids, out.logprobs):
+                res.sampled[r.request_id] = [tok]
+                res.logprobs[r.request_id] = [lp]
+        for rid, (sl, first) in batch.inputs.prompt_row_slices.items():
+            req = by_id[rid].req
+            nxt = torch.tensor(req.all_token_ids[first + 1:first + 1 + sl.stop - sl.start],
+                               device=logits.device)
+            n = req.params.prompt_logprobs
+            res.prompt_logprobs[rid] = self.sampler.logprobs(logits[sl], nxt, [n] * len(nxt))
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def finish_step(self, batch: Batch | None, result: StepResult | None) -> list[RequestOutput]:
+        if batch is not None:
+            self._record_prompt_logprobs(batch, result)
+            changed = self.scheduler.update(batch.sched, result.sampled)
+            self.stats["steps"] += 1
+            self.stats["prompt_tokens"] += sum(
+                min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.req.num_computed_tokens, 0))
+                for s in batch.sched.scheduled)
+            now = time.monotonic()
+            for req in changed:
+                self._record_sample(req, result, now)
+            for state in {self.states[r.parent_id] for r in changed if r.parent_id in self.states}:
+                self._emit(state)
+        outs, self._pending_outputs = self._pending_outputs, []
+        return outs
+
+    def _record_prompt_logprobs(self, batch: Batch, result: StepResult) -> None:
+        for rid, lps in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            room = req.num_prompt_tokens - len(req.prompt_logprobs)
+            req.prompt_logprobs.extend(lps[:room])
+
+    def _record_sample(self, req: Request, result: StepResult, now: float) -> None:
+        self.stats["generation_tokens"] += len(result.sampled.get(req.request_id, []))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.params.logprobs is None:
+            return
+        lps = iter(result.logprobs.get(req.request_id) or [])
+        while len(req.output_logprobs) < req.num_output_tokens:
+            lp = next(lps)
+            tok = req.all_token_ids[req.num_prompt_tokens + len(req.output_logprobs)]
+            req.output_logprobs.append(lp)
+            req.cumulative_logprob += lp[tok][0]
+
+    def _emit(self, state: RequestState) -> None:
+        for s in state.samples:
+            stop = s.absorb()
+            if stop is not None and not s.req.is_finished:
+                s.req.stop_reason = stop
+                self.scheduler.finish(s.req.request_id, RequestStatus.FINISHED_STOPPED)
+            elif stop is not None:
+                s.req.status, s.req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        out = state.make_output()
+        if out is not None:
+            self._pending_outputs.append(out)
+        if state.finished:
+            self.states.pop(state.request_id, None)
+
+
+def _resolve(model: str | None) -> str:
+    if model is not None and os.path.exists(model):
+        return model
+    from .loader.resolve import resolve_model
+    return resolve_model(model)
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than `max_queued_requests` allows."""

@@ -1,0 +1,57 @@
+"""Kernel dispatch: Triton kernels on GPUs, the pure-torch references everywhere else.
+
+`LUCEIO_KERNELS=torch|triton|auto` (default auto) picks the implementation. `auto` uses Triton
+for tensors on a GPU when Triton imports, else the torch reference; `triton` forces the Triton
+kernels even on CPU tensors (only meaningful under `TRITON_INTERPRET=1`, for tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .activation import silu_and_mul_ref
+from .attention import paged_attention_ref, write_kv_ref
+from .norm import rms_norm_ref
+from .rotary import build_cos_sin_cache, rotary_ref
+
+__all__ = ["rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention",
+           "build_cos_sin_cache", "use_triton"]
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+_HAS_TRITON = _triton_available()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    mode = os.environ.get("LUCEIO_KERNELS", "auto")
+    if mode == "torch" or not _HAS_TRITON:
+        return False
+    return mode == "triton" or x.is_cuda
+
+
+def _impl(name: str, ref):
+    """Returns a dispatcher to `kernels.triton_ops.<name>` or to `ref`."""
+    def dispatch(*args, **kwargs):
+        x = args[0] if isinstance(args[0], torch.Tensor) else args[1]
+        if use_triton(x):
+            from . import triton_ops
+            return getattr(triton_ops, name)(*args, **kwargs)
+        return ref(*args, **kwargs)
+    dispatch.__name__ = name
+    dispatch.__doc__ = ref.__doc__
+    return dispatch
+
+
+rms_norm = _impl("rms_norm", rms_norm_ref)
+silu_and_mul = _impl("silu_and_mul", silu_and_mul_ref)
+rotary = _impl("rotary", rotary_ref)
+write_kv = _impl("write_kv", write_kv_ref)
+paged_attention = _impl("paged_attention", paged_attention_ref)

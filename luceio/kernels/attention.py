@@ -1,0 +1,72 @@
+"""Attention over the paged KV cache: cache writes by slot mapping and varlen attention.
+
+Cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+A token at position p of a request lives in slot `block_table[p // block_size] * block_size +
+p % block_size`.
+
+A step is one flat varlen batch: request b owns query tokens
+`query_start_loc[b] : query_start_loc[b + 1]`, which are the last `q_len` of its `seq_lens[b]`
+cached tokens (decode: q_len 1; chunked prefill and speculative verification: q_len > 1).
+Query j of request b sits at cache index `seq_lens[b] - q_len + j` and attends causally to
+cache indices `0 ..= that index`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens], -1 = skip."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """[num_seqs, max_seq_len, num_kv_heads, head_dim] view of each request's cached tokens."""
+    block_size = cache.shape[1]
+    num_blocks = -(-max_seq_len // block_size)
+    kv = cache[block_tables[:, :num_blocks].long()]  # [B, nblk, bs, Hkv, D]
+    return kv.flatten(1, 2)[:, :max_seq_len]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                        scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
+
+    One batched SDPA call: queries are scattered into [num_seqs, max_query_len] and keys
+    gathered into [num_seqs, max_seq_len]; the mask keeps each query's causal prefix.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    device = q.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
+                                           output_size=num_tokens)
+    idx_in_seq = torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
+
+    q_pad = q.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
+    q_pad[seq_of_token, idx_in_seq] = q
+    k = gather_kv(k_cache, block_tables, max_seq_len)
+    v = gather_kv(v_cache, block_tables, max_seq_len)
+    if num_kv_heads != num_heads:
+        group = num_heads // num_kv_heads
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+
+    # cache index of each padded query; padded rows get a harmless in-range value
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
+    mask = torch.arange(max_seq_len, device=device)[None, None, :] <= q_pos[:, :, None]
+    mask &= torch.arange(max_seq_len, device=device)[None, None, :] < seq_lens[:, None, None]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None], scale=scale)  # [B, H, Lq, D]
+    return out.transpose(1, 2)[seq_of_token, idx_in_seq]

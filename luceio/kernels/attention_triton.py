@@ -1,0 +1,358 @@
+"""Triton kernels for the paged KV cache: cache writes, split-KV decode and varlen prefill.
+
+Same semantics as the references in `attention.py` (read its docstring for the cache layout).
+
+* write_kv: one program per token writes all its KV heads to `slot_mapping[t]` (< 0: skipped).
+* decode (max_query_len == 1): grid (num_seqs, num_kv_heads, num_splits). A program holds the
+  whole GQA group of query heads of one KV head (padded to >= 16 rows for tl.dot), walks
+  `tokens_per_split` keys of the context with an online softmax and writes its normalised
+  partial output and log-sum-exp; `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges
+  the splits. With one split the first kernel writes the output directly.
+* prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
+  num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
+  each key/value tile read through the block table serves the whole group. Keys every row may
+  see run unmasked; the diagonal band runs with the causal mask.
+
+Under TRITON_INTERPRET=1 the dot operands are cast to fp32 (the interpreter's bf16 dot is
+wrong); on GPUs fp16/bf16 dots run natively with fp32 accumulation, fp32 ones as IEEE.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import get_config, num_sms
+
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     s_kt, s_kh, s_vt, s_vh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + d[None, :], mask=mask)
+    tl.store(kc_ptr + page * s_kcb + off * s_kcs + h[:, None] * s_kch + d[None, :],
+             k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + page * s_vcb + off * s_vcs + h[:, None] * s_vch + d[None, :],
+             v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, DOT_IEEE: tl.constexpr):
+    if DOT_IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, scale_log2,
+                 s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BOUNDED: tl.constexpr,
+                 CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """One tile of BLOCK_N keys starting at n0: scores, online-softmax update, P @ V.
+
+    kc_ptr / vc_ptr already point at this KV head; bt_ptr at this request's block table row.
+    BOUNDED masks keys >= lim; CAUSAL masks keys > row_pos (per row).
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if BOUNDED:
+        nmask = offs_n < lim
+        page = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+    else:
+        nmask = offs_n >= 0
+        page = tl.load(bt_ptr + offs_n // PAGE_SIZE).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k_off = page * s_kcb + in_page * s_kcs
+    v_off = page * s_vcb + in_page * s_vcs
+    kt = tl.load(kc_ptr + k_off[None, :] + offs_d[:, None],
+                 mask=dmask[:, None] & nmask[None, :], other=0.0)          # [BLOCK_D, BLOCK_N]
+    v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :],
+                mask=nmask[:, None] & dmask[None, :], other=0.0)           # [BLOCK_N, BLOCK_D]
+    if DOT_F32:
+        kt = kt.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        kt = kt.to(q.dtype)
+        v = v.to(q.dtype)
+    s = _dot(q, kt, DOT_IEEE) * scale_log2                                 # [M, BLOCK_N], log2 units
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= row_pos[:, None], s, float("-inf"))
+    elif BOUNDED:
+        s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                  # rows with nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
+                   scale_log2, tokens_per_split, num_splits,
+                   s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) - q_start == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_heads = tl.num_programs(1) * GROUP
+
+    rows = tl.arange(0, BLOCK_H)
+    hmask = rows < GROUP
+    heads = kvh * GROUP + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    qmask = hmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + q_start.to(tl.int64) * s_qt + heads[:, None] * s_qh + offs_d[None, :],
+                mask=qmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    kc = kc_ptr + kvh * s_kch
+    vc = vc_ptr + kvh * s_vch
+    bt = bt_ptr + b.to(tl.int64) * s_bt
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, end, rows, scale_log2,
+                                     s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
+                                     False, False, DOT_F32, DOT_IEEE)
+    for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, end, rows, scale_log2,
+                                     s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
+                                     True, False, DOT_F32, DOT_IEEE)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if DIRECT_OUT:
+        tl.store(out_ptr + q_start.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 domain
+        part = (b.to(tl.int64) * num_heads + heads) * num_splits + split   # [B, H, S] index
+        tl.store(pl_ptr + part, lse, mask=hmask)
+        tl.store(po_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) - q_start == 0:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(pl_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(po_ptr + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    res = tl.sum(o * w[:, None], 0) / den
+    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + h * s_oh + offs_d,
+             res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale_log2,
+                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    row0 = pid_m * BLOCK_M
+    if row0 >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len                          # cached tokens before this step's queries
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len * GROUP
+    tok = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    qmask = rmask[:, None] & dmask[None, :]
+    tok_off = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + tok_off[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :],
+                mask=qmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    row_pos = ctx + tok                            # cache index of each row's query
+
+    first_tok = row0 // GROUP
+    last_tok = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
+    full_end = (ctx + first_tok + 1) // BLOCK_N * BLOCK_N   # keys below: visible to every row
+    hi = ctx + last_tok + 1                                 # keys at or past: visible to none
+    kc = kc_ptr + kvh * s_kch
+    vc = vc_ptr + kvh * s_vch
+    bt = bt_ptr + b.to(tl.int64) * s_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
+                                     s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
+                                     False, False, DOT_F32, DOT_IEEE)
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
+                                     s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
+                                     True, True, DOT_F32, DOT_IEEE)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + tok_off[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens], -1 = skip."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k/v need a contiguous last dim"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
+
+
+def _fit_shared(block_m: int, block_n: int, stages: int, block_d: int, elt: int,
+                budget_kb: int) -> tuple[int, int]:
+    """Shrinks (block_n, stages) until the Q tile plus `stages` K/V tiles fit the budget."""
+    def need(bn, st):
+        return (block_m * block_d + max(st, 1) * 2 * bn * block_d) * elt
+    while need(block_n, stages) > budget_kb * 1024 and block_n > 16:
+        block_n //= 2
+    while need(block_n, stages) > budget_kb * 1024 and stages > 1:
+        stages -= 1
+    return block_n, stages
+
+
+def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
+                  block_n: int) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) for a decode launch; tokens_per_split is a multiple of
+    block_n. `sms` 0 (CPU / interpreter) puts no occupancy cap on the split count."""
+    max_seq_len = max(int(max_seq_len), 1)
+    splits = min(cfg.decode_max_splits, triton.cdiv(max_seq_len, cfg.decode_min_tokens_per_split))
+    if sms > 0:
+        splits = min(splits, triton.cdiv(int(cfg.decode_waves * sms), num_seqs * num_kv_heads))
+    splits = max(splits, 1)
+    tokens = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
+    return triton.cdiv(max_seq_len, tokens), tokens
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache / v_cache need a contiguous last dim")
+    cfg = get_config(q.device)
+    interp = _interpreting()
+    dot_f32 = interp and q.dtype != torch.float32
+    dot_ieee = interp or q.dtype == torch.float32
+    elt = 4 if (dot_f32 or q.dtype == torch.float32) else 2
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    scale_log2 = float(scale) * _LOG2E
+    strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+               block_tables.stride(0))
+
+    if max_query_len == 1:
+        block_h = max(16, triton.next_power_of_2(group))
+        block_n, stages = _fit_shared(block_h, cfg.decode_block_n, cfg.decode_num_stages,
+                                      block_d, elt, cfg.max_shared_kb)
+        splits, tokens = decode_splits(cfg, num_seqs, num_kv_heads, max_seq_len,
+                                       num_sms(q.device), block_n)
+        direct = splits == 1
+        if direct:
+            po = pl = out  # unused
+        else:
+            po = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
+                             device=q.device)
+            pl = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+        _decode_kernel[(num_seqs, num_kv_heads, splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl,
+            scale_log2, tokens, splits, *strides, out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
+            BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
+            DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages)
+        if not direct:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps)
+        return out
+
+    block_m = cfg.prefill_block_m
+    block_n, stages = _fit_shared(block_m, cfg.prefill_block_n, cfg.prefill_num_stages,
+                                  block_d, elt, cfg.max_shared_kb)
+    grid = (triton.cdiv(max_query_len * group, block_m), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2,
+        *strides, out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d,
+        BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee,
+        num_warps=cfg.prefill_num_warps, num_stages=stages)
+    return out
+
+
+__all__ = ["write_kv", "paged_attention", "decode_splits"]

@@ -1,0 +1,164 @@
+"""Per-architecture launch configs for the Triton kernels.
+
+`get_config(device)` returns the `KernelConfig` for a tensor's device: a user-tuned entry in
+`$LUCEIO_CACHE/kernel_configs/<arch>.json` (default cache folder `~/.cache/luceio`) wins over the
+built-in table, which is keyed by arch string ("sm_90", "gfx1201", ...; "default" otherwise).
+`python -m luceio.kernels.tune` writes that file. A user file may hold only some fields: the
+others come from the table entry (or "default") for that arch.
+
+None of the table entries is measured yet: each is a starting point chosen from the chip's
+shared-memory size and SM count, and its `source` says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+NOT_MEASURED = "starting point, not measured"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    # paged decode (one query token per request): split-KV ("flash-decoding") + a reduce kernel
+    decode_block_n: int = 64             # keys per inner iteration
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    decode_min_tokens_per_split: int = 512  # never give a split less context than this
+    decode_max_splits: int = 32
+    decode_waves: float = 2.0            # stop splitting once batch*kv_heads*splits >= waves*SMs
+    reduce_num_warps: int = 4
+    # varlen prefill over the paged cache: BLOCK_M rows of (query token, head of the GQA group)
+    prefill_block_m: int = 64
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 2
+    # shared memory one program may use (KiB); the launchers shrink tiles to fit it
+    max_shared_kb: int = 96
+    source: str = NOT_MEASURED
+
+
+TABLE: dict[str, KernelConfig] = {
+    # Ampere GA102 (RTX 3090): 82 SMs, 100 KiB shared memory per SM (99 KiB per block)
+    "sm_86": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=2,
+                          prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
+                          prefill_num_stages=2, max_shared_kb=96),
+    # Ada AD102 (RTX 4090): 128 SMs, 100 KiB shared memory per SM
+    "sm_89": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=3,
+                          prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
+                          prefill_num_stages=2, max_shared_kb=96),
+    # Hopper (H100 / H200): 132 SMs, 228 KiB shared memory per SM, HBM3(e)
+    "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=3,
+                          decode_min_tokens_per_split=256, decode_max_splits=64,
+                          prefill_block_m=128, prefill_block_n=64, prefill_num_warps=8,
+                          prefill_num_stages=3, max_shared_kb=220),
+    # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup
+    "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
+                            prefill_block_m=64, prefill_block_n=32, prefill_num_warps=4,
+                            prefill_num_stages=1, max_shared_kb=64),
+    # RDNA3.5 APU (Strix Halo): 40 CUs on LPDDR5X, 64 KiB LDS per workgroup
+    "gfx1151": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
+                            decode_min_tokens_per_split=1024, decode_max_splits=16,
+                            prefill_block_m=64, prefill_block_n=32, prefill_num_warps=4,
+                            prefill_num_stages=1, max_shared_kb=64),
+    "default": KernelConfig(),
+}
+
+_FIELDS = {f.name for f in fields(KernelConfig)}
+_override: KernelConfig | None = None
+_by_arch: dict[str, KernelConfig] = {}
+_device_info: dict[int, tuple[str, int]] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LUCEIO_CACHE") or Path.home() / ".cache" / "luceio")
+
+
+def user_config_path(arch: str) -> Path:
+    return cache_dir() / "kernel_configs" / f"{arch}.json"
+
+
+def _props_arch(props) -> str:
+    gcn = getattr(props, "gcnArchName", "") or ""
+    if torch.version.hip is not None and gcn:
+        return gcn.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def _info(device) -> tuple[str, int]:
+    """(arch, number of SMs/CUs) of a GPU; ("cpu", 0) for anything else."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        return "cpu", 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _device_info:
+        props = torch.cuda.get_device_properties(index)
+        _device_info[index] = (_props_arch(props), props.multi_processor_count)
+    return _device_info[index]
+
+
+def device_arch(device=None) -> str:
+    return _info(device)[0]
+
+
+def num_sms(device=None) -> int:
+    """SM (CU) count of a GPU, 0 for CPU tensors (the interpreter: no occupancy limit)."""
+    return _info(device)[1]
+
+
+def config_from_dict(data: dict, base: KernelConfig) -> KernelConfig:
+    unknown = sorted(set(data) - _FIELDS - {"arch"})
+    if unknown:
+        warnings.warn(f"kernel config: ignoring unknown fields {unknown}")
+    return replace(base, **{k: v for k, v in data.items() if k in _FIELDS})
+
+
+def config_to_dict(cfg: KernelConfig, arch: str | None = None) -> dict:
+    d = asdict(cfg)
+    if arch is not None:
+        d = {"arch": arch, **d}
+    return d
+
+
+def load_config(arch: str) -> KernelConfig:
+    """Table entry for `arch` ("default" if unknown), overridden by the user's tuned file."""
+    base = TABLE.get(arch, TABLE["default"])
+    path = user_config_path(arch)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return config_from_dict(data, base)
+        except (OSError, ValueError, TypeError) as e:
+            warnings.warn(f"kernel config {path} unreadable ({e}); using the built-in entry")
+    return base
+
+
+def get_config(device=None) -> KernelConfig:
+    if _override is not None:
+        return _override
+    arch = device_arch(device)
+    if arch not in _by_arch:
+        _by_arch[arch] = load_config(arch)
+    return _by_arch[arch]
+
+
+def clear_cache() -> None:
+    _by_arch.clear()
+
+
+@contextmanager
+def use_config(cfg: KernelConfig):
+    """Forces `cfg` for every launch inside the block (tests, the tuner)."""
+    global _override
+    prev, _override = _override, cfg
+    try:
+        yield cfg
+    finally:
+        _override = prev

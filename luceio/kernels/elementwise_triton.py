@@ -1,0 +1,136 @@
+"""Triton kernels for the per-token ops: fused residual-add + RMSNorm, SiLU-and-mul, rotary.
+
+Each matches its torch reference (norm.py, activation.py, rotary.py) rounding step by
+rounding step: maths in fp32, with a cast to the tensor dtype wherever the reference has one.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 512))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + t * s_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + t * s_ro + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps)
+    y = (h * rstd).to(x.dtype).to(tl.float32)          # HF: normalise in fp32, cast back, scale
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_o + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """Same contract as `rms_norm_ref`: `out`, or `(out, x + residual)` with a residual.
+    Inputs are not modified."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if residual is not None:
+        r2 = residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        res_dtype = torch.result_type(x, residual)
+        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+    else:
+        r2 = res_out = x2
+        res_dtype = x.dtype
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), out, res_out, float(eps),
+                                  x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+                                  N=n, BLOCK=block, HAS_RES=residual is not None,
+                                  num_warps=_warps(block))
+    out = out.view(shape)
+    return out if residual is None else (out, res_out.view(shape))
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    g = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * s_x + D + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype, then * up
+    tl.store(out_ptr + t * s_o + offs, (s * u).to(dt), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * d] as [gate | up] → silu(gate) * up, [..., d]."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=_warps(block))
+    return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _rotate_heads(ptr, s_h, cos, sin, half, hmask,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < NUM_HEADS)[:, None] & hmask[None, :]
+    p = ptr + h[:, None] * s_h + half[None, :]
+    x1 = tl.load(p, mask=mask, other=0.0)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    tl.store(p, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(p + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh, s_cs,
+                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    half = tl.arange(0, BLOCK_HALF)
+    hmask = half < HALF
+    cos = tl.load(cs_ptr + pos * s_cs + half, mask=hmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + half, mask=hmask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * s_qt, s_qh, cos, sin, half, hmask, NUM_Q, HALF, BLOCK_Q)
+    _rotate_heads(k_ptr + t * s_kt, s_kh, cos, sin, half, hmask, NUM_K, HALF, BLOCK_K)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> None:
+    """Rotates q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim]
+    in place (strided views allowed, last dim contiguous) at `positions` [num_tokens]."""
+    num_tokens, num_q, head_dim = q.shape
+    num_k = k.shape[1]
+    if num_tokens == 0:
+        return
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary: q and k need a contiguous last dim (they are updated in place)")
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_q = triton.next_power_of_2(num_q)
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cs.stride(0),
+        NUM_Q=num_q, NUM_K=num_k, HALF=half, BLOCK_HALF=block_half, BLOCK_Q=block_q,
+        BLOCK_K=triton.next_power_of_2(num_k), num_warps=_warps(block_q * block_half))

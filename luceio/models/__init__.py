@@ -1,0 +1,39 @@
+"""Model registry: HF `architectures` name → implementation."""
+from __future__ import annotations
+
+import torch
+
+from ..loader import Checkpoint
+from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
+
+_ARCHS = {
+    "LlamaForCausalLM": False,  # value: whether q/k/v carry a bias by default
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
+}
+
+__all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model"]
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    if arch not in _ARCHS:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_ARCHS)}")
+    cfg = LlamaConfig.from_hf(ckpt.config)
+    bias = _ARCHS[arch] or bool(ckpt.config.get("attention_bias", False))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, bias=bias)
+    model = model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(ckpt.weights())
+    model = model.to(device=device, dtype=dtype)
+    model.cos_sin = _rope_cache(cfg).to(device)  # stays fp32 whatever the model dtype
+    return model
+
+
+def _rope_cache(cfg: LlamaConfig) -> torch.Tensor:
+    from ..kernels.rotary import build_cos_sin_cache
+    return build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               cfg.rope_scaling)

@@ -1,0 +1,207 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+One flat varlen batch per step: `input_ids` and `positions` are [num_tokens]; attention reads
+K/V from the paged cache through `AttnMetadata`. Q/K/V and gate/up projections are fused into
+one GEMM each at load. `forward` can run a contiguous range of layers, so a model can later be
+cut into pipeline stages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..kernels.rotary import build_cos_sin_cache
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "LlamaConfig":
+        rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                            else None)
+        arch = (c.get("architectures") or [""])[0]
+        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            qk_norm=arch.startswith("Qwen3") or c.get("model_type") == "qwen3",
+            sliding_window=window)
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, cached tokens after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, bias: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin):
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = q.contiguous(), k.contiguous()
+        kernels.rotary(positions, q, k, cos_sin)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
+                                    self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, bias: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, bias) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("cos_sin", build_cos_sin_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttnMetadata,
+                layer_range: tuple[int, int] | None = None, hidden=None):
+        """Runs layers `layer_range` (default all); the first stage embeds, the last normalises.
+        Returns [num_tokens, hidden] (or (hidden, residual) from a middle stage)."""
+        start, end = layer_range or (0, len(self.layers))
+        if start == 0:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = hidden
+        for i in range(start, end):
+            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, self.cos_sin)
+        if end < len(self.layers):
+            return x, residual
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # loading -----------------------------------------------------------------------------------
+    def load_weights(self, weights) -> None:
+        """Loads HF-named tensors, fusing q/k/v and gate/up into the stacked projections."""
+        params = dict(self.named_parameters())
+        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        seen = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            for part, (fused, shard) in stacked.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    self._load_shard(params[target], tensor, fused, shard)
+                    break
+            else:
+                target = name
+                if target not in params:
+                    raise KeyError(f"unexpected weight {name!r} in checkpoint")
+                params[target].copy_(tensor)
+            seen.add(target)
+        missing = set(params) - seen - ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+        if missing:
+            raise KeyError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+
+    def _load_shard(self, param, tensor, fused: str, shard: int) -> None:
+        cfg = self.cfg
+        if fused == "qkv_proj":
+            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                     cfg.num_kv_heads * cfg.head_dim]
+        else:
+            sizes = [cfg.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        param.narrow(0, start, sizes[shard]).copy_(tensor)

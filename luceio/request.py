@@ -1,0 +1,108 @@
+"""One sequence's state. A user request with n > 1 becomes n sequences (`Request`s) that
+share the prompt's KV blocks through the prefix cache."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch  # noqa: F401  (generator type)
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int], max_model_len: int, parent_id: str | None = None,
+                 index: int = 0, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index  # sample index within the parent (n > 1)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission
+        self.spec_token_ids: list[int] = []  # drafts scheduled for verification
+        self.arrival_time = arrival_time or time.monotonic()
+        self.first_token_time: float | None = None
+        self.prefill_leader: Request | None = None  # n > 1: wait until its prompt is cached
+        self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict] = []  # per output token: {token_id: (logprob, rank)}
+        self.prompt_logprobs: list[dict | None] = []
+        self.generator: torch.Generator | None = None  # made on the logits' device by the sampler
+
+    # derived counts, never stored twice
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: the params' cap, bounded by the model's context."""
+        room = self.max_model_len - self.num_prompt_tokens
+        cap = self.params.max_tokens
+        return room if cap is None else min(cap, room)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Token-level stop rules after an append; sets status. Stop strings are checked by
+        the output processor, which sees text."""
+        n_out = self.num_output_tokens
+        last = self.all_token_ids[-1]
+        if n_out >= self.params.min_tokens:
+            if last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.params.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+                return True
+        if n_out >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,3 @@
+from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]

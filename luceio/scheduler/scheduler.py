@@ -1,0 +1,198 @@
+"""Continuous batching. There are no prefill and decode phases: each step moves every chosen
+request's `num_computed_tokens` toward its token count (plus drafts to verify), under a token
+budget. Running requests go first (decodes before unfinished prefills), then waiting ones FCFS.
+When the pool runs dry the newest running request is preempted (recompute: its blocks are
+freed and it is re-prefilled later, its tokens kept so its output does not change)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache import KVCacheManager
+from ..config import SchedulerConfig
+from ..request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int  # tokens computed this step, drafts included
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step ends at the request's last token (so it samples)."""
+        return self.req.num_computed_tokens + self.num_new_tokens >= self.req.num_tokens_with_spec
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # admission -----------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises ValueError for a request that could never run."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= limit:
+            raise ValueError(f"the prompt is {num_prompt_tokens} tokens, but the model's context "
+                             f"is {limit} tokens (prompt plus at least one output token)")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens, but "
+                             f"{num_prompt_tokens + max_tokens} were requested "
+                             f"({num_prompt_tokens} prompt + {max_tokens} max_tokens)")
+        total = num_prompt_tokens + (max_tokens if max_tokens is not None else limit - num_prompt_tokens)
+        need = -(-total // self.kv.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"the request needs up to {need} KV blocks ({total} tokens), but the "
+                             f"whole KV cache holds {self.kv.pool.num_blocks} blocks")
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        done: set[str] = set()
+
+        # decodes first, then unfinished prefills, each in arrival order
+        for req in sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            if not self._allocate_or_preempt(req, num_new, done, preempted):
+                continue
+            spec = self._fit_spec(req, num_new)
+            scheduled.append(ScheduledRequest(req, num_new, spec))
+            done.add(req.request_id)
+            budget -= num_new
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _fit_spec(self, req: Request, num_new: int) -> list[int]:
+        """Drops the drafts that did not fit in the budget."""
+        room = req.num_computed_tokens + num_new - req.num_tokens
+        req.spec_token_ids = req.spec_token_ids[:max(room, 0)]
+        return list(req.spec_token_ids)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, done: set[str],
+                             preempted: list[Request]) -> bool:
+        while not self.kv.allocate_slots(req, num_new):
+            victims = [r for r in self.running if r.request_id not in done]
+            victim = max(victims, key=lambda r: r.arrival_time)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            leader = req.prefill_leader
+            if leader is not None and not leader.is_finished and \
+                    leader.num_computed_tokens < leader.num_prompt_tokens:
+                continue  # n > 1: wait for the first sample's prompt to be cached, then share it
+            computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                break
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # after the model ran -----------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advances computed counts, appends sampled/accepted tokens, finishes requests.
+        `sampled[request_id]` holds the tokens to append (accepted drafts + one more).
+        Returns the requests whose token lists changed."""
+        changed = []
+        for s in out.scheduled:
+            req = s.req
+            if req.is_finished or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id in sampled:
+                tokens = sampled[req.request_id]
+                rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+                req.num_computed_tokens -= rejected
+                req.num_draft_tokens += len(s.spec_token_ids)
+                req.num_accepted_tokens += len(tokens) - 1
+                req.spec_token_ids = []
+                for t in tokens:
+                    req.append_token(t)
+                    if req.check_stop():
+                        break
+                changed.append(req)
+            self.kv.cache_blocks(req)
+            if req.is_finished:
+                self._release(req)
+            elif s.spec_token_ids:
+                self.kv.trim(req, req.num_tokens)
+        return changed
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (abort, stop string): out of the queues, blocks freed."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        req.status = status
+        self._release(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,144 @@
+"""Tokenizers (HF `tokenizers` JSON or SentencePiece), incremental detokenization, and chat
+templates rendered with jinja2 the way transformers renders them."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    def __init__(self, backend, tokenizer_config: dict, generation_config: dict,
+                 model_config: dict):
+        self.config = tokenizer_config
+        self.chat_template = tokenizer_config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default
+            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}.get("default")
+        if isinstance(backend, str):
+            import sentencepiece
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=backend)
+            self._hf = None
+        else:
+            self._hf, self._sp = backend, None
+        self.special_tokens = {k: _token_str(tokenizer_config.get(k)) for k in
+                               ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.add_bos = bool(tokenizer_config.get("add_bos_token", self._sp is not None))
+        self.eos_token_ids = self._eos_ids(generation_config, model_config)
+        self._special_ids = self._collect_special_ids()
+
+    # ids of special tokens ---------------------------------------------------------------------
+    def _eos_ids(self, gen: dict, cfg: dict) -> set[int]:
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        name = self.special_tokens.get("eos_token")
+        if not ids and name is not None and self.token_to_id(name) is not None:
+            ids.add(self.token_to_id(name))
+        return ids
+
+    def _collect_special_ids(self) -> set[int]:
+        if self._hf is not None:
+            return {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        sp = self._sp
+        return {i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+
+    def token_to_id(self, token: str) -> int | None:
+        if self._hf is not None:
+            return self._hf.token_to_id(token)
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size() if self._hf is not None else self._sp.get_piece_size()
+
+    # encode / decode ---------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._hf is not None:
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._sp.encode(text)
+        if add_special_tokens and self.add_bos and self._sp.bos_id() >= 0:
+            ids = [self._sp.bos_id()] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._sp.decode(ids)
+
+    def id_to_token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    # chat --------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use the completions API")
+        template = _compile_template(self.chat_template)
+        special = {k: v for k, v in self.special_tokens.items() if v is not None}
+        return template.render(messages=messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, **special, **kwargs)
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Same environment as transformers: sandboxed, trim/lstrip blocks, loop controls,
+    `raise_exception`, `strftime_now` and a non-ASCII-escaping `tojson`."""
+    if source not in _TEMPLATES:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list. Decodes a short window of earlier tokens with the
+    new ones so leading-space markers and multi-byte UTF-8 sequences come out right, and holds
+    back text that ends in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the newly complete text."""
+        self.ids.extend(token_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

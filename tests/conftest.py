@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random-weight checkpoints of each supported architecture, saved with
+transformers' `save_pretrained`, plus a small trained BPE tokenizer and a ChatML template."""
+from __future__ import annotations
+
+import json
+import os
+
+# Triton's interpreter must be chosen before triton is first imported (kernel tests run the
+# Triton kernels on CPU tensors through it).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 384
+
+_CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Il était une fois, ünïcödé text — ok? 日本語も少し。",
+    "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n",
+    "Hello world! Hello again, world. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+] * 20
+
+
+def build_tokenizer(folder: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
+                   "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+ARCHS = {
+    # llama: tied embeddings, GQA 2, llama3 rope scaling
+    "llama": dict(cls="LlamaForCausalLM", tie_word_embeddings=True, num_key_value_heads=2,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # mistral: untied, GQA 4, linear rope scaling
+    "mistral": dict(cls="MistralForCausalLM", tie_word_embeddings=False, num_key_value_heads=1,
+                    sliding_window=None, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # qwen2: q/k/v bias (randomised below so it matters), untied, no GQA
+    "qwen2": dict(cls="Qwen2ForCausalLM", tie_word_embeddings=False, num_key_value_heads=4),
+    # qwen3: per-head q/k RMSNorm (weights randomised), tied, GQA 2, head_dim 32 != hidden/heads
+    "qwen3": dict(cls="Qwen3ForCausalLM", tie_word_embeddings=True, num_key_value_heads=2,
+                  head_dim=32),
+}
+
+
+def make_tiny_model(folder: str, arch: str, seed: int = 0, num_layers: int = 2) -> str:
+    import transformers
+    spec = dict(ARCHS[arch])
+    cls_name = spec.pop("cls")
+    cfg_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    rope = spec.pop("rope_scaling", None)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+              num_hidden_layers=num_layers, num_attention_heads=4, max_position_embeddings=512,
+              rope_theta=10000.0, initializer_range=0.1, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None, **spec)
+    if rope is not None:
+        kw["rope_scaling"] = dict(rope, rope_theta=10000.0)
+    cfg = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: make_tiny_model(str(root / a), a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+def engine_kwargs(**over) -> dict:
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=16, seed=0)
+    kw.update(over)
+    return kw

@@ -1,0 +1,251 @@
+"""Triton kernels vs their torch references, on CPU under TRITON_INTERPRET=1 (CI).
+
+Inputs are fresh random each run; every assertion message carries the seed
+(set LUCEIO_TEST_SEED=<seed> to replay one). On a machine with a GPU and no interpreter the same
+tests run natively on the GPU.
+
+Tolerances (kernel vs the reference in the same dtype):
+  fp32: atol 1e-4, rtol 1e-4
+  fp16: atol 2e-3, rtol 2e-3 (elementwise ops: 1-2 fp16 ulps)
+  fp16 attention: atol 3e-3, rtol 3e-3 (both sides round P@V differently)
+bf16 is left to tests/gpu: the interpreter rounds bf16 casts differently from torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must happen before the Triton kernels are defined (tests/conftest.py should do it before
+    # anything imports triton; see the skip below).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from luceio.kernels import attention_triton, configs, triton_ops  # noqa: E402
+from luceio.kernels.activation import silu_and_mul_ref  # noqa: E402
+from luceio.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from luceio.kernels.configs import KernelConfig  # noqa: E402
+from luceio.kernels.norm import rms_norm_ref  # noqa: E402
+from luceio.kernels.rotary import build_cos_sin_cache, rotary_ref  # noqa: E402
+
+INTERPRETED = type(attention_triton._decode_kernel).__name__ == "InterpretedFunction"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("the Triton kernels were defined without TRITON_INTERPRET=1 (triton was imported "
+                "before this module set it) and there is no GPU: set TRITON_INTERPRET=1 in "
+                "tests/conftest.py before anything imports luceio", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+ATTN_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+DTYPES = [torch.float32, torch.float16]
+
+# small tiles so the tiny test shapes still cross tile, page and split boundaries
+SMALL = KernelConfig(decode_block_n=16, decode_min_tokens_per_split=32, decode_max_splits=4,
+                     prefill_block_m=32, prefill_block_n=16, source="test")
+
+
+class Rng:
+    """A seeded torch.Generator that remembers its seed for assertion messages."""
+
+    def __init__(self):
+        self.seed_value = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+        self.g = torch.Generator().manual_seed(self.seed_value)
+
+
+@pytest.fixture
+def gen():
+    return Rng()
+
+
+def rnd(g, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=g.g) * scale).to(dtype).to(DEVICE)
+
+
+def check(out, ref, tol, g, what):
+    out, ref = out.float().cpu(), ref.float().cpu()
+    err = (out - ref).abs().max().item() if out.numel() else 0.0
+    assert torch.allclose(out, ref, **tol), f"{what}: max abs err {err:.3g} (seed {g.seed_value})"
+
+
+# ---------------------------------------------------------------------------------- elementwise
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(gen, dtype, hidden, with_residual):
+    x = rnd(gen, 7, hidden, dtype=dtype)
+    w = rnd(gen, hidden, dtype=dtype, scale=0.5) + 1
+    if not with_residual:
+        check(triton_ops.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), TOL[dtype], gen, "out")
+        return
+    r = rnd(gen, 7, hidden, dtype=dtype, scale=3.0)
+    r_before = r.clone()
+    out, res = triton_ops.rms_norm(x, w, 1e-5, r)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, r_before.clone())
+    check(res, ref_res, TOL[dtype], gen, "residual")
+    check(out, ref_out, TOL[dtype], gen, "out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(gen, dtype):
+    x = rnd(gen, 5, 2 * 300, dtype=dtype, scale=2.0)
+    out = triton_ops.silu_and_mul(x)
+    assert out.shape == (5, 300)
+    check(out, silu_and_mul_ref(x), TOL[dtype], gen, "silu_and_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place_on_qkv_views(gen, dtype, head_dim):
+    T, H, Hkv = 9, 12, 4
+    cs = build_cos_sin_cache(head_dim, 4096, 500000.0,
+                             {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 1024}).to(DEVICE)
+    qkv = rnd(gen, T, (H + 2 * Hkv) * head_dim, dtype=dtype)
+    q = qkv[:, :H * head_dim].view(T, H, head_dim)
+    k = qkv[:, H * head_dim:(H + Hkv) * head_dim].view(T, Hkv, head_dim)
+    v_before = qkv[:, (H + Hkv) * head_dim:].clone()
+    pos = torch.randint(0, 4096, (T,), generator=gen.g).to(DEVICE)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_ref(pos, q_ref, k_ref, cs)
+    assert triton_ops.rotary(pos, q, k, cs) is None
+    check(q, q_ref, TOL[dtype], gen, "q")
+    check(k, k_ref, TOL[dtype], gen, "k")
+    assert torch.equal(qkv[:, (H + Hkv) * head_dim:], v_before), "rotary wrote outside q/k"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_skips_negative_slots(gen, dtype):
+    blocks, bs, Hkv, D = 10, 16, 3, 64
+    kc = rnd(gen, blocks, bs, Hkv, D, dtype=dtype)
+    vc = rnd(gen, blocks, bs, Hkv, D, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kv = rnd(gen, 6, 2, Hkv, D, dtype=dtype)  # k = kv[:, 0], v = kv[:, 1]: strided views
+    slots = torch.tensor([3, -1, 17, blocks * bs - 1, 40, -1]).to(DEVICE)
+    triton_ops.write_kv(kv[:, 0], kv[:, 1], kc, vc, slots)
+    write_kv_ref(kv[:, 0], kv[:, 1], kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"seed {gen.seed_value}"
+
+
+# ------------------------------------------------------------------------------------ attention
+
+def make_batch(g, q_lens, ctx_lens, num_kv_heads, group, head_dim, dtype, block_size=16):
+    """A varlen step: request b has ctx_lens[b] cached tokens plus q_lens[b] new ones, all
+    already in a paged cache whose pages are shuffled (and with spare pages holding junk)."""
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    pages = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(pages) + 3
+    perm = torch.randperm(num_blocks, generator=g.g)
+    bt = torch.randint(0, num_blocks, (len(seq_lens), max(pages) + 1), generator=g.g)
+    used = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    kc = rnd(g, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    vc = rnd(g, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    q = rnd(g, sum(q_lens), num_kv_heads * group, head_dim, dtype=dtype, scale=2.0)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return (q, kc, vc, bt.to(torch.int32).to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32)
+            .to(DEVICE), qsl.to(DEVICE), max(q_lens), max(seq_lens), head_dim ** -0.5)
+
+
+def run_attention(g, cfg, args, dtype, what):
+    with configs.use_config(cfg):
+        out = triton_ops.paged_attention(*args)
+    check(out, paged_attention_ref(*args), ATTN_TOL[dtype], g, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_multi_split(gen, dtype, group, head_dim):
+    # ragged contexts: partial pages, a split-boundary length, one shorter than a split
+    ctx = [100, 40, 7, 63]
+    args = make_batch(gen, [1, 1, 1, 1], ctx, 2, group, head_dim, dtype)
+    splits, tokens = attention_triton.decode_splits(SMALL, 4, 2, args[7], 0, 16)
+    assert splits >= 2 and tokens % 16 == 0
+    run_attention(gen, SMALL, args, dtype, f"decode ({splits} splits of {tokens})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_single_split_default_config(gen, dtype):
+    args = make_batch(gen, [1, 1, 0, 1], [50, 3, 30, 129], 2, 4, 64, dtype)
+    run_attention(gen, configs.TABLE["default"], args, dtype, "decode, one split")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_varlen_mix(gen, dtype, group, head_dim):
+    # fresh prefill, prefix-cache hit + new tokens, decode, chunked prefill across pages,
+    # speculative verification (a few tokens after a long context)
+    q_lens = [5, 9, 1, 20, 4]
+    ctx = [0, 37, 20, 33, 70]
+    args = make_batch(gen, q_lens, ctx, 2, group, head_dim, dtype)
+    run_attention(gen, SMALL, args, dtype, "prefill (small tiles)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_default_config(gen, dtype):
+    args = make_batch(gen, [70, 3, 1], [0, 90, 15], 1, 7, 64, dtype)
+    run_attention(gen, configs.TABLE["default"], args, dtype, "prefill (default tiles)")
+
+
+def test_dispatch_goes_to_triton(gen, monkeypatch):
+    import luceio.kernels as K
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    called = []
+    orig = triton_ops.silu_and_mul
+    monkeypatch.setattr(triton_ops, "silu_and_mul", lambda x: called.append(1) or orig(x))
+    x = rnd(gen, 3, 64)
+    check(K.silu_and_mul(x), silu_and_mul_ref(x), TOL[torch.float32], gen, "dispatch")
+    assert called
+
+
+# -------------------------------------------------------------------------------------- configs
+
+def test_config_lookup(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUCEIO_CACHE", str(tmp_path))
+    assert configs.load_config("gfx9999") == configs.TABLE["default"]
+    assert configs.load_config("gfx1201") == configs.TABLE["gfx1201"]
+    for arch in ("sm_86", "sm_89", "sm_90", "gfx1201", "gfx1151", "default"):
+        assert configs.TABLE[arch].source == "starting point, not measured"
+    assert configs.device_arch(torch.device("cpu")) == "cpu"
+
+    path = tmp_path / "kernel_configs" / "sm_90.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"arch": "sm_90", "decode_block_n": 32, "source": "tuned"}))
+    cfg = configs.load_config("sm_90")
+    assert cfg.decode_block_n == 32 and cfg.source == "tuned"
+    assert cfg.prefill_block_m == configs.TABLE["sm_90"].prefill_block_m  # rest from the table
+    assert configs.user_config_path("sm_90") == path
+
+    path.write_text("{not json")
+    with pytest.warns(UserWarning):
+        assert configs.load_config("sm_90") == configs.TABLE["sm_90"]
+
+    with configs.use_config(SMALL):
+        assert configs.get_config(torch.device("cpu")) is SMALL
+    configs.clear_cache()
+
+
+def test_decode_split_choice():
+    cfg = KernelConfig(decode_block_n=64, decode_min_tokens_per_split=512, decode_max_splits=32,
+                       decode_waves=2.0)
+    split = attention_triton.decode_splits
+    assert split(cfg, 1, 8, 100, 132, 64) == (1, 128)           # short context: one split
+    s, t = split(cfg, 1, 8, 8192, 132, 64)                      # long context, tiny batch
+    assert s == 16 and t == 512
+    assert split(cfg, 64, 8, 8192, 132, 64)[0] == 1             # batch already fills the GPU
+    s, t = split(cfg, 1, 1, 1_000_000, 0, 64)                   # no SM count: capped by max
+    assert s <= 32 and s * t >= 1_000_000 and t % 64 == 0
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
