@@ -1,0 +1,57 @@
+"""Tokenizer wrapper, incremental detokenization and chat templates vs transformers."""
+import pytest
+
+from luceio.loader import load_checkpoint
+from luceio.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
+
+TEXTS = ["Hello world! def f(x):\n    return x", "ünïcödé — 日本語も少し。 emoji 🦊🦊 ok",
+         "  leading spaces and\ttabs\n\n", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    ck = load_checkpoint(tiny_llama)
+    return Tokenizer(ck.tokenizer, ck.tokenizer_config, ck.generation_config, ck.config)
+
+
+def test_encode_decode_match_transformers(tok, tiny_llama):
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tiny_llama)
+    for t in TEXTS:
+        assert tok.encode(t) == hf.encode(t)
+        ids = tok.encode(t)
+        assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_one_token_at_a_time(tok, text):
+    ids = tok.encode(text)
+    prompt = tok.encode("prompt: ")
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)
+    pieces = [detok.add([t]) for t in ids]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=False)
+    # a multi-byte character split over byte-level tokens never shows up half-decoded
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_template_matches_transformers(tok, tiny_llama):
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tiny_llama)
+    conv = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi ünï"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Write a loop."}]
+    for gen in (True, False):
+        assert tok.apply_chat_template(conv, add_generation_prompt=gen) == \
+            hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+
+
+def test_raise_exception_in_template(tok):
+    tok.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(TemplateError, match="no system role"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_eos_from_tokenizer_config(tok):
+    assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>")}
