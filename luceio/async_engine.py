@@ -83,6 +83,10 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             try:
+                plan = self.engine.plan_drafts()
+                if plan is not None:
+                    drafts = await loop.run_in_executor(self._executor, self.engine.run_drafts, plan)
+                    self.engine.apply_drafts(plan, drafts)
                 batch = self.engine.schedule_step()
                 result = None
                 if batch is not None:

@@ -24,6 +24,7 @@ from .runner import ModelRunner, StepInputs
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .spec import build_spec_decoder
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("luceio")
@@ -57,11 +58,13 @@ class LLMEngine:
                                   ckpt.config)
         self.tokenizer = tokenizer
         self.runner = ModelRunner(ckpt, dtype, device, args.cache_config(),
-                                  self._max_len_hint(ckpt, model, args), model=model)
+                                  self._max_len_hint(ckpt, model, args), model=model,
+                                  enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
         self.max_model_len = self._max_len_hint(ckpt, model, args)
         self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.sampler = Sampler(args.seed)
+        self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len)
         self.states: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -143,9 +146,32 @@ class LLMEngine:
 
     # one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        plan = self.plan_drafts()
+        if plan is not None:
+            self.apply_drafts(plan, self.run_drafts(plan))
         batch = self.schedule_step()
         result = self.execute(batch) if batch is not None else None
         return self.finish_step(batch, result)
+
+    # speculation: plan and apply on the loop thread, draft on the worker thread
+    def plan_drafts(self):
+        if self.spec is None:
+            return None
+        self._release_finished()
+        plan = self.spec.plan(self.scheduler.running)
+        return plan if plan[0] else None
+
+    def run_drafts(self, plan):
+        return self.spec.draft(*plan)
+
+    def apply_drafts(self, plan, drafts) -> None:
+        self.spec.apply(plan[0], *drafts)
+
+    def _release_finished(self) -> None:
+        ids, self.scheduler.released_ids = self.scheduler.released_ids, []
+        if self.spec is not None:
+            for rid in ids:
+                self.spec.release(rid)
 
     def schedule_step(self) -> Batch | None:
         sched = self.scheduler.schedule()
@@ -160,7 +186,11 @@ class LLMEngine:
         res = StepResult()
         rows = batch.inputs.row_slices
         by_id = {s.req.request_id: s for s in batch.sched.scheduled}
-        plain = [by_id[rid].req for rid in rows]
+        if self.spec is not None and any(s.spec_token_ids for s in batch.sched.scheduled):
+            tokens, lps = self.spec.verify(logits, rows, batch.sched.scheduled)
+            res.sampled.update(tokens)
+            res.logprobs.update(lps)
+        plain = [by_id[rid].req for rid in rows if rid not in res.sampled]
         if plain:
             idx = torch.tensor([rows[r.request_id].start for r in plain], device=logits.device)
             out = self.sampler(logits[idx], plain)
@@ -189,6 +219,8 @@ class LLMEngine:
                 self._record_sample(req, result, now)
             for state in {self.states[r.parent_id] for r in changed if r.parent_id in self.states}:
                 self._emit(state)
+        if self.spec is None:
+            self.scheduler.released_ids.clear()
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
 

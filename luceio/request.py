@@ -44,6 +44,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.spec_token_ids: list[int] = []  # drafts scheduled for verification
+        self.draft_probs = None  # [len(spec_token_ids), vocab] when a draft model sampled them
         self.arrival_time = arrival_time or time.monotonic()
         self.first_token_time: float | None = None
         self.prefill_leader: Request | None = None  # n > 1: wait until its prompt is cached

@@ -27,7 +27,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 cache_config: CacheConfig, max_model_len: int, model=None):
+                 cache_config: CacheConfig, max_model_len: int, model=None,
+                 enforce_eager: bool = False, max_num_seqs: int = 128):
         self.device, self.dtype = device, dtype
         self.model = model if model is not None else build_model(ckpt, dtype, device)
         self.cfg = self.model.cfg
@@ -37,6 +38,14 @@ class ModelRunner:
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
         self.kv_caches = [torch.zeros((2, *shape), dtype=dtype, device=device)
                           for _ in range(self.cfg.num_layers)]
+        self.graphs = None
+        if device.type == "cuda" and not enforce_eager:
+            from . import kernels
+            from .cuda_graphs import DecodeGraphs
+            if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
+                                           max_model_len, self.block_size, device)
+                self.graphs.capture()
 
     @property
     def bytes_per_block(self) -> int:
@@ -115,7 +124,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInputs) -> torch.Tensor:
         """Returns fp32 logits [num_rows, vocab] for `inp.logits_indices`."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.graphs is not None and self.graphs.fits(len(inp.input_ids), inp.meta.max_query_len):
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         return self.model.compute_logits(hidden[inp.logits_indices])
 
 

@@ -46,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.released_ids: list[str] = []  # finished since the engine last looked
 
     # admission -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
@@ -196,3 +197,4 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        self.released_ids.append(req.request_id)

@@ -1,0 +1,41 @@
+"""Speculative decoding: proposers (n-gram, draft model), the rejection sampler, and the
+engine-side planner/verifier."""
+from __future__ import annotations
+
+from .decoding import SpecDecoder, SpecStats
+from .ngram import NgramProposer
+from .proposer import ProposalInput, Proposer
+from .rejection import rejection_sample, rejection_sample_batch
+
+__all__ = ["SpecDecoder", "SpecStats", "NgramProposer", "ProposalInput", "Proposer",
+           "rejection_sample", "rejection_sample_batch", "build_spec_decoder"]
+
+
+def build_spec_decoder(args, target_runner, sampler, max_model_len: int) -> SpecDecoder | None:
+    method = args.speculative_method
+    if method is None:
+        return None
+    if method == "ngram":
+        proposer = NgramProposer()
+        proposer.warmup()
+    elif method == "draft":
+        proposer = _draft_proposer(args, target_runner, max_model_len)
+    else:
+        raise ValueError(f"unknown speculative method {method!r} (ngram or draft)")
+    return SpecDecoder(method, args.num_speculative_tokens, proposer, sampler)
+
+
+def _draft_proposer(args, target_runner, max_model_len: int):
+    from ..engine import _resolve
+    from ..loader import load_checkpoint
+    from ..runner import ModelRunner
+    from .draft import DraftModelProposer
+    if not args.draft_model:
+        raise ValueError("--speculative-method draft needs --draft-model")
+    ckpt = load_checkpoint(_resolve(args.draft_model))
+    runner = ModelRunner(ckpt, target_runner.dtype, target_runner.device, args.cache_config(),
+                         max_model_len, enforce_eager=True)
+    if runner.cfg.vocab_size != target_runner.cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({runner.cfg.vocab_size}) differs from "
+                         f"the target's ({target_runner.cfg.vocab_size}); they must share a tokenizer")
+    return DraftModelProposer(runner, args.block_size)

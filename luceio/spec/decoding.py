@@ -1,0 +1,163 @@
+"""Speculative decoding inside the engine step: propose drafts for running requests (adaptive
+k), verify them in the one target forward, and keep acceptance statistics.
+
+Which requests speculate: decoding ones whose params allow it (`use_speculation`, no
+penalties — they depend on each emitted token — and `min_tokens` already met). How many drafts:
+per request, an estimate of how many would be accepted (an exponential moving average of the
+accepted length) plus one, capped by `num_speculative_tokens`; a request whose drafts keep
+failing drops to k = 0 and probes again now and then. Larger batches speculate less: the target
+forward stops being memory-bound, so rejected drafts cost real compute."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..request import Request
+from .proposer import ProposalInput
+from .rejection import rejection_sample_batch
+
+_EMA = 0.5
+_PROBE_EVERY = 8
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the recovered/bonus token)."""
+        return (self.num_accepted_tokens + self.num_verify_steps) / max(self.num_verify_steps, 1)
+
+
+class SpecDecoder:
+    def __init__(self, method: str, num_speculative_tokens: int, proposer, sampler):
+        self.method = method
+        self.k_max = num_speculative_tokens
+        self.proposer = proposer
+        self.sampler = sampler
+        self.stats = SpecStats()
+        self._ema: dict[str, float] = {}
+        self._idle: dict[str, int] = {}
+        self._released: list[str] = []  # proposer state is freed on the loop thread, between steps
+
+    # proposing ---------------------------------------------------------------------------------
+    def batch_cap(self, batch_size: int) -> int:
+        if batch_size <= 4:
+            return self.k_max
+        if batch_size <= 16:
+            return max(self.k_max // 2, 1)
+        return 1 if batch_size <= 32 else 0
+
+    def eligible(self, r: Request) -> bool:
+        p = r.params
+        return (p.use_speculation and r.num_computed_tokens == r.num_tokens - 1
+                and r.num_output_tokens >= p.min_tokens and p.repetition_penalty == 1.0
+                and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+    def k_for(self, r: Request, cap: int) -> int:
+        room = min(r.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens) - 1
+        ema = self._ema.get(r.request_id)
+        if ema is None:
+            k = cap
+        elif ema < 0.25:
+            idle = self._idle.get(r.request_id, 0) + 1
+            self._idle[r.request_id] = idle
+            k = 1 if idle % _PROBE_EVERY == 0 else 0
+        else:
+            k = math.ceil(ema) + 1
+        return max(0, min(k, cap, room))
+
+    def plan(self, running: list[Request]) -> tuple[list[Request], list[int]]:
+        """Loop thread: which requests draft this step, and how many tokens each."""
+        for rid in self._released:
+            if hasattr(self.proposer, "release"):
+                self.proposer.release(rid)
+        self._released.clear()
+        cap = self.batch_cap(len(running))
+        reqs = [r for r in running if self.eligible(r)] if cap else []
+        ks = [self.k_for(r, cap) for r in reqs]
+        return [r for r, k in zip(reqs, ks) if k], [k for k in ks if k]
+
+    def draft(self, reqs: list[Request], ks: list[int]):
+        """Worker thread: runs the proposer (reads request tokens, writes only its own state)."""
+        t0 = time.perf_counter()
+        if self.method == "ngram":
+            drafts = self.proposer.propose([ProposalInput(r.all_token_ids, k) for r, k in zip(reqs, ks)])
+            probs = None
+        else:
+            drafts, probs = self.proposer.propose(reqs, ks, self.sampler)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return drafts, probs
+
+    def apply(self, reqs: list[Request], drafts, probs) -> None:
+        """Loop thread: attaches the drafts to requests still running."""
+        offset = 0
+        for r, d in zip(reqs, drafts):
+            if not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
+                r.spec_token_ids = list(d)
+                r.draft_probs = probs[offset:offset + len(d)] if probs is not None else None
+            offset += len(d)
+
+    # verifying ---------------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, rows: dict[str, slice], scheduled) -> tuple[dict, dict]:
+        """Rejection-samples every request that had drafts verified this step. Returns
+        (tokens per request id, per-token logprob dicts per request id)."""
+        t0 = time.perf_counter()
+        items = [s for s in scheduled if s.spec_token_ids and s.req.request_id in rows]
+        reqs = [s.req for s in items]
+        raw = torch.cat([logits[rows[r.request_id]] for r in reqs])
+        per_row = [r for r in reqs for _ in range(rows[r.request_id].stop - rows[r.request_id].start)]
+        processed = self.sampler.process(raw, per_row)
+        greedy = [r.params.greedy for r in reqs]
+        target = processed if all(greedy) else processed.softmax(-1)
+        draft_probs = None
+        if self.method != "ngram" and not all(greedy):
+            # one row per verified draft; greedy requests' rows are ignored, so zeros do
+            draft_probs = torch.cat([
+                r.draft_probs[:len(s.spec_token_ids)] if r.draft_probs is not None
+                else raw.new_zeros(len(s.spec_token_ids), raw.shape[-1]) for r, s in zip(reqs, items)])
+        gens = [None if r.params.greedy or r.params.seed is None
+                else self.sampler.request_generator(r, logits.device) for r in reqs]
+        out = rejection_sample_batch(target, [s.spec_token_ids for s in items], draft_probs,
+                                     greedy, gens)
+        tokens, logprobs = {}, {}
+        start = 0
+        for r, s, toks in zip(reqs, items, out):
+            n_rows = len(s.spec_token_ids) + 1
+            tokens[r.request_id] = toks
+            if r.params.logprobs is not None:
+                sl = raw[start:start + len(toks)]
+                logprobs[r.request_id] = self.sampler.logprobs(
+                    sl, torch.tensor(toks, device=sl.device), [r.params.logprobs] * len(toks))
+            start += n_rows
+            self._record(r, len(s.spec_token_ids), len(toks) - 1)
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return tokens, logprobs
+
+    def _record(self, r: Request, num_drafts: int, num_accepted: int) -> None:
+        st = self.stats
+        st.num_drafts += 1
+        st.num_verify_steps += 1
+        st.num_draft_tokens += num_drafts
+        st.num_accepted_tokens += num_accepted
+        prev = self._ema.get(r.request_id)
+        self._ema[r.request_id] = num_accepted if prev is None else \
+            _EMA * num_accepted + (1 - _EMA) * prev
+
+    def release(self, request_id: str) -> None:
+        self._ema.pop(request_id, None)
+        self._idle.pop(request_id, None)
+        self._released.append(request_id)

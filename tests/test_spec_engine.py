@@ -1,0 +1,112 @@
+"""Speculative decoding in the engine: lossless under continuous batching, chunked prefill,
+preemption and aborts (tiny random models, fp32, CPU)."""
+import asyncio
+
+import pytest
+
+from conftest import engine_kwargs, make_tiny_model
+from luceio import LLM, AsyncEngine, EngineArgs, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def repetitive_prompts(n):
+    """Prompts with repeated spans, so the n-gram proposer finds matches."""
+    out = []
+    for i in range(n):
+        span = [(7 * i + j) % 300 + 3 for j in range(3 + i % 5)]
+        out.append((span * (2 + i % 4))[: 8 + 5 * i])
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("draft") / "m"), "llama", seed=123)
+
+
+def run_all(path, prompts, params, **kw):
+    llm = LLM(path, **engine_kwargs(**kw))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs], llm.engine
+
+
+@pytest.mark.parametrize("spec", [
+    dict(speculative_method="ngram"),
+    dict(speculative_method="draft", draft_model="SELF"),
+    dict(speculative_method="draft", draft_model="OTHER"),
+], ids=["ngram", "draft-self", "draft-other"])
+@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 40, "num_kv_blocks": 9}],
+                         ids=["plain", "chunked+preempt"])
+def test_greedy_speculation_is_exact(tiny_llama, other_model, spec, sched):
+    spec = dict(spec)
+    if spec.get("draft_model") == "SELF":
+        spec["draft_model"] = tiny_llama
+    elif spec.get("draft_model") == "OTHER":
+        spec["draft_model"] = other_model
+    prompts = repetitive_prompts(16)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    expected, _ = run_all(tiny_llama, prompts, params)
+    alone = [run_all(tiny_llama, [p], params, **spec)[0][0] for p in prompts[:3]]
+    assert alone == expected[:3]
+    got, eng = run_all(tiny_llama, prompts, params, num_speculative_tokens=4, **spec, **sched)
+    assert got == expected
+    st = eng.spec.stats
+    assert st.num_draft_tokens > 0
+    if spec.get("draft_model") == tiny_llama:
+        assert st.num_accepted_tokens == st.num_draft_tokens  # draft = target: all accepted
+    if sched:
+        assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_draft_cache_returns_to_free(tiny_llama):
+    _, eng = run_all(tiny_llama, repetitive_prompts(6), SamplingParams(max_tokens=16, **GREEDY),
+                     speculative_method="draft", draft_model=tiny_llama)
+    eng.plan_drafts()  # releases happen between steps
+    draft_pool = eng.spec.proposer.kv.pool
+    assert draft_pool.num_free_blocks == draft_pool.num_blocks
+
+
+async def test_aborts_mid_stream_with_speculation(tiny_llama):
+    engine = AsyncEngine.from_engine_args(EngineArgs(
+        model=tiny_llama, speculative_method="draft", draft_model=tiny_llama, **engine_kwargs()))
+    params = SamplingParams(max_tokens=100, **GREEDY)
+
+    async def take(i, n):
+        k = 0
+        async for _ in engine.generate({"prompt_token_ids": repetitive_prompts(8)[i]}, params, f"a{i}"):
+            k += 1
+            if k == n:
+                break
+    await asyncio.gather(*(take(i, 2 + i) for i in range(8)))
+    eng = engine.engine
+    for _ in range(50):
+        eng.plan_drafts()
+        if eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks and \
+                eng.spec.proposer.kv.pool.num_free_blocks == eng.spec.proposer.kv.pool.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+    assert eng.spec.proposer.kv.pool.num_free_blocks == eng.spec.proposer.kv.pool.num_blocks
+    await engine.shutdown()
+
+
+def test_sampled_speculation_runs_and_is_seeded(tiny_llama):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
+    a, eng = run_all(tiny_llama, repetitive_prompts(4), params, speculative_method="draft",
+                     draft_model=tiny_llama)
+    b, _ = run_all(tiny_llama, repetitive_prompts(4), params, speculative_method="draft",
+                   draft_model=tiny_llama)
+    assert a == b and eng.spec.stats.num_draft_tokens > 0
+    # draft = target: with sampling, the acceptance probability min(1, p/q) is 1
+    assert eng.spec.stats.num_accepted_tokens == eng.spec.stats.num_draft_tokens
+
+
+def test_opt_out_and_penalties_do_not_speculate(tiny_llama):
+    prompts = repetitive_prompts(2)
+    _, eng = run_all(tiny_llama, prompts, SamplingParams(max_tokens=10, use_speculation=False, **GREEDY),
+                     speculative_method="ngram")
+    assert eng.spec.stats.num_draft_tokens == 0
+    _, eng = run_all(tiny_llama, prompts, SamplingParams(max_tokens=10, repetition_penalty=1.3, **GREEDY),
+                     speculative_method="ngram")
+    assert eng.spec.stats.num_draft_tokens == 0
