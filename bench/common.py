@@ -1,0 +1,98 @@
+"""Helpers shared by the benchmarks: random-weight models at real shapes, the copy-bandwidth
+roofline, and result files."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+# HF config.json fields of the shapes we measure (random weights: only shapes matter for speed)
+SHAPES = {
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=131072, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5),
+    "qwen2.5-coder-1.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                               hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                               num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                               rope_theta=1000000.0, max_position_embeddings=32768,
+                               tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "qwen2.5-coder-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                               hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                               rope_theta=1000000.0, max_position_embeddings=32768,
+                               tie_word_embeddings=True, rms_norm_eps=1e-6),
+}
+
+
+def random_model(shape: str, dtype=torch.bfloat16, device="cuda", max_positions: int | None = None):
+    """A luceio model with random weights at a real shape, built directly on the device."""
+    from luceio.models import LlamaConfig, LlamaForCausalLM
+    cfg_dict = dict(SHAPES[shape])
+    if max_positions:
+        cfg_dict["max_position_embeddings"] = max_positions
+    cfg = LlamaConfig.from_hf(cfg_dict)
+    bias = cfg_dict["model_type"] == "qwen2"
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, bias=bias).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+    model.cos_sin = model.cos_sin.float()
+    return model
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: every parameter except the embedding table
+    (one row is gathered), but the LM head (tied or not) is read whole."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.embed_tokens.weight
+    if model.cfg.tie_word_embeddings:
+        return total  # the shared matrix is read by the LM head
+    return total - emb.numel() * emb.element_size()
+
+
+def kv_bytes_per_token(model, context: int, dtype=torch.bfloat16) -> int:
+    c = model.cfg
+    return 2 * c.num_layers * context * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def copy_bandwidth(device="cuda", nbytes=2 << 30, iters=20) -> float:
+    """Bytes/s moved by a device-to-device copy (read + write)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * iters / (time.perf_counter() - t)
+
+
+def env_info() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}")

@@ -1,0 +1,44 @@
+"""End to end on the GPU: CUDA graphs vs eager, and the Triton path vs the torch reference."""
+import pytest
+import torch
+
+from conftest import engine_kwargs
+from luceio import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
+
+
+def prompts(n):
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 384, (5 + 9 * i,), generator=g).tolist()}
+            for i in range(n)]
+
+
+def run(path, **kw):
+    llm = LLM(path, **engine_kwargs(device="cuda", **kw))
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(12), GREEDY)], llm.engine
+
+
+def test_cuda_graphs_equal_eager_fp32(tiny_llama):
+    eager, _ = run(tiny_llama, enforce_eager=True)
+    graphs, eng = run(tiny_llama)
+    assert eng.runner.graphs is not None and eng.runner.graphs.graphs
+    assert graphs == eager
+
+
+def test_triton_equals_torch_reference_fp32(tiny_models, monkeypatch):
+    for arch, path in tiny_models.items():
+        triton_out, _ = run(path, enforce_eager=True)
+        monkeypatch.setenv("LUCEIO_KERNELS", "torch")
+        ref_out, _ = run(path, enforce_eager=True)
+        monkeypatch.delenv("LUCEIO_KERNELS")
+        assert triton_out == ref_out, arch
+
+
+def test_bf16_engine_runs_with_graphs(tiny_llama):
+    out, eng = run(tiny_llama, dtype="bfloat16")
+    assert all(len(o) == 48 for o in out)
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
