@@ -31,8 +31,9 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int)
     """[num_seqs, max_seq_len, num_kv_heads, head_dim] view of each request's cached tokens."""
     block_size = cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
-    kv = cache[block_tables[:, :num_blocks].long()]  # [B, nblk, bs, Hkv, D]
-    return kv.flatten(1, 2)[:, :max_seq_len]
+    idx = block_tables[:, :num_blocks].reshape(-1).long()
+    kv = cache.index_select(0, idx)  # [B * nblk, bs, Hkv, D]; index_select is far faster than []
+    return kv.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :max_seq_len]
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -57,10 +58,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_pad[seq_of_token, idx_in_seq] = q
     k = gather_kv(k_cache, block_tables, max_seq_len)
     v = gather_kv(v_cache, block_tables, max_seq_len)
-    if num_kv_heads != num_heads:
-        group = num_heads // num_kv_heads
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
 
     # cache index of each padded query; padded rows get a harmless in-range value
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
@@ -68,5 +65,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     mask &= torch.arange(max_seq_len, device=device)[None, None, :] < seq_lens[:, None, None]
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None], scale=scale)  # [B, H, Lq, D]
+        attn_mask=mask[:, None], scale=scale,
+        enable_gqa=num_kv_heads != num_heads)  # [B, H, Lq, D]
     return out.transpose(1, 2)[seq_of_token, idx_in_seq]
