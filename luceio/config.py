@@ -71,8 +71,8 @@ class EngineArgs:
                                        "prefilled in chunks of at most this)")
     max_queued_requests: int = _opt(1024, "most requests waiting; more are refused")
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
-    speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft",
-                                          choices=[None, "ngram", "draft"])
+    speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft (default off)",
+                                          choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
     num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
 

@@ -209,11 +209,11 @@ class LLMEngine:
     def finish_step(self, batch: Batch | None, result: StepResult | None) -> list[RequestOutput]:
         if batch is not None:
             self._record_prompt_logprobs(batch, result)
-            changed = self.scheduler.update(batch.sched, result.sampled)
             self.stats["steps"] += 1
             self.stats["prompt_tokens"] += sum(
                 min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.req.num_computed_tokens, 0))
                 for s in batch.sched.scheduled)
+            changed = self.scheduler.update(batch.sched, result.sampled)
             now = time.monotonic()
             for req in changed:
                 self._record_sample(req, result, now)

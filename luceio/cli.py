@@ -1,0 +1,27 @@
+"""The `luceio` console script: `luceio serve [MODEL] [options]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+    from .server.args import make_parser, parse_args
+
+    parser = argparse.ArgumentParser(prog="luceio", description="luceio: LLM inference")
+    parser.add_argument("--version", action="version", version=f"luceio {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    make_parser(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                               description="OpenAI-compatible server: /v1/completions, "
+                               "/v1/chat/completions, /v1/models, /health, /metrics"))
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        from .serve import run
+        return run(*parse_args(ns))
+    parser.error(f"unknown command {ns.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

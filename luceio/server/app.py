@@ -1,0 +1,411 @@
+"""The Starlette app: OpenAI routes over one AsyncEngine on the server's event loop.
+
+`build_app(engine, server_args)` is the factory (tests run it in-process too). Every failure is
+answered as OpenAI's error object; a request is validated and admitted to the engine (its first
+output awaited) before any response starts, so refusals are real HTTP statuses, not mid-stream
+errors. A client that goes away aborts its engine requests."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import anyio
+from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine import QueueFullError
+from .args import ServerArgs
+from .metrics import ServerMetrics
+from .protocol import (APIError, ModelContext, ParsedRequest, ResponseBuilder, bad, error_body,
+                       parse_chat, parse_completion)
+
+logger = logging.getLogger("luceio.server")
+
+SHUTDOWN_GRACE_S = 5.0  # a stream's time to send its final (aborted) chunk and [DONE]
+
+
+def _default_model_name() -> str:
+    try:
+        from ..loader.resolve import DEFAULT_MODEL
+        return DEFAULT_MODEL
+    except Exception:  # noqa: BLE001  the resolver is optional here
+        return "default"
+
+
+class ServerState:
+    def __init__(self, engine, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        le = engine.engine
+        name = args.served_model_name or le.args.model or _default_model_name()
+        names = [name] + ([le.args.model] if le.args.model and le.args.model != name else [])
+        self.ctx = ModelContext(names, le.tokenizer, le.runner.cfg.vocab_size, le.max_model_len,
+                                le.kv.pool.num_blocks * le.kv.block_size, le.scheduler.check_fits,
+                                args.max_tokens_cap)
+        self.metrics = ServerMetrics(engine)
+        self.inflight: set[str] = set()
+        self.draining = False
+        self.created = int(time.time())
+
+    async def drain(self) -> None:
+        """Shutdown: refuse new requests, abort the in-flight ones (streams then send their final
+        chunk and [DONE])."""
+        self.draining = True
+        for rid in list(self.inflight):
+            await self.engine.abort(rid)
+
+    def error(self, e: APIError) -> JSONResponse:
+        self.metrics.http_errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+# one API request's engine requests -------------------------------------------------------------
+@dataclass
+class _Track:
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    admitted: bool = False
+    reasons: dict[int, str] = field(default_factory=dict)
+
+
+class _Run:
+    """The engine requests of one API call (one per prompt): admission, merged outputs, metrics,
+    the per-request log line, and abort on close."""
+
+    def __init__(self, state: ServerState, req: ParsedRequest):
+        self.state, self.req = state, req
+        self.ids = [req.id] if len(req.prompts) == 1 else \
+            [f"{req.id}-{i}" for i in range(len(req.prompts))]
+        self.gens: dict[str, object] = {}
+        self.firsts: list = []
+        self.live: dict[str, _Track] = {}
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        st, prompt_field = self.state, "messages" if self.req.chat else "prompt"
+        try:
+            for rid, prompt, params in zip(self.ids, self.req.prompts, self.req.params):
+                if st.draining:
+                    raise APIError(503, "the server is shutting down", "server_error",
+                                   code="shutting_down")
+                agen = st.engine.generate(prompt, params, rid)
+                self.gens[rid] = agen
+                self.live[rid] = _Track(time.monotonic())
+                st.inflight.add(rid)
+                try:
+                    first = await agen.__anext__()
+                except QueueFullError as e:
+                    raise APIError(503, f"the server is overloaded ({e}); retry later",
+                                   "server_error", code="queue_full",
+                                   headers={"Retry-After": "1"}) from None
+                except ValueError as e:
+                    raise bad(prompt_field, str(e)) from None
+                except RuntimeError as e:
+                    if st.draining or getattr(st.engine, "_closed", False):
+                        raise APIError(503, "the server is shutting down", "server_error",
+                                       code="shutting_down") from None
+                    raise
+                self.firsts.append(self._seen(rid, first))
+        except BaseException:
+            for rid in self.ids[len(self.firsts):]:
+                self.live.pop(rid, None)
+                st.inflight.discard(rid)
+            await self.close()
+            raise
+
+    async def outputs(self):
+        """(prompt index, RequestOutput) until every engine request finished."""
+        if len(self.ids) == 1:
+            rid, first = self.ids[0], self.firsts[0]
+            yield 0, first
+            if not first.finished:
+                async for o in self.gens[rid]:
+                    yield 0, self._seen(rid, o)
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, rid: str, first) -> None:
+            queue.put_nowait((i, first))
+            try:
+                if not first.finished:
+                    async for o in self.gens[rid]:
+                        queue.put_nowait((i, self._seen(rid, o)))
+            except Exception as e:  # noqa: BLE001  handed to the consumer
+                queue.put_nowait((i, e))
+
+        self.tasks = [asyncio.ensure_future(pump(i, rid, f))
+                      for i, (rid, f) in enumerate(zip(self.ids, self.firsts))]
+        remaining = len(self.ids)
+        while remaining:
+            i, o = await queue.get()
+            if isinstance(o, Exception):
+                raise o
+            remaining -= o.finished
+            yield i, o
+
+    def _seen(self, rid: str, o):
+        t = self.live.get(rid)
+        if t is None:
+            return o
+        now = time.monotonic()
+        m = self.state.metrics
+        new_tokens = sum(len(c.token_ids) for c in o.outputs)
+        if o.metrics is not None:
+            t.arrival = o.metrics.arrival_time
+        if not t.admitted:  # the first output
+            t.admitted = True
+            m.prompt_tokens.inc(len(o.prompt_token_ids))
+        m.generation_tokens.inc(new_tokens)
+        if t.first is None and o.metrics is not None and o.metrics.first_token_time is not None:
+            t.first = o.metrics.first_token_time
+            m.ttft.observe(max(t.first - t.arrival, 0.0))
+        elif new_tokens and t.last is not None:
+            m.itl.observe(now - t.last)
+        if new_tokens:
+            t.last = now
+        for c in o.outputs:
+            if c.finish_reason is not None:
+                t.reasons[c.index] = c.finish_reason
+        if o.finished:
+            self._finished(rid, o, now)
+        return o
+
+    def _finished(self, rid: str, o, now: float) -> None:
+        t = self.live.pop(rid)
+        self.state.inflight.discard(rid)
+        m, rm = self.state.metrics, o.metrics
+        m.e2e.observe(now - t.arrival)
+        reasons = [t.reasons.get(i, "abort") for i in range(self.req.n)]
+        for r in reasons:
+            m.requests.labels(r).inc()
+        n_prompt = rm.num_prompt_tokens if rm is not None else len(o.prompt_token_ids)
+        n_out = rm.num_generated_tokens if rm is not None else 0
+        if rm is not None:
+            m.record_speculation(rm.num_draft_tokens, rm.num_accepted_tokens)
+        ttft = f"{t.first - t.arrival:.3f}s" if t.first is not None else "-"
+        elapsed = now - t.arrival
+        logger.info("request %s finished: prompt %d tokens, output %d tokens, ttft %s, "
+                    "%.1f tokens/s, finish %s", rid, n_prompt, n_out, ttft,
+                    n_out / elapsed if elapsed > 0 else 0.0, ",".join(reasons))
+
+    async def abort(self) -> None:
+        for rid in list(self.live):
+            await self.state.engine.abort(rid)
+
+    async def close(self) -> None:
+        """Aborts what is unfinished. Runs in cancelled contexts too, so nothing here waits."""
+        for task in self.tasks:
+            task.cancel()
+        for rid, agen in self.gens.items():
+            with contextlib.suppress(RuntimeError):  # still driven by a cancelled pump task
+                await agen.aclose()
+            if rid in self.live:
+                await self.state.engine.abort(rid)
+                t = self.live.pop(rid)
+                self.state.inflight.discard(rid)
+                for _ in range(self.req.n - len(t.reasons)):
+                    self.state.metrics.requests.labels("abort").inc()
+                logger.info("request %s aborted (client gone or server shutting down) after "
+                            "%.3fs", rid, time.monotonic() - t.arrival)
+
+
+# handlers ----------------------------------------------------------------------------------------
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        if not cl.isdigit():
+            raise bad(None, f"invalid Content-Length {cl!r}")
+        if int(cl) > limit:
+            raise APIError(413, f"the request body is {int(cl)} bytes; the limit is {limit} "
+                           "bytes", code="request_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:
+        raise bad(None, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    return body
+
+
+async def _generate(request: Request, state: ServerState, req: ParsedRequest) -> Response:
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+    run = _Run(state, req)
+    builder = ResponseBuilder(req, state.ctx.tokenizer)
+    # until the response streams (sse-starlette watches the connection from then on), a client
+    # that goes away aborts its requests from here
+    watcher = asyncio.ensure_future(_abort_on_disconnect(request, run))
+    try:
+        await run.start()
+        if req.stream:
+            shutdown = anyio.Event()
+            return EventSourceResponse(
+                _sse(run, builder, state, shutdown), sep="\n", shutdown_event=shutdown,
+                shutdown_grace_period=min(SHUTDOWN_GRACE_S, state.args.timeout_graceful_shutdown),
+                background=BackgroundTask(run.close))  # also if the stream never started
+        try:
+            async for i, o in run.outputs():
+                builder.absorb(i, o)
+        finally:
+            await run.close()
+        return JSONResponse(builder.response())
+    finally:
+        watcher.cancel()
+
+
+async def _abort_on_disconnect(request: Request, run: _Run) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            await run.abort()
+            return
+
+
+async def _abort_on_shutdown(event: anyio.Event, state: ServerState) -> None:
+    await event.wait()
+    await state.drain()
+
+
+async def _sse(run: _Run, builder: ResponseBuilder, state: ServerState, shutdown: anyio.Event):
+    watcher = asyncio.ensure_future(_abort_on_shutdown(shutdown, state))
+    outputs = run.outputs()
+    try:
+        for chunk in builder.first_chunks():
+            yield _dumps(chunk)
+        try:
+            async for i, o in outputs:
+                for chunk in builder.chunks(i, o):
+                    yield _dumps(chunk)
+        except Exception as e:  # noqa: BLE001  an engine failure ends the stream with an error
+            logger.exception("request %s failed mid-stream", builder.req.id)
+            yield _dumps(error_body(f"generation failed: {e}", "server_error"))
+        else:
+            if builder.req.include_usage:
+                yield _dumps(builder.usage_chunk())
+        yield "[DONE]"
+    finally:  # runs when the client went away too (no awaits that could be cancelled)
+        watcher.cancel()
+        with contextlib.suppress(RuntimeError):
+            await outputs.aclose()
+        await run.close()
+
+
+def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
+    """The ASGI app over a (not yet started) AsyncEngine; its lifespan shuts the engine down."""
+    args = server_args or ServerArgs()
+    state = ServerState(engine, args)
+
+    def endpoint(fn):
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except APIError as e:
+                return state.error(e)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except Exception:  # noqa: BLE001  never crash the server on one request
+                logger.exception("unhandled error on %s", request.url.path)
+                return state.error(APIError(500, "internal server error", "server_error",
+                                            code="internal_error"))
+        return wrapped
+
+    @endpoint
+    async def health(request: Request) -> Response:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", "server_error",
+                           code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    @endpoint
+    async def models(request: Request) -> Response:
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "luceio",
+                 "root": engine.engine.args.model, "max_model_len": state.ctx.max_model_len}
+                for name in state.ctx.names[:1]]
+        return JSONResponse({"object": "list", "data": data})
+
+    @endpoint
+    async def completions(request: Request) -> Response:
+        body = await _read_json(request, args.max_request_bytes)
+        return await _generate(request, state, parse_completion(body, state.ctx))
+
+    @endpoint
+    async def chat(request: Request) -> Response:
+        body = await _read_json(request, args.max_request_bytes)
+        return await _generate(request, state, parse_chat(body, state.ctx))
+
+    @endpoint
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
+        return state.error(APIError(exc.status_code, msg, code=code, headers=exc.headers))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        AppStatus.should_exit = False  # sse-starlette's process-wide flag, from an earlier server
+        loop = type(asyncio.get_running_loop())
+        logger.info("serving %s (context %d tokens, %d KV blocks) on %s.%s", state.ctx.names[0],
+                    state.ctx.max_model_len, engine.engine.kv.pool.num_blocks, loop.__module__,
+                    loop.__name__)
+        yield
+        await state.drain()
+        await engine.shutdown()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(_BearerAuth, api_key=args.api_key, state=state)] \
+        if args.api_key else []
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error})
+    app.state.server = state
+    return app
+
+
+class _BearerAuth:
+    """`Authorization: Bearer KEY` on every route but /health (constant-time comparison)."""
+
+    def __init__(self, app, api_key: str, state: ServerState):
+        self.app, self.key, self.state = app, api_key.encode(), state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, token = auth.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                resp = self.state.error(APIError(
+                    401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

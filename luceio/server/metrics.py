@@ -1,0 +1,98 @@
+"""Prometheus metrics on the server's own CollectorRegistry (never the process-global one).
+
+Engine state (queues, KV pool, prefix cache, token counts) is read at scrape time by a collector;
+per-request latencies are histograms observed as outputs arrive."""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, \
+    generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+                120.0, 300.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, async_engine):
+        self.engine = async_engine.engine
+        self.registry = CollectorRegistry()
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.registry.register(_EngineCollector(self))
+        r = self.registry
+        self.ttft = Histogram("luceio_time_to_first_token_seconds",
+                              "time from arrival to the first output token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("luceio_inter_token_latency_seconds",
+                             "time between consecutive outputs of a request",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("luceio_e2e_request_latency_seconds",
+                             "time from arrival to the last output", buckets=_E2E_BUCKETS,
+                             registry=r)
+        self.requests = Counter("luceio_requests", "finished sequences by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("luceio_prompt_tokens", "prompt tokens of admitted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("luceio_generation_tokens",
+                                         "tokens generated and sent back", registry=r)
+        self.http_errors = Counter("luceio_http_errors", "error responses by status code",
+                                   ["status"], registry=r)
+
+    def record_speculation(self, num_draft: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, m: ServerMetrics):
+        self.m = m
+
+    def collect(self):
+        e, m = self.m.engine, self.m
+        pool = e.kv.pool
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("luceio_num_requests_running", "sequences running in the engine",
+                    len(e.scheduler.running))
+        yield gauge("luceio_num_requests_waiting", "sequences waiting (queued or preempted)",
+                    len(e.scheduler.waiting))
+        yield gauge("luceio_kv_blocks_total", "KV cache blocks in the pool", pool.num_blocks)
+        yield gauge("luceio_kv_blocks_used", "KV cache blocks held by requests",
+                    pool.num_used_blocks)
+        yield gauge("luceio_kv_blocks_free", "KV cache blocks free (cached-free included)",
+                    pool.num_free_blocks)
+        yield gauge("luceio_kv_cache_usage_ratio", "fraction of KV blocks in use",
+                    pool.num_used_blocks / pool.num_blocks)
+        yield counter("luceio_prefix_cache_queries", "prefix-cache block lookups",
+                      pool.num_lookups)
+        yield counter("luceio_prefix_cache_hits", "prefix-cache block hits", pool.num_hits)
+        yield gauge("luceio_prefix_cache_hit_rate", "prefix-cache hits / lookups (0 before any)",
+                    pool.num_hits / pool.num_lookups if pool.num_lookups else 0.0)
+        yield counter("luceio_engine_prompt_tokens", "prompt tokens the engine computed "
+                      "(prefill; engine stats)", e.stats.get("prompt_tokens", 0))
+        yield counter("luceio_engine_generation_tokens", "tokens the engine sampled (engine "
+                      "stats)", e.stats.get("generation_tokens", 0))
+        yield counter("luceio_engine_steps", "engine steps run", e.stats.get("steps", 0))
+        yield counter("luceio_num_preemptions", "sequences preempted (recomputed later)",
+                      getattr(e.scheduler, "num_preemptions", 0))
+        yield counter("luceio_spec_decode_draft_tokens", "draft tokens proposed (finished "
+                      "requests)", m.num_draft_tokens)
+        yield counter("luceio_spec_decode_accepted_tokens", "draft tokens accepted (finished "
+                      "requests)", m.num_accepted_tokens)
+        yield gauge("luceio_spec_decode_acceptance_rate", "accepted / proposed draft tokens "
+                    "(0 when speculation is off)",
+                    m.num_accepted_tokens / m.num_draft_tokens if m.num_draft_tokens else 0.0)
