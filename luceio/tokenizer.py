@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 
 def _token_str(tok) -> str | None:
     if isinstance(tok, dict):
@@ -102,13 +99,14 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
                       sort_keys=sort_keys)
 
 
-_TEMPLATES: dict[str, jinja2.Template] = {}
+_TEMPLATES: dict = {}
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _compile_template(source: str):
     """Same environment as transformers: sandboxed, trim/lstrip blocks, loop controls,
     `raise_exception`, `strftime_now` and a non-ASCII-escaping `tojson`."""
     if source not in _TEMPLATES:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson

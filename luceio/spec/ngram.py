@@ -12,13 +12,19 @@ single call serves the whole batch.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+try:
+    import numba
+    _jit = numba.njit(cache=False, nogil=True)
+except ImportError:  # an image without numba runs the same code interpreted (slower, same result)
+    def _jit(fn):
+        return fn
 
 from luceio.spec.proposer import ProposalInput, Proposer
 
 
-@numba.njit(cache=False, nogil=True)
+@_jit
 def _ngram_kernel(tokens, offsets, ks, min_n, max_n, out, counts):
     """Fill ``out[r, :counts[r]]`` with the proposal for request ``r``.
 
