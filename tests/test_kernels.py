@@ -215,7 +215,9 @@ def test_config_lookup(tmp_path, monkeypatch):
     assert configs.load_config("gfx9999") == configs.TABLE["default"]
     assert configs.load_config("gfx1201") == configs.TABLE["gfx1201"]
     for arch in ("sm_86", "sm_89", "sm_90", "gfx1201", "gfx1151", "default"):
-        assert configs.TABLE[arch].source == "starting point, not measured"
+        src = configs.TABLE[arch].source
+        # an entry either says it is unmeasured or names the card and date it was measured on
+        assert src == "starting point, not measured" or ("measured" in src and "2026" in src)
     assert configs.device_arch(torch.device("cpu")) == "cpu"
 
     path = tmp_path / "kernel_configs" / "sm_90.json"

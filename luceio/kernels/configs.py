@@ -53,10 +53,12 @@ TABLE: dict[str, KernelConfig] = {
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=2, max_shared_kb=96),
     # Hopper (H100 / H200): 132 SMs, 228 KiB shared memory per SM, HBM3(e)
-    "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=3,
+    "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=2, decode_num_stages=2,
                           decode_min_tokens_per_split=256, decode_max_splits=64,
-                          prefill_block_m=128, prefill_block_n=64, prefill_num_warps=8,
-                          prefill_num_stages=3, max_shared_kb=220),
+                          prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
+                          prefill_num_stages=3, max_shared_kb=220,
+                          source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
+                                 "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
                             prefill_block_m=64, prefill_block_n=32, prefill_num_warps=4,

@@ -1,0 +1,224 @@
+"""Times launch configs of the paged-attention kernels on this GPU and saves the winner.
+
+    python -m luceio.kernels.tune [--dtype bf16|fp16] [--quick] [--dry-run]
+
+Decode (split-KV) and varlen prefill are tuned separately at a few representative shapes
+(Llama-8B-like 32/8 heads and Qwen-7B-like 28/4 heads, head_dim 128, pages of 16). A
+candidate's score is the geometric mean over the shapes of its time relative to the current
+entry; a candidate whose output differs from the current entry's is rejected. The winning
+entry goes to `$LUCEIO_CACHE/kernel_configs/<arch>.json` (see configs.py), where it overrides
+the built-in table. A full run takes about 5 minutes on an H200 (`--quick`: about 1).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from . import configs
+
+
+def _batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16):
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    pages = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(pages)
+    bt = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    perm = torch.randperm(num_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    dev = "cuda"
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=dev, dtype=dtype)
+    vc = torch.randn_like(kc)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=dev, dtype=dtype)
+    qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
+    return (q, kc, vc, bt.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), qsl,
+            max(q_lens), max(seq_lens), head_dim ** -0.5)
+
+
+def decode_shapes(quick: bool):
+    shapes = [(1, 32768), (8, 8192), (64, 2048), (256, 1024)]
+    heads = [(32, 8), (28, 4)]
+    if quick:
+        shapes, heads = shapes[:3], heads[:1]
+    return [([1] * b, [c - 1] * b, h, kv) for (b, c), (h, kv) in itertools.product(shapes, heads)]
+
+
+def prefill_shapes(quick: bool):
+    shapes = [([2048], [0]),                        # one fresh prompt
+              ([512] * 4, [4096] * 4),              # chunked prefill on long prefixes
+              ([5] * 32, [2048] * 32),              # speculative verification, 4 drafts
+              ([300, 1, 1, 1, 700], [0, 900, 3000, 60, 1200])]  # a mixed step
+    heads = [(32, 8), (28, 4)]
+    if quick:
+        shapes, heads = shapes[:3], heads[:1]
+    return [(q, c, h, kv) for (q, c), (h, kv) in itertools.product(shapes, heads)]
+
+
+def _stage_choices(quick: bool):
+    if quick:
+        return [2]
+    return [1, 2] if torch.version.hip is not None else [2, 3]
+
+
+def decode_candidates(base: configs.KernelConfig, quick: bool):
+    block_ns, warps = ([32, 64, 128], [2, 4, 8]) if not quick else ([32, 64], [4])
+    kernel = [replace(base, decode_block_n=n, decode_num_warps=w, decode_num_stages=s)
+              for n, w, s in itertools.product(block_ns, warps, _stage_choices(quick))]
+
+    def split(c):
+        return [replace(c, decode_min_tokens_per_split=t, decode_waves=v)
+                for t, v in itertools.product([128, 256, 512, 1024] if not quick else [256, 512],
+                                              [1.0, 2.0, 4.0])]
+    return kernel, split
+
+
+def prefill_candidates(base: configs.KernelConfig, quick: bool):
+    ms, ns, warps = ([64, 128], [32, 64, 128], [4, 8]) if not quick else ([64, 128], [64], [4, 8])
+    return [replace(base, prefill_block_m=m, prefill_block_n=n, prefill_num_warps=w,
+                    prefill_num_stages=s)
+            for m, n, w, s in itertools.product(ms, ns, warps, _stage_choices(quick))]
+
+
+def _time(cfg, batches, refs):
+    """Per-shape median ms, or None if the config fails to build or gives a different result."""
+    from .attention_triton import paged_attention
+    times = []
+    with configs.use_config(cfg):
+        for args, ref in zip(batches, refs):
+            try:
+                out = paged_attention(*args)
+                torch.cuda.synchronize()
+            except Exception as e:  # out of shared memory / registers for this tile size
+                print(f"    skip ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                return None
+            if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                print("    skip (wrong result)")
+                return None
+            times.append(_bench(lambda: paged_attention(*args)))
+    return times
+
+
+def _bench(fn) -> float:
+    """Median ms of fn replayed in a CUDA graph (no Python launch overhead, as when serving)."""
+    import triton.testing
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
+    except Exception:  # graphs unavailable on this stack: time eager launches instead
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _report(name, cfg, shapes, batches):
+    """Time and KV-read bandwidth of `cfg` per shape."""
+    from .attention_triton import paged_attention
+    print(f"{name}, chosen entry:")
+    with configs.use_config(cfg):
+        for (q_lens, ctx, h, kv), args in zip(shapes, batches):
+            ms = _bench(lambda: paged_attention(*args))
+            kv_bytes = (sum(ctx) + sum(q_lens)) * kv * 128 * 2 * args[1].element_size()
+            print(f"  {len(q_lens):4d} seqs, {sum(q_lens):5d} query tokens, ctx {max(ctx) + 1:6d}, "
+                  f"heads {h}/{kv}: {ms * 1e3:8.1f} us, KV read {kv_bytes / ms / 1e9:6.2f} TB/s")
+
+
+_T0 = time.monotonic()
+
+
+def _search(name, candidates, batches, refs, base_times):
+    best, best_score = None, math.inf
+    for cfg in candidates:
+        times = _time(cfg, batches, refs)
+        if times is None:
+            continue
+        score = math.exp(sum(math.log(t / b) for t, b in zip(times, base_times)) / len(times))
+        if score < best_score:
+            best, best_score = cfg, score
+        print(f"  [{time.monotonic() - _T0:5.0f}s] {name} {_describe(cfg, name)}: {score:.3f}  "
+              f"({', '.join(f'{t * 1e3:.0f}us' for t in times)})")
+    return best, best_score
+
+
+def _describe(cfg, name):
+    keys = [k for k in configs.config_to_dict(cfg) if k.startswith(name)]
+    return " ".join(f"{k[len(name) + 1:]}={getattr(cfg, k)}" for k in keys)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m luceio.kernels.tune", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and candidates")
+    ap.add_argument("--dry-run", action="store_true", help="print the entry, write nothing")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("luceio.kernels.tune: no GPU (torch.cuda.is_available() is False); tuning times "
+              "the Triton kernels on a CUDA or ROCm device, nothing to do here.", file=sys.stderr)
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("luceio.kernels.tune: triton is not installed.", file=sys.stderr)
+        return 2
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dev = torch.device("cuda")
+    arch = configs.device_arch(dev)
+    base = configs.load_config(arch)
+    print(f"tuning on {torch.cuda.get_device_name(dev)} ({arch}, {configs.num_sms(dev)} SMs), "
+          f"starting from: {base}")
+    torch.manual_seed(0)
+    best = base
+    from .attention import paged_attention_ref
+    for name, shapes in (("decode", decode_shapes(args.quick)),
+                         ("prefill", prefill_shapes(args.quick))):
+        batches = [_batch(q, c, h, kv, 128, dtype) for q, c, h, kv in shapes]
+        refs = [paged_attention_ref(*b) for b in batches]
+        base_times = _time(best, batches, refs)
+        if base_times is None:
+            print(f"the current {name} entry does not run here; tuning from the defaults")
+            best = replace(best, **{k: v for k, v in configs.config_to_dict(
+                configs.TABLE["default"]).items() if k.startswith(name)})
+            base_times = _time(best, batches, refs)
+        if name == "decode":
+            kernel, split = decode_candidates(best, args.quick)
+            cand, score = _search(name, kernel, batches, refs, base_times)
+            if cand is not None and score < 1.0:
+                best = cand
+            cand, score2 = _search(name, split(best), batches, refs, base_times)
+            if cand is not None and score2 < min(score, 1.0):
+                best = cand
+        else:
+            cand, score = _search(name, prefill_candidates(best, args.quick), batches, refs,
+                                  base_times)
+            if cand is not None and score < 1.0:
+                best = cand
+        _report(name, best, shapes, batches)
+        del batches, refs
+        torch.cuda.empty_cache()
+
+    import triton
+    best = replace(best, source=(
+        f"measured by luceio.kernels.tune on {torch.cuda.get_device_name(dev)} ({arch}), "
+        f"{args.dtype}, triton {triton.__version__}, torch {torch.__version__}, "
+        f"{datetime.date.today().isoformat()}{' (quick)' if args.quick else ''}"))
+    entry = configs.config_to_dict(best, arch)
+    text = json.dumps(entry, indent=2) + "\n"
+    if args.dry_run:
+        print(text)
+        return 0
+    path = configs.user_config_path(arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}:\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

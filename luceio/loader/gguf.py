@@ -1,0 +1,352 @@
+"""GGUF files (llama.cpp): metadata becomes an HF config, tensors get HF names and layouts, and
+the vocabulary becomes a `tokenizers.Tokenizer`.
+
+The `gguf` package reads and dequantizes; it is imported inside functions so that luceio imports
+on machines without it. Tensors come out as fp32, the way transformers dequantizes a GGUF.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from . import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+_LAYER_TENSORS = {  # inside blk.{i} -> inside model.layers.{i}
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# `tokenizer.ggml.pre` -> the split regex its merges were learned with, applied before the
+# byte-level mapping. Others get GPT-2's split, as transformers does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Llama 3 takes a pre-token that is itself in the vocabulary whole, before trying merges
+# (`ignore_merges` in its tokenizer.json, and in llama.cpp).
+_IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe"}
+# Pre-tokenizers that isolate every digit before GPT-2's split: llama.cpp splits on "\p{N}" first
+# for these, as SmolLM's and StarCoder's tokenizer.json do with `Digits(individual_digits=True)`.
+# (transformers' GGUF converter knows none of them and applies GPT-2's split alone, which differs
+# on whitespace runs before a digit: "x  2".)
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+
+
+def load_gguf(path: str) -> Checkpoint:
+    """Opens a llama/qwen2/qwen3 GGUF; the tensors are read and dequantized when `weights()` runs."""
+    started = time.perf_counter()
+    reader = open_gguf(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; luceio reads "
+                         f"{', '.join(ARCHITECTURES)}.")
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    if "rope_freqs.weight" in shapes:
+        raise ValueError(f"{path}: has a rope_freqs tensor (Llama-3.1-style rope scaling), which "
+                         f"luceio cannot turn into HF rope parameters yet.")
+    names = {t.name: hf_tensor_name(t.name) for t in reader.tensors}
+    config = gguf_config(meta, shapes)
+    tokenizer, tokenizer_config = gguf_tokenizer(meta)
+    logger.info("read GGUF metadata of %s in %.1f s", path, time.perf_counter() - started)
+
+    def weights():
+        from gguf.quants import dequantize
+
+        t0 = time.perf_counter()
+        for tensor in reader.tensors:
+            array = dequantize(tensor.data, tensor.tensor_type).reshape(shapes[tensor.name])
+            part = tensor.name.split(".")[-2]
+            if arch == "llama" and part in ("attn_q", "attn_k"):
+                heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+                array = unpermute_rotary_rows(array, heads)
+            if not array.flags.writeable:  # an F32 tensor is a view into the read-only mmap
+                array = array.copy()
+            yield names[tensor.name], torch.from_numpy(array)
+        logger.info("dequantized %d GGUF tensors in %.1f s", len(reader.tensors),
+                    time.perf_counter() - t0)
+
+    eos_ids = _eos_token_ids(meta)
+    generation_config = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+                         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer,
+                      tokenizer_config=tokenizer_config, generation_config=generation_config,
+                      source=path)
+
+
+def open_gguf(path: str):
+    """`gguf.GGUFReader`, reading through a plain ndarray view of its memory map: each slice of
+    an `np.memmap` runs Python code, and the reader slices twice per vocabulary string (3x faster
+    on a 150k-token vocabulary)."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    return Reader(path)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    base, suffix = gguf_name.rsplit(".", 1)
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        hf = _LAYER_TENSORS.get(part)
+        hf = hf and f"model.layers.{layer}.{hf}"
+    else:
+        hf = _GLOBAL_TENSORS.get(base)
+    if hf is None:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart that luceio knows")
+    return f"{hf}.{suffix}"
+
+
+def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row order. Its converter interleaves each head's two rotary halves
+    (rows [h, 2, d/2] become [h, d/2, 2]) for its GPT-J-style rope; HF rotates halves."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """An HF config.json dict from GGUF metadata and the tensor shapes."""
+    arch = meta["general.architecture"]
+
+    def key(name, default=None):
+        return meta.get(f"{arch}.{name}", default)
+
+    num_heads = key("attention.head_count")
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # per layer in some files; luceio wants one count
+        if len(set(num_kv_heads)) != 1:
+            raise ValueError(f"GGUF has per-layer KV head counts {num_kv_heads}")
+        num_kv_heads = num_kv_heads[0]
+    hidden_size = key("embedding_length")
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden_size,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": key("attention.key_length") or hidden_size // num_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _float32(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(key),
+        "max_position_embeddings": key("context_length"),
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _float32(value: float) -> float:
+    """GGUF stores floats as f32: 1e-5 reads back as 9.99999974e-06. Take the shortest decimal
+    that rounds to the same f32, which is what the original config said."""
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(key) -> dict | None:
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
+    scaling = {"rope_type": kind, "factor": _float32(key("rope.scaling.factor"))}
+    if key("rope.scaling.original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+    return scaling
+
+
+def _eos_token_ids(meta: dict) -> list[int]:
+    """The end-of-sequence id, then end-of-turn ids where the file names other ones."""
+    ids = []
+    for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = meta.get(f"tokenizer.ggml.{name}")
+        if token_id is not None and token_id not in ids:
+            ids.append(token_id)
+    return ids
+
+
+def gguf_tokenizer(meta: dict):
+    """`(tokenizers.Tokenizer | None, tokenizer_config)` from `tokenizer.ggml.*` metadata."""
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    named = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        named[name] = tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+    config = {"chat_template": meta.get("tokenizer.chat_template"), **named,
+              "add_bos_token": bool(add_bos), "add_eos_token": bool(add_eos)}
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta)
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta)
+    else:
+        logger.warning("GGUF tokenizer model %r is not supported; serving token ids only", kind)
+        return None, config
+    _add_special_tokens(tokenizer, meta, kind, [t for t in named.values() if t is not None])
+    _set_post_processor(tokenizer, config)
+    return tokenizer, config
+
+
+def _byte_level_bpe(meta: dict):
+    """GPT-2-style byte-level BPE (Llama 3, Qwen2/3, SmolLM, ...)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for index, token in enumerate(meta["tokenizer.ggml.tokens"]):
+        if not set(token) <= alphabet:  # a token the file spells in plain text, not bytes
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    merges = [tuple(merge.split(" ")) for merge in meta.get("tokenizer.ggml.merges") or []]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False,
+                                     continuing_subword_prefix="", end_of_word_suffix="",
+                                     ignore_merges=pre in _IGNORE_MERGES_PRE))
+    if pre in PRE_TOKENIZER_SPLITS:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in _DIGIT_SPLIT_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:
+        if pre not in ("default", "gpt-2", "gpt2"):
+            logger.warning("GGUF pre-tokenizer %r is unknown to luceio; splitting like GPT-2", pre)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: dict):
+    """A SentencePiece BPE vocabulary (Llama 1/2, Mistral, Phi-3): `▁` for spaces, byte fallback,
+    merges from the file or, when it has none, ranked by the pieces' scores. Like SentencePiece
+    and llama.cpp, and unlike `Metaspace`, the dummy prefix is added even before a leading space
+    (" hi" -> "▁▁hi"), and again after each special token."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = _merges_from_scores(vocab, dict(zip(tokens, meta["tokenizer.ggml.scores"])))
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=True,
+                                     byte_fallback=True,
+                                     unk_token=tokens[unk_id] if unk_id is not None else None))
+    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    steps = [normalizers.Replace(" ", "▁")]
+    if add_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        decode.append(decoders.Strip(content=" ", left=1))
+    tokenizer.decoder = decoders.Sequence(decode)
+    return tokenizer
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best-scoring piece first (what
+    SentencePiece BPE does at encode time)."""
+    merges = []
+    for piece, score in scores.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((left, right, score) for left, right in splits)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_special_tokens(tokenizer, meta: dict, kind: str, named: list[str]) -> None:
+    """Control tokens (and the named bos/eos/unk/pad) become special added tokens, user-defined
+    ones plain added tokens, so the text `<|im_start|>` encodes to its one id. In a byte-level
+    vocabulary a "control" token spelled outside the byte alphabet is a llama.cpp mislabel, and
+    is left alone."""
+    from tokenizers import AddedToken
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
+    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+    special = [t for t, kind_id in zip(tokens, types)
+               if kind_id == _CONTROL and (alphabet is None or set(t) <= alphabet)]
+    special += [t for t in named if t not in special]
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    vocab = tokenizer.get_vocab()
+    user = [t for t, kind_id in zip(tokens, types) if kind_id == _USER_DEFINED and t in vocab]
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _set_post_processor(tokenizer, config: dict) -> None:
+    """BOS/EOS added by the tokenizer itself, as in an HF `tokenizer.json`."""
+    from tokenizers import processors
+
+    bos = config["bos_token"] if config["add_bos_token"] else None
+    eos = config["eos_token"] if config["add_eos_token"] else None
+    if bos is None and eos is None:
+        return
+
+    def template(sequence: str, type_id: int) -> list[str]:
+        return [f"{t}:{type_id}" for t in (bos, sequence, eos) if t is not None]
+
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=template("$A", 0), pair=template("$A", 0) + template("$B", 1),
+        special_tokens=[(t, tokenizer.token_to_id(t)) for t in {bos, eos} if t is not None])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

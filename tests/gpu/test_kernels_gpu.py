@@ -1,0 +1,176 @@
+"""Triton kernels vs the torch references on a real GPU (CUDA or ROCm), bf16 and fp16, at
+realistic sizes: 8K contexts, head_dim 128, GQA 7 (28 q / 4 kv heads) and 4 (32 / 8).
+
+Attention is compared with the reference run in fp32 on the same (rounded) inputs:
+  bf16: atol 1e-2, rtol 1e-2      fp16: atol 2e-3, rtol 2e-3
+Elementwise kernels are compared with the reference in the same dtype:
+  bf16: atol 2e-2, rtol 1e-2 (one or two bf16 ulps)      fp16: atol 2e-3, rtol 2e-3
+write_kv must match exactly. Inputs are fresh random each run; the seed is in every message.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 is set: these tests run the compiled kernels",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+import luceio.kernels as K  # noqa: E402
+from luceio.kernels import attention_triton, configs, triton_ops  # noqa: E402
+from luceio.kernels.activation import silu_and_mul_ref  # noqa: E402
+from luceio.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from luceio.kernels.norm import rms_norm_ref  # noqa: E402
+from luceio.kernels.rotary import build_cos_sin_cache, rotary_ref  # noqa: E402
+
+DEV = "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+ATTN_TOL = {torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+HEADS = [(28, 4), (32, 8)]  # GQA 7 and 4
+
+
+@pytest.fixture
+def seed():
+    s = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+    torch.manual_seed(s)
+    return s
+
+
+def check(out, ref, tol, seed, what):
+    err = (out.float() - ref.float()).abs().max().item()
+    assert torch.allclose(out.float(), ref.float(), **tol), \
+        f"{what}: max abs err {err:.3g} (seed {seed})"
+
+
+def make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16):
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    pages = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(pages) + 8
+    perm = torch.randperm(num_blocks, device=DEV)
+    bt = torch.randint(0, num_blocks, (len(seq_lens), max(pages) + 2), device=DEV)
+    used = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEV).to(dtype)
+    vc = torch.randn_like(kc)
+    q = (torch.randn(sum(q_lens), num_heads, head_dim, device=DEV) * 2).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return (q, kc, vc, bt.int(), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), qsl,
+            max(q_lens), max(seq_lens), head_dim ** -0.5)
+
+
+def fp32_ref(args):
+    q, kc, vc, *rest = args
+    return paged_attention_ref(q.float(), kc.float(), vc.float(), *rest)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_decode_8k(seed, dtype, heads):
+    ctx = [8191, 8000, 5000, 1, 17, 3000, 129, 7777]
+    args = make_batch([1] * len(ctx), ctx, *heads, 128, dtype)
+    cfg = configs.get_config(args[0].device)
+    splits, _ = attention_triton.decode_splits(cfg, len(ctx), heads[1], args[7],
+                                               configs.num_sms(args[0].device), cfg.decode_block_n)
+    out = triton_ops.paged_attention(*args)
+    check(out, fp32_ref(args), ATTN_TOL[dtype], seed, f"decode ({splits} splits)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_long_single_request_splits(seed, dtype):
+    args = make_batch([1], [32768], 32, 8, 128, dtype)
+    cfg = configs.get_config(args[0].device)
+    splits, _ = attention_triton.decode_splits(cfg, 1, 8, args[7], configs.num_sms(args[0].device),
+                                               cfg.decode_block_n)
+    assert splits >= 2
+    check(triton_ops.paged_attention(*args), fp32_ref(args), ATTN_TOL[dtype], seed,
+          f"decode 32K ({splits} splits)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_prefill_varlen_8k(seed, dtype, heads):
+    # fresh prompt, chunked prefill on a 4K prefix, decode at 8K, speculative verification,
+    # a short prefix hit
+    q_lens = [1000, 512, 1, 5, 37]
+    ctx = [0, 4096, 8000, 3000, 100]
+    args = make_batch(q_lens, ctx, *heads, 128, dtype)
+    check(triton_ops.paged_attention(*args), fp32_ref(args), ATTN_TOL[dtype], seed, "prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_cuda_graph(seed, dtype):
+    args = make_batch([1] * 4, [4000, 10, 900, 2048], 32, 8, 128, dtype)
+    out = triton_ops.paged_attention(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = triton_ops.paged_attention(*args)
+    args[0].copy_(torch.randn_like(args[0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out_g, fp32_ref(args), ATTN_TOL[dtype], seed, "decode replayed in a CUDA graph")
+    assert out.shape == out_g.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv(seed, dtype):
+    kc = torch.randn(2000, 16, 8, 128, device=DEV).to(dtype)
+    vc = torch.randn_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kv = torch.randn(4096, 2, 8, 128, device=DEV).to(dtype)
+    slots = torch.randperm(2000 * 16, device=DEV)[:4096]
+    slots[::7] = -1
+    triton_ops.write_kv(kv[:, 0], kv[:, 1], kc, vc, slots)
+    write_kv_ref(kv[:, 0], kv[:, 1], kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [4096, 5120])
+def test_rms_norm(seed, dtype, hidden):
+    x = torch.randn(2048, hidden, device=DEV).to(dtype)
+    r = (torch.randn(2048, hidden, device=DEV) * 4).to(dtype)
+    w = (torch.rand(hidden, device=DEV) + 0.5).to(dtype)
+    check(triton_ops.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), TOL[dtype], seed, "norm")
+    out, res = triton_ops.rms_norm(x, w, 1e-5, r)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, r)
+    check(res, ref_res, TOL[dtype], seed, "residual")
+    check(out, ref_out, TOL[dtype], seed, "norm with residual")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(seed, dtype):
+    x = (torch.randn(1024, 2 * 14336, device=DEV) * 2).to(dtype)
+    check(triton_ops.silu_and_mul(x), silu_and_mul_ref(x), TOL[dtype], seed, "silu_and_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(seed, dtype):
+    T, H, Hkv, D = 4096, 32, 8, 128
+    cs = build_cos_sin_cache(D, 131072, 500000.0).to(DEV)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=DEV).to(dtype)
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    pos = torch.randint(0, 131072, (T,), device=DEV)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_ref(pos, q_ref, k_ref, cs)
+    triton_ops.rotary(pos, q, k, cs)
+    check(q, q_ref, TOL[dtype], seed, "q")
+    check(k, k_ref, TOL[dtype], seed, "k")
+
+
+def test_dispatch_uses_triton_on_gpu(monkeypatch):
+    monkeypatch.delenv("LUCEIO_KERNELS", raising=False)
+    x = torch.randn(4, 64, device=DEV)
+    assert K.use_triton(x)
+    assert configs.device_arch(x.device) != "cpu"
