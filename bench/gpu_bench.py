@@ -72,7 +72,7 @@ def hf_decode_tps(hf, ctx: int, new: int = 64, **gen_kw) -> float:
 
 def section_decode(bw: float, quick: bool, with_hf: bool) -> None:
     out = RESULTS.setdefault("decode_batch1", [])
-    shapes = ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"] + ([] if quick else ["llama-3.1-8b"])
+    shapes = ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "llama-3.1-8b"]
     for shape in shapes:
         hf = hf_model_from(shape) if with_hf else None
         for ctx in (512, 8192):
@@ -87,10 +87,12 @@ def section_decode(bw: float, quick: bool, with_hf: bool) -> None:
                    "fraction_of_roofline": round(tps * bytes_tok / bw, 3)}
             del eng
             if hf is not None:
-                for name, kw in [("hf_eager_dynamic", {}),
-                                 ("hf_static_no_compile", dict(cache_implementation="static",
-                                                               disable_compile=True)),
-                                 ("hf_static_compiled", dict(cache_implementation="static"))]:
+                configs = [("hf_eager_dynamic", {}),
+                           ("hf_static_no_compile", dict(cache_implementation="static",
+                                                         disable_compile=True))]
+                if not quick:  # torch.compile takes minutes per shape and context
+                    configs.append(("hf_static_compiled", dict(cache_implementation="static")))
+                for name, kw in configs:
                     try:
                         row[name + "_tok_s"] = round(hf_decode_tps(hf, ctx, **kw), 1)
                     except Exception as e:  # report, keep measuring
