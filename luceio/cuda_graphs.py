@@ -1,71 +1,127 @@
-"""CUDA graphs for decode steps (one query token per request).
+"""CUDA graphs for decode and speculative-verify steps.
 
-Graphs are captured per batch-size bucket, largest first, sharing one memory pool; a step
-replays the smallest bucket that fits, padded (padding rows write no KV: slot -1, and attend to
-one key). Attention inside a graph sees `max_seq_len` = the model's context, a static bound:
-the Triton decode kernel reads the real lengths from `seq_lens`. Steps that do not fit (prefill
-chunks, speculative verification, bigger batches) run eagerly. Works on ROCm through the same
-`torch.cuda` API."""
+A graph is captured per (batch-size bucket, tokens per request q): q = 1 for plain decode and
+q = k + 1 for verifying k drafts. Captures share one memory pool, largest batch first. A step
+replays the smallest bucket that fits, each request padded to q tokens and the batch padded
+to the bucket: a padded token writes no KV (slot -1) and sits after the request's real tokens
+(its sequence length grows by the padding), so causal attention keeps real tokens blind to it;
+a padded request attends to its own first q positions. Attention inside a graph sees
+`max_seq_len` = the model's context, a static bound; kernels read the real lengths from
+`seq_lens`. Steps that do not fit (prefill chunks, bigger batches, more drafts) run eagerly.
+Works on ROCm through the same `torch.cuda` API."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .models import AttnMetadata
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_MAX_VERIFY_BATCH = 32  # the speculative planner drafts nothing for larger batches
 
 
-class DecodeGraphs:
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device):
-        self.model, self.kv_caches = model, kv_caches
-        self.buckets = [b for b in _BUCKETS if b <= max_num_seqs] or [1]
-        self.max_bs = self.buckets[-1]
-        self.max_model_len = max_model_len
-        max_blocks = -(-max_model_len // block_size)
-        n = self.max_bs
+class StepGraphs:
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device, max_spec_tokens: int = 0):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.max_model_len, self.block_size = max_model_len, block_size
+        buckets = [b for b in _BUCKETS if b <= max_num_seqs] or [1]
+        self.buckets = {1: buckets}
+        for k in range(1, max_spec_tokens + 1):
+            self.buckets[k + 1] = [b for b in buckets if b <= _MAX_VERIFY_BATCH]
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_seqs = buckets[-1]
+        rows = max(q * b[-1] for q, b in self.buckets.items())
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, **i32)
-        self.seq_lens = torch.ones(n, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.tok = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, positions, slots
+        self.tables = torch.zeros(self.max_seqs, self.max_blocks, **i32)
+        self.lens = torch.zeros(self.max_seqs, **i32)
+        self.qsl = {q: torch.arange(self.max_seqs + 1, **i32) * q for q in self.buckets}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
+        self._pinned = None
 
-    def _meta(self, bs: int) -> AttnMetadata:
-        return AttnMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
-                            self.query_start_loc[:bs + 1], 1, self.max_model_len)
+    def _inputs(self, bs: int, q: int):
+        n = bs * q
+        meta = AttnMetadata(self.tok[2, :n], self.tables[:bs], self.lens[:bs], self.qsl[q][:bs + 1],
+                            q, self.max_model_len)
+        return self.tok[0, :n], self.tok[1, :n], meta
 
     @torch.inference_mode()
     def capture(self) -> None:
-        for bs in reversed(self.buckets):
-            args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._meta(bs))
-            self.model(*args)  # warm-up: compiles kernels outside the graph
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[bs] = self.model(*args)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-        torch.cuda.synchronize()
+        empty = np.zeros(0, np.int64)
+        for q, buckets in sorted(self.buckets.items(), key=lambda kv: -kv[0] * kv[1][-1]):
+            for bs in reversed(buckets):
+                self._fill(*self._pad(empty, empty, empty, np.zeros((0, 1), np.int32),
+                                      np.zeros(0, np.int32), np.zeros(0, np.int64), bs, q))
+                ids, pos, meta = self._inputs(bs, q)
+                self.model(ids, pos, self.kv_caches, meta)  # warm-up compiles the kernels
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.outputs[bs, q] = self.model(ids, pos, self.kv_caches, meta)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[bs, q] = g
+        torch.cuda.synchronize(self.device)
 
-    def fits(self, num_tokens: int, max_query_len: int) -> bool:
-        return max_query_len == 1 and num_tokens <= self.max_bs and bool(self.graphs)
+    def _bucket(self, h) -> tuple[int, int] | None:
+        q_lens = h.q_lens
+        q = int(q_lens.max())
+        if q not in self.buckets or len(q_lens) > self.buckets[q][-1]:
+            return None
+        if int((h.seq_lens + (q - q_lens)).max()) > self.max_model_len:
+            return None
+        return next(b for b in self.buckets[q] if b >= len(q_lens)), q
 
-    def run(self, input_ids, positions, meta: AttnMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
-        bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+    def fits(self, h) -> bool:
+        return bool(self.graphs) and self._bucket(h) is not None
+
+    def _pad(self, ids, pos, slots, bt, seq_lens, q_lens, bs: int, q: int):
+        """Host arrays padded to q tokens per request and bs requests: (tokens [3, bs*q],
+        block tables [bs, max_blocks], seq lens [bs])."""
+        n = len(seq_lens)
+        tok = np.zeros((3, bs, q), dtype=np.int64)
+        tok[1] = np.arange(q)[None, :]  # padded requests: positions 0..q-1
+        tok[2] = -1  # padding writes no KV
+        tables = np.zeros((bs, self.max_blocks), dtype=np.int64)
+        lens = np.full(bs, q, dtype=np.int64)
+        if n:
+            r = np.repeat(np.arange(n), q_lens)
+            j = np.arange(len(ids)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+            first = (seq_lens - q_lens).astype(np.int64)  # position of each request's first query
+            tok[1, :n] = first[:, None] + np.arange(q)[None, :]  # padding continues after the real
+            tok[0, r, j], tok[1, r, j], tok[2, r, j] = ids, pos, slots
+            tables[:n, :bt.shape[1]] = bt
+            lens[:n] = seq_lens + (q - q_lens)
+        return tok.reshape(3, -1), tables, lens
+
+    def _fill(self, tok, tables, lens) -> None:
+        """One pinned host→device copy, then on-device copies into the static inputs."""
+        parts = [tok.reshape(-1), tables.reshape(-1), lens]
+        total = sum(p.size for p in parts)
+        if self._pinned is None or self._pinned.numel() < total:
+            self._pinned = torch.empty(max(total, 1 << 16), dtype=torch.long, pin_memory=True)
+        torch.cuda.current_stream(self.device).synchronize()  # the previous copy has left
+        np.concatenate(parts, out=self._pinned.numpy()[:total])
+        dev = self._pinned[:total].to(self.device, non_blocking=True)
+        t, b, l_ = dev.split([p.size for p in parts])
+        n_tok, bs = tok.shape[1], lens.size
+        self.tok[:, :n_tok].copy_(t.view(3, n_tok))
+        self.tables[:bs].copy_(b.view(bs, self.max_blocks))
+        self.lens[:bs].copy_(l_)
+
+    def run(self, h):
+        """Replays the graph for host batch `h`; returns (hidden [bs*q, H], device row index of
+        each logits row)."""
+        bs, q = self._bucket(h)
+        q_lens = h.q_lens
+        self._fill(*self._pad(h.input_ids, h.positions, h.slot_mapping, h.block_tables,
+                              h.seq_lens, q_lens, bs, q))
+        self.graphs[bs, q].replay()
+        # token t of request r sits at row r * q + (t - query_start_loc[r]) after padding
+        r = np.repeat(np.arange(len(q_lens)), q_lens)
+        rows_of_tok = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], q_lens))
+        rows = torch.from_numpy(rows_of_tok[h.logits_indices]).to(self.device, non_blocking=True)
+        return self.outputs[bs, q], rows

@@ -59,7 +59,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(ckpt, dtype, device, args.cache_config(),
                                   self._max_len_hint(ckpt, model, args), model=model,
-                                  enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
+                                  enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                                  max_spec_tokens=args.num_speculative_tokens
+                                  if args.speculative_method else 0)
         self.max_model_len = self._max_len_hint(ckpt, model, args)
         self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
@@ -192,8 +194,10 @@ class LLMEngine:
             res.logprobs.update(lps)
         plain = [by_id[rid].req for rid in rows if rid not in res.sampled]
         if plain:
-            idx = torch.tensor([rows[r.request_id].start for r in plain], device=logits.device)
-            out = self.sampler(logits[idx], plain)
+            starts = [rows[r.request_id].start for r in plain]
+            picked = logits if starts == list(range(len(logits))) else \
+                logits[torch.tensor(starts, device=logits.device)]
+            out = self.sampler(picked, plain)
             for r, tok, lp in zip(plain, out.token_ids, out.logprobs):
                 res.sampled[r.request_id] = [tok]
                 res.logprobs[r.request_id] = [lp]

@@ -16,11 +16,25 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
+class HostBatch:
+    """One step's flat varlen batch, on the host (numpy). Device copies are made by `execute`
+    on the worker thread: one packed int64 and one packed int32 transfer."""
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    logits_indices: np.ndarray  # [num_rows] int64
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+@dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttnMetadata
-    logits_indices: torch.Tensor  # [num_rows]: token rows whose logits are needed
+    host: HostBatch
     row_slices: dict[str, slice]  # request id -> its rows among the logits (sample/verify)
     prompt_row_slices: dict[str, tuple[slice, int]]  # request id -> (rows, first prompt index)
 
@@ -28,7 +42,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  cache_config: CacheConfig, max_model_len: int, model=None,
-                 enforce_eager: bool = False, max_num_seqs: int = 128):
+                 enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0):
         self.device, self.dtype = device, dtype
         self.model = model if model is not None else build_model(ckpt, dtype, device)
         self.cfg = self.model.cfg
@@ -38,13 +52,14 @@ class ModelRunner:
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
         self.kv_caches = [torch.zeros((2, *shape), dtype=dtype, device=device)
                           for _ in range(self.cfg.num_layers)]
+        self.staging = Staging(device)
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             from . import kernels
-            from .cuda_graphs import DecodeGraphs
+            from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
-                self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
-                                           max_model_len, self.block_size, device)
+                self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs,
+                                         max_model_len, self.block_size, device, max_spec_tokens)
                 self.graphs.capture()
 
     @property
@@ -110,29 +125,49 @@ class ModelRunner:
         pos_np = np.asarray(pos, dtype=np.int64)
         seq_of_tok = np.repeat(np.arange(len(tables)), np.diff(q_starts))
         slots = bt[seq_of_tok, pos_np // bs].astype(np.int64) * bs + pos_np % bs
-        dev = self.device
-        q_lens = np.diff(q_starts)
-        meta = AttnMetadata(
-            slot_mapping=_t(slots, dev), block_tables=_t(bt, dev),
-            seq_lens=_t(np.asarray(seq_lens, dtype=np.int32), dev),
-            query_start_loc=_t(np.asarray(q_starts, dtype=np.int32), dev),
-            max_query_len=int(q_lens.max()), max_seq_len=int(max(seq_lens)))
-        return StepInputs(_t(np.asarray(ids, dtype=np.int64), dev), _t(pos_np, dev), meta,
-                          _t(np.asarray(logits_idx, dtype=np.int64), dev), rows, prompt_rows)
+        host = HostBatch(np.asarray(ids, dtype=np.int64), pos_np, slots, bt,
+                         np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
+                         np.asarray(logits_idx, dtype=np.int64))
+        return StepInputs(host, rows, prompt_rows)
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inp: StepInputs) -> torch.Tensor:
-        """Returns fp32 logits [num_rows, vocab] for `inp.logits_indices`."""
-        if self.graphs is not None and self.graphs.fits(len(inp.input_ids), inp.meta.max_query_len):
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`."""
+        h = inp.host
+        if self.graphs is not None and self.graphs.fits(h):
+            hidden, rows = self.graphs.run(h)
         else:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        return self.model.compute_logits(hidden[inp.logits_indices])
+            ids, pos, slots, rows = self.staging.to_device(
+                np.int64, [h.input_ids, h.positions, h.slot_mapping, h.logits_indices])
+            bt, seq_lens, qsl = self.staging.to_device(
+                np.int32, [h.block_tables.reshape(-1), h.seq_lens, h.query_start_loc])
+            meta = AttnMetadata(slots, bt.view(h.block_tables.shape), seq_lens, qsl,
+                                int(h.q_lens.max()), int(h.seq_lens.max()))
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[rows])
 
 
-def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+class Staging:
+    """Host→device transfers of many small int arrays as one copy per dtype, through a
+    persistent pinned buffer (allocating pinned memory per step costs more than the copy)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict = {}
+
+    def to_device(self, dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        packed = np.concatenate([a.reshape(-1).astype(dtype, copy=False) for a in arrays])
+        if self.device.type == "cpu":
+            flat = torch.from_numpy(packed)
+        else:
+            buf = self.buffers.get(dtype)
+            if buf is None or buf.numel() < packed.size:
+                buf = torch.empty(max(packed.size, 1 << 16), dtype=torch.from_numpy(packed[:0]).dtype,
+                                  pin_memory=True)
+                self.buffers[dtype] = buf
+            torch.cuda.current_stream(self.device).synchronize()  # the last copy has left buf
+            buf[:packed.size].numpy()[:] = packed
+            flat = buf[:packed.size].to(self.device, non_blocking=True)
+        return list(flat.split(sizes))

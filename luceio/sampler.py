@@ -23,7 +23,6 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
-        self._generators: dict[str, torch.Generator] = {}
         self._global: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
@@ -83,10 +82,11 @@ class Sampler:
 
     # drawing -----------------------------------------------------------------------------------
     def draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         argmax = logits.argmax(-1)
-        if bool(greedy.all()):
+        flags = [r.params.greedy for r in reqs]
+        if all(flags):
             return argmax
+        greedy = torch.tensor(flags, device=logits.device)
         probs = logits.softmax(-1)
         noise = self.exponential(probs, reqs)
         sampled = (probs / noise).argmax(-1)

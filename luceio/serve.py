@@ -35,11 +35,13 @@ def run(server_args: ServerArgs, engine_args: EngineArgs) -> int:
 
     from .async_engine import AsyncEngine
     from .server.app import build_app
+    from .server.http import http_protocol
 
     engine = AsyncEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, loop=_loop_name(), lifespan="on",
+        http=http_protocol(),
         log_config=None, log_level=server_args.log_level, access_log=server_args.access_log,
         timeout_graceful_shutdown=server_args.timeout_graceful_shutdown)
     server = _Server(config, app.state.server)

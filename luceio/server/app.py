@@ -28,6 +28,7 @@ from starlette.routing import Route
 from ..engine import QueueFullError
 from .args import ServerArgs
 from .metrics import ServerMetrics
+from .openapi import openapi_schema
 from .protocol import (APIError, ModelContext, ParsedRequest, ResponseBuilder, bad, error_body,
                        parse_chat, parse_completion)
 
@@ -54,8 +55,8 @@ class ServerState:
         self.ctx = ModelContext(names, le.tokenizer, le.runner.cfg.vocab_size, le.max_model_len,
                                 le.kv.pool.num_blocks * le.kv.block_size, le.scheduler.check_fits,
                                 args.max_tokens_cap)
-        self.metrics = ServerMetrics(engine)
         self.inflight: set[str] = set()
+        self.metrics = ServerMetrics(engine, inflight=lambda: len(self.inflight))
         self.draining = False
         self.created = int(time.time())
 
@@ -230,7 +231,7 @@ def _dumps(obj) -> str:
 async def _read_json(request: Request, limit: int) -> dict:
     cl = request.headers.get("content-length")
     if cl is not None:
-        if not cl.isdigit():
+        if not (cl.isascii() and cl.isdigit()):
             raise bad(None, f"invalid Content-Length {cl!r}")
         if int(cl) > limit:
             raise APIError(413, f"the request body is {int(cl)} bytes; the limit is {limit} "
@@ -242,12 +243,23 @@ async def _read_json(request: Request, limit: int) -> dict:
             raise APIError(413, f"the request body is over the limit of {limit} bytes",
                            code="request_too_large")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise bad(None, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
+    if not raw.isascii() or b"\\u" in raw:
+        # JSON lets `\ud800` (and json.loads lets CESU-8 bytes) through as a lone surrogate, which
+        # is not text: the tokenizer and every UTF-8 encoder downstream would fail on it
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(None, "the request body contains invalid Unicode (a lone UTF-16 "
+                      "surrogate)") from None
+        except RecursionError:
+            raise bad(None, "the request body is nested too deeply") from None
     return body
 
 
@@ -361,10 +373,23 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+    spec = openapi_schema(state.ctx.names, state.ctx.vocab_size, state.ctx.max_model_len,
+                          bool(args.api_key))
+
+    @endpoint
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(spec)
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
         return state.error(APIError(exc.status_code, msg, code=code, headers=exc.headers))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # Starlette's last resort (an error outside the endpoints): JSON, not its plain text
+        logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return state.error(APIError(500, "internal server error", "server_error",
+                                    code="internal_error"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -383,11 +408,12 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     middleware = [Middleware(_BearerAuth, api_key=args.api_key, state=state)] \
         if args.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={HTTPException: http_error})
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = state
     return app
 

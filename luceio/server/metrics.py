@@ -19,8 +19,10 @@ _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, async_engine):
+    def __init__(self, async_engine, inflight=lambda: 0):
+        self.async_engine = async_engine
         self.engine = async_engine.engine
+        self.inflight = inflight  # engine requests the HTTP server is serving now
         self.registry = CollectorRegistry()
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -70,6 +72,13 @@ class _EngineCollector:
                     len(e.scheduler.running))
         yield gauge("luceio_num_requests_waiting", "sequences waiting (queued or preempted)",
                     len(e.scheduler.waiting))
+        # open per-request state at each layer: all three are 0 when the server is idle
+        yield gauge("luceio_server_inflight_requests", "engine requests the HTTP server is "
+                    "serving", m.inflight())
+        yield gauge("luceio_engine_request_states", "requests the engine holds output state for",
+                    len(e.states))
+        yield gauge("luceio_engine_output_streams", "open async output streams",
+                    len(getattr(m.async_engine, "_streams", ())))
         yield gauge("luceio_kv_blocks_total", "KV cache blocks in the pool", pool.num_blocks)
         yield gauge("luceio_kv_blocks_used", "KV cache blocks held by requests",
                     pool.num_used_blocks)

@@ -75,7 +75,10 @@ class ParsedRequest:
 
 # field readers: null means "not given" -----------------------------------------------------------
 def _show(v: Any) -> str:
-    s = repr(v)
+    try:
+        s = repr(v)
+    except RecursionError:  # a deeply nested JSON value
+        return f"a deeply nested {type(v).__name__}"
     return s if len(s) <= 60 else s[:57] + "..."
 
 
@@ -144,11 +147,17 @@ def _model(body: dict, ctx: ModelContext) -> str:
 
 
 def _unsupported(body: dict) -> None:
-    if body.get("logit_bias"):
+    lb = body.get("logit_bias")
+    if lb is not None and not isinstance(lb, dict):
+        raise bad("logit_bias", f"'logit_bias' must be an object, got {_show(lb)}")
+    if lb:
         raise bad("logit_bias", "'logit_bias' is not supported")
     if body.get("suffix") is not None:
         raise bad("suffix", "'suffix' is not supported")
-    if body.get("tools"):
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", f"'tools' must be a list, got {_show(tools)}")
+    if tools:
         raise bad("tools", "'tools' (tool calling) is not supported")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
@@ -344,8 +353,11 @@ def _messages(msgs) -> list[dict]:
             raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of "
                       f"text parts, got {_show(content)}")
         msg = {"role": role, "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"{where}.name", f"'{where}.name' must be a string, got {_show(name)}")
+        if name is not None:
+            msg["name"] = name
         out.append(msg)
     return out
 

@@ -35,7 +35,7 @@ def _draft_proposer(args, target_runner, max_model_len: int):
     ckpt = load_checkpoint(_resolve(args.draft_model))
     runner = ModelRunner(ckpt, target_runner.dtype, target_runner.device, args.cache_config(),
                          max_model_len, enforce_eager=args.enforce_eager,
-                         max_num_seqs=args.max_num_seqs)
+                         max_num_seqs=args.max_num_seqs, max_spec_tokens=1)
     if runner.cfg.vocab_size != target_runner.cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({runner.cfg.vocab_size}) differs from "
                          f"the target's ({target_runner.cfg.vocab_size}); they must share a tokenizer")

@@ -42,3 +42,13 @@ def test_bf16_engine_runs_with_graphs(tiny_llama):
     out, eng = run(tiny_llama, dtype="bfloat16")
     assert all(len(o) == 48 for o in out)
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_verify_graphs_equal_eager_with_speculation(tiny_llama):
+    """Speculative steps replay (batch, k+1) graphs; greedy output must equal plain eager."""
+    eager, _ = run(tiny_llama, enforce_eager=True)
+    spec, eng = run(tiny_llama, speculative_method="draft", draft_model=tiny_llama,
+                    num_speculative_tokens=3)
+    assert any(q > 1 for (_, q) in eng.runner.graphs.graphs)
+    assert eng.spec.stats.num_draft_tokens > 0
+    assert spec == eager

@@ -1,0 +1,64 @@
+"""The padding that CUDA-graph replay applies (each request padded to q tokens, the batch to a
+bucket) must not change any real token's hidden state. Checked on CPU with the reference
+kernels by running the model on the padded batch exactly as a graph would."""
+import numpy as np
+import torch
+
+from conftest import engine_kwargs
+from luceio import LLM, SamplingParams
+from luceio.cuda_graphs import StepGraphs
+from luceio.models import AttnMetadata
+from luceio.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def test_padded_batch_gives_the_same_hidden_states(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs(max_model_len=256))
+    eng = llm.engine
+    # three requests with cached prefixes of different lengths
+    for i, n in enumerate([5, 21, 40]):
+        eng.add_request(f"r{i}", {"prompt_token_ids": list(range(3 + i, 3 + i + n))},
+                        SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    reqs = list(eng.scheduler.running)
+    # verify-like step: 1, 3 and 2 query tokens (drafts) per request
+    for r, k in zip(reqs, [0, 2, 1]):
+        r.spec_token_ids = [7] * k
+    sched = SchedulerOutput([ScheduledRequest(r, 1 + len(r.spec_token_ids), list(r.spec_token_ids))
+                             for r in reqs], [])
+    for r in reqs:
+        assert eng.kv.allocate_slots(r, 1 + len(r.spec_token_ids))
+    h = eng.runner.prepare(sched, eng.kv.block_tables).host
+    runner, model = eng.runner, eng.runner.model
+    t = torch.from_numpy
+    meta = AttnMetadata(t(h.slot_mapping), t(h.block_tables), t(h.seq_lens), t(h.query_start_loc),
+                        int(h.q_lens.max()), int(h.seq_lens.max()))
+    snapshot = [kv.clone() for kv in runner.kv_caches]
+    ref = model(t(h.input_ids), t(h.positions), runner.kv_caches, meta)
+
+    for kv, s in zip(runner.kv_caches, snapshot):  # start from the same cache
+        kv.copy_(s)
+    g = StepGraphs(model, runner.kv_caches, max_num_seqs=8, max_model_len=256, block_size=16,
+                   device=torch.device("cpu"), max_spec_tokens=3)
+    bs, q = g._bucket(h)
+    assert (bs, q) == (4, 3)
+    tok, tables, lens = g._pad(h.input_ids, h.positions, h.slot_mapping, h.block_tables,
+                               h.seq_lens, h.q_lens, bs, q)
+    qsl = torch.arange(bs + 1, dtype=torch.int32) * q
+    pmeta = AttnMetadata(t(tok[2]), t(tables.astype(np.int32)), t(lens.astype(np.int32)), qsl, q, 256)
+    out = model(t(tok[0]), t(tok[1]), runner.kv_caches, pmeta)
+    r = np.repeat(np.arange(len(h.q_lens)), h.q_lens)
+    rows = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], h.q_lens))
+    torch.testing.assert_close(out[t(rows)], ref, rtol=1e-5, atol=1e-5)
+    # padding wrote nothing: outside the real tokens' slots every cache entry is untouched,
+    # and the real slots hold what the unpadded run wrote (up to GEMM batch-shape rounding)
+    padded_caches = [kv.clone() for kv in runner.kv_caches]
+    for kv, s in zip(runner.kv_caches, snapshot):
+        kv.copy_(s)
+    model(t(h.input_ids), t(h.positions), runner.kv_caches, meta)
+    real = torch.zeros(padded_caches[0][0].shape[:2], dtype=torch.bool).view(-1)
+    real[t(h.slot_mapping)] = True
+    for a, b, s in zip(padded_caches, runner.kv_caches, snapshot):
+        a, b, s = (x.flatten(1, 2) for x in (a, b, s))  # [2, slots, heads, dim]
+        assert torch.equal(a[:, ~real], s[:, ~real])
+        torch.testing.assert_close(a[:, real], b[:, real], rtol=1e-5, atol=1e-5)
