@@ -195,6 +195,10 @@ def section_spec(quick: bool) -> None:
     step (0.5B), at several batch sizes. Drafts are random: only time is measured here."""
     rows = RESULTS.setdefault("spec_cost", [])
     target = make_engine(random_model("qwen2.5-coder-1.5b", max_positions=2048), 1536, kv_gib=4)
+    from luceio.cuda_graphs import StepGraphs
+    r = target.runner  # verify graphs up to k = 8 (the engine itself captures up to its k)
+    r.graphs = StepGraphs(r.model, r.kv_caches, 64, 1536, r.block_size, r.device, max_spec_tokens=8)
+    r.graphs.capture()
     draft = make_engine(random_model("qwen2.5-coder-0.5b", max_positions=2048), 1536, kv_gib=2)
     vocab = target.runner.cfg.vocab_size
     for batch in (1, 4, 16):
@@ -229,11 +233,75 @@ def section_spec(quick: bool) -> None:
         print(rows[-10:], flush=True)
 
 
+class OracleProposer:
+    """Proposes the target's own greedy continuation, each draft corrupted with probability
+    1 - accept_rate: a proposer of known quality, to check the speedup projection end to end."""
+
+    def __init__(self, references: dict[tuple, list[int]], accept_rate: float, vocab: int):
+        self.refs, self.rate, self.vocab = references, accept_rate, vocab
+        self.rng = torch.Generator().manual_seed(0)
+
+    def propose(self, inputs):
+        out = []
+        for inp in inputs:
+            toks = list(inp.tokens)
+            ref = self.refs[tuple(toks[:16])]
+            cont = ref[len(toks):len(toks) + inp.k]
+            out.append([t if torch.rand(1, generator=self.rng).item() < self.rate
+                        else int(torch.randint(0, self.vocab, (1,), generator=self.rng)) for t in cont])
+        return out
+
+
+def section_forced_acceptance(quick: bool) -> None:
+    """End-to-end decode tokens/s with drafts of a forced acceptance rate vs plain decoding."""
+    rows = RESULTS.setdefault("spec_forced_acceptance_1.5b", [])
+    model = random_model("qwen2.5-coder-1.5b", max_positions=2048)
+    new = 128 if quick else 256
+    for batch in (1, 4, 16):
+        prompts = [torch.randint(0, 151936, (512,)).tolist() for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+
+        def run(eng):
+            for p in prompts:
+                eng.add_request(None, p, params)
+            outs = {}
+            while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+                for o in eng.step():
+                    outs[tuple(o.prompt_token_ids[:16])] = o.prompt_token_ids + o.outputs[0].token_ids
+            torch.cuda.synchronize()
+            t, n0 = time.perf_counter(), eng.stats["generation_tokens"]
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        outs[tuple(o.prompt_token_ids[:16])] = o.prompt_token_ids + o.outputs[0].token_ids
+            torch.cuda.synchronize()
+            return (eng.stats["generation_tokens"] - n0) / (time.perf_counter() - t), outs
+        plain = make_engine(model, 1024, kv_gib=4, max_num_seqs=16)
+        base, refs = run(plain)
+        del plain
+        for rate in (0.5, 0.7, 0.9):
+            eng = make_engine(model, 1024, kv_gib=4, max_num_seqs=16, speculative_method="ngram",
+                              num_speculative_tokens=4)
+            eng.spec.proposer = OracleProposer(refs, rate, 151936)
+            tps, outs = run(eng)
+            st = eng.spec.stats
+            row = {"batch": batch, "forced_accept_rate": rate, "plain_tok_s": round(base, 1),
+                   "spec_tok_s": round(tps, 1), "speedup": round(tps / base, 2),
+                   "measured_acceptance": round(st.acceptance_rate, 3),
+                   "mean_tokens_per_verify": round(st.mean_accepted_length, 2),
+                   "outputs_identical": outs == refs}
+            print(row, flush=True)
+            rows.append(row)
+            del eng
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="decode,hf,concurrency,kernels,spec")
+    ap.add_argument("--sections", default="decode,hf,concurrency,kernels,spec,forced")
+    ap.add_argument("--json-name", default="gpu_bench.json")
     a = ap.parse_args()
     sections = a.sections.split(",")
     RESULTS["env"] = env_info()
@@ -242,10 +310,10 @@ def main() -> None:
     print("copy bandwidth GB/s", RESULTS["copy_bandwidth_GB_s"], flush=True)
     todo = [("decode", lambda: section_decode(bw, a.quick, "hf" in sections)),
             ("concurrency", lambda: section_concurrency(a.quick)),
-            ("kernels", lambda: section_kernels(bw)), ("spec", lambda: section_spec(a.quick))]
+            ("kernels", lambda: section_kernels(bw)), ("spec", lambda: section_spec(a.quick)),
+            ("forced", lambda: section_forced_acceptance(a.quick))]
+    todo = sorted((t for t in todo if t[0] in sections), key=lambda t: sections.index(t[0]))
     for name, fn in todo:
-        if name not in sections:
-            continue
         t = time.perf_counter()
         try:
             fn()
@@ -253,7 +321,7 @@ def main() -> None:
             RESULTS.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
             traceback.print_exc()
         RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
-        write_json(os.path.join(a.out, "gpu_bench.json"), RESULTS)
+        write_json(os.path.join(a.out, a.json_name), RESULTS)
 
 
 if __name__ == "__main__":
