@@ -256,6 +256,9 @@ def section_forced_acceptance(quick: bool) -> None:
     """End-to-end decode tokens/s with drafts of a forced acceptance rate vs plain decoding."""
     rows = RESULTS.setdefault("spec_forced_acceptance_1.5b", [])
     model = random_model("qwen2.5-coder-1.5b", max_positions=2048)
+    # random weights give near-flat logits whose bf16 argmax flips between kernel paths; peaked
+    # logits keep the greedy trajectory stable so the oracle's references stay valid
+    model.lm_head.weight.mul_(30.0)
     new = 128 if quick else 256
     for batch in (1, 4, 16):
         prompts = [torch.randint(0, 151936, (512,)).tolist() for _ in range(batch)]
