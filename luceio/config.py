@@ -49,8 +49,22 @@ class SpeculativeConfig:
     num_speculative_tokens: int
 
 
+class CliArgs:
+    """Mixin for frozen dataclasses whose fields are command-line options."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for f in dataclasses.fields(cls):
+            add_field_arg(parser, f)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace):
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclass(frozen=True)
-class EngineArgs:
+class EngineArgs(CliArgs):
     model: str | None = _opt(None, "HF checkpoint folder, .gguf file, or short name "
                              "(smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b); "
                              "default smollm2-135m")
@@ -75,16 +89,6 @@ class EngineArgs:
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
     num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for f in dataclasses.fields(cls):
-            add_field_arg(parser, f)
-        return parser
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

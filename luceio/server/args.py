@@ -3,14 +3,13 @@ to `EngineArgs`' own (one source of truth for `python -m luceio.serve` and `luce
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 
-from ..config import EngineArgs, _opt, add_field_arg
+from ..config import CliArgs, EngineArgs, _opt
 
 
 @dataclass(frozen=True)
-class ServerArgs:
+class ServerArgs(CliArgs):
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     port: int = _opt(8000, "TCP port to listen on")
     served_model_name: str | None = _opt(None, "model name the API reports and accepts; "
@@ -26,15 +25,6 @@ class ServerArgs:
     timeout_graceful_shutdown: int = _opt(30, "seconds to wait for open connections on "
                                           "SIGINT/SIGTERM before cancelling them")
 
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for f in dataclasses.fields(cls):
-            add_field_arg(parser, f)
-        return parser
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
 def make_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
