@@ -40,6 +40,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_queued_requests: int
+    preemption_mode: str = "recompute"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,10 @@ class EngineArgs(CliArgs):
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (long prompts are "
                                        "prefilled in chunks of at most this)")
     max_queued_requests: int = _opt(1024, "most requests waiting; more are refused")
+    preemption_mode: str = _opt("recompute", "when KV blocks run out, the newest request is "
+                                "preempted: recompute (free its blocks, prefill again later) or "
+                                "swap (copy its blocks to host memory and back; no recompute)",
+                                choices=["recompute", "swap"])
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft (default off)",
                                           choices=["ngram", "draft"])
@@ -103,7 +108,7 @@ class EngineArgs(CliArgs):
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
-                               self.max_queued_requests)
+                               self.max_queued_requests, self.preemption_mode)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory,

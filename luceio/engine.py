@@ -171,19 +171,23 @@ class LLMEngine:
 
     def _release_finished(self) -> None:
         ids, self.scheduler.released_ids = self.scheduler.released_ids, []
-        if self.spec is not None:
-            for rid in ids:
+        for rid in ids:
+            self.runner.drop_host_kv(rid)
+            if self.spec is not None:
                 self.spec.release(rid)
 
     def schedule_step(self) -> Batch | None:
         sched = self.scheduler.schedule()
         if not sched:
+            if sched.swap_out:  # a preemption freed blocks but nothing runs: save them now
+                self.runner.swap(sched)
             return None
         return Batch(sched, self.runner.prepare(sched, self.kv.block_tables))
 
     def execute(self, batch: Batch) -> StepResult:
         """Forward and sampling. Reads request state, writes only tensors: safe off-loop."""
         t0 = time.perf_counter()
+        self.runner.swap(batch.sched)
         logits = self.runner.execute(batch.inputs)
         res = StepResult()
         rows = batch.inputs.row_slices
@@ -223,8 +227,7 @@ class LLMEngine:
                 self._record_sample(req, result, now)
             for state in {self.states[r.parent_id] for r in changed if r.parent_id in self.states}:
                 self._emit(state)
-        if self.spec is None:
-            self.scheduler.released_ids.clear()
+        self._release_finished()
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
 

@@ -53,6 +53,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros((2, *shape), dtype=dtype, device=device)
                           for _ in range(self.cfg.num_layers)]
         self.staging = Staging(device)
+        self.host_kv: dict[str, torch.Tensor] = {}  # swapped-out requests' blocks
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             from . import kernels
@@ -129,6 +130,26 @@ class ModelRunner:
                          np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
                          np.asarray(logits_idx, dtype=np.int64))
         return StepInputs(host, rows, prompt_rows)
+
+    # swap preemption ---------------------------------------------------------------------------
+    def swap(self, out: SchedulerOutput) -> None:
+        """Copies preempted requests' blocks to host memory and resumed ones' back, bit-exact.
+        Runs before the step's forward, the first thing that may reuse the freed blocks."""
+        for rid, blocks in out.swap_out:
+            idx = torch.tensor(blocks, device=self.device)
+            # [num_layers, 2, len(blocks), block_size, num_kv_heads, head_dim]
+            self.host_kv[rid] = torch.stack([kv.index_select(1, idx) for kv in self.kv_caches]).cpu()
+        for rid, blocks in out.swap_in:
+            data = self.host_kv.pop(rid, None)
+            if data is None:  # aborted while its step was being prepared
+                continue
+            data = data.to(self.device)
+            idx = torch.tensor(blocks, device=self.device)
+            for layer, kv in enumerate(self.kv_caches):
+                kv.index_copy_(1, idx, data[layer])
+
+    def drop_host_kv(self, request_id: str) -> None:
+        self.host_kv.pop(request_id, None)
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()

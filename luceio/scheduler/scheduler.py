@@ -29,6 +29,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
+    # swap preemption: KV to copy before this step's forward (request id, block ids)
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -47,6 +50,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.released_ids: list[str] = []  # finished since the engine last looked
+        self.swap_mode = config.preemption_mode == "swap"
+        self.swapped: set[str] = set()  # preempted requests whose KV waits in host memory
+        self._swap_out: list[tuple[str, list[int]]] = []
+        self._swap_in: list[tuple[str, list[int]]] = []
 
     # admission -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
@@ -100,7 +107,9 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        out = SchedulerOutput(scheduled, preempted, self._swap_out, self._swap_in)
+        self._swap_out, self._swap_in = [], []
+        return out
 
     def _fit_spec(self, req: Request, num_new: int) -> list[int]:
         """Drops the drafts that did not fit in the budget."""
@@ -127,13 +136,21 @@ class Scheduler:
             if leader is not None and not leader.is_finished and \
                     leader.num_computed_tokens < leader.num_prompt_tokens:
                 continue  # n > 1: wait for the first sample's prompt to be cached, then share it
-            computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, num_new, computed_blocks):
-                break
-            if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
+            if req.request_id in self.swapped:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, num_new):
+                    break
+                self.swapped.discard(req.request_id)
+                num_kept = -(-req.num_computed_tokens // self.kv.block_size)
+                self._swap_in.append((req.request_id, self.kv.blocks_of(req.request_id)[:num_kept]))
+            else:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - num_hit, budget)
+                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                    break
+                if req.status == RequestStatus.WAITING:
+                    req.num_cached_tokens = num_hit
+                req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.waiting.remove(req)
             self.running.append(req)
@@ -142,9 +159,16 @@ class Scheduler:
         return budget
 
     def _preempt(self, req: Request) -> None:
+        if self.swap_mode and req.num_computed_tokens > 0:
+            # the runner copies these blocks to host memory before this step's forward, which
+            # is the first thing that could overwrite them
+            num_kept = -(-req.num_computed_tokens // self.kv.block_size)
+            self._swap_out.append((req.request_id, self.kv.blocks_of(req.request_id)[:num_kept]))
+            self.swapped.add(req.request_id)
+        else:
+            req.num_computed_tokens = 0
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -197,4 +221,5 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        self.released_ids.append(req.request_id)
+        self.released_ids.append(req.request_id)  # the engine drops its host KV copy, if any
+        self.swapped.discard(req.request_id)

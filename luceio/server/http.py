@@ -22,11 +22,11 @@ def http_protocol():
         def send_400_response(self, msg: str) -> None:
             transport = self.transport
             cycle = getattr(self, "cycle", None)
-            if cycle is not None and not getattr(cycle, "response_complete", True):
+            if cycle is not None and getattr(cycle, "response_started", False) and \
+                    not getattr(cycle, "response_complete", False):
                 transport.close()  # a response is already on the wire: just hang up
                 return
-            body = json.dumps(error_body(f"{msg.rstrip('.')}: malformed HTTP request",
-                                         code="bad_http_request")).encode()
+            body = json.dumps(error_body(msg, code="bad_http_request")).encode()
             transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
                             b"content-length: %d\r\nconnection: close\r\n\r\n%s"
                             % (len(body), body))

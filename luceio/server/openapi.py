@@ -43,6 +43,9 @@ def _num(lo: float | None = None, hi: float | None = None, exclusive_lo: bool = 
 
 
 _BOOL = _null({"type": "boolean"})
+# one server-sent event: `data` is a JSON chunk, an error object, or `[DONE]` (the last event)
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 
 
 def _sampling(vocab: int) -> dict:
@@ -185,7 +188,7 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
                                        "(one JSON chunk per event, then `data: [DONE]`)",
                         "content": {"application/json": {
                             "schema": {"$ref": f"#/components/schemas/{resp}"}},
-                            "text/event-stream": {"schema": {"type": "string"}}}},
+                            "text/event-stream": {"schema": _SSE_EVENT}}},
                 **generation_errors}}}
 
     def get(summary: str, content: dict, errors: dict) -> dict:
