@@ -49,6 +49,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     device = q.device
+    if max_query_len == 1 and num_tokens == num_seqs:
+        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
                                            output_size=num_tokens)
@@ -68,3 +70,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         attn_mask=mask[:, None], scale=scale,
         enable_gqa=num_kv_heads != num_heads)  # [B, H, Lq, D]
     return out.transpose(1, 2)[seq_of_token, idx_in_seq]
+
+
+def _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, scale: float):
+    """One query per request: two batched matmuls per KV head group, no padding of queries.
+    (CPU SDPA kernels spend far longer on their setup than on a single query's work.)"""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = gather_kv(k_cache, block_tables, max_seq_len).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    v = gather_kv(v_cache, block_tables, max_seq_len).transpose(1, 2)  # [B, Hkv, L, D]
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.to(q.dtype)).float() * scale  # [B, Hkv, G, L]
+    beyond = torch.arange(max_seq_len, device=q.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    return torch.matmul(probs, v.to(q.dtype)).view(num_seqs, num_heads, head_dim)
