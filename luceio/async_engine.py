@@ -45,7 +45,16 @@ class AsyncEngine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         self._ensure_running()
-        request_id = self.engine.add_request(request_id, prompt, sampling_params)
+        params = sampling_params or SamplingParams()
+        text, ids = self.engine.tokenize(prompt)
+        kept = None
+        keep = self.engine.spec_prefill_keep(len(ids), params)
+        if keep is not None:  # the draft's scoring pass runs on the worker, like a step
+            self.engine.scheduler.check_fits(len(ids), params.max_tokens)
+            kept = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.spec_prefill.select, ids, keep)
+        request_id = self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
+                                             params, kept_positions=kept)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._wakeup.set()

@@ -94,6 +94,11 @@ class EngineArgs(CliArgs):
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
     num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
+    spec_prefill_keep: float | None = _opt(None, "speculative prefill: for prompts of at least "
+                                           "--spec-prefill-min-tokens, the draft model scores the "
+                                           "prompt and the target prefills only this fraction of "
+                                           "it (needs --draft-model; inexact by design; default off)")
+    spec_prefill_min_tokens: int = _opt(1024, "shortest prompt that speculative prefill shortens")
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

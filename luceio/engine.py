@@ -24,7 +24,7 @@ from .runner import ModelRunner, StepInputs
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .spec import build_spec_decoder
+from .spec import build_spec_decoder, build_spec_prefill
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("luceio")
@@ -67,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.sampler = Sampler(args.seed)
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len)
+        self.spec_prefill = build_spec_prefill(args, self.runner, self.spec, self.max_model_len)
         self.states: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -110,10 +111,23 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be ints in [0, {self.runner.cfg.vocab_size})")
         return None, ids
 
+    def spec_prefill_keep(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
+        """The keep ratio speculative prefill applies to this prompt, or None."""
+        if self.spec_prefill is None:
+            return None
+        if params.spec_prefill_keep is not None:
+            return params.spec_prefill_keep
+        if self.args.spec_prefill_keep is not None and \
+                num_prompt_tokens >= self.args.spec_prefill_min_tokens:
+            return self.args.spec_prefill_keep
+        return None
+
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validates and queues a request; raises ValueError for one that can never run."""
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    kept_positions: list[int] | None = None) -> str:
+        """Validates and queues a request; raises ValueError for one that can never run.
+        `kept_positions`: the prompt positions speculative prefill kept (computed here when
+        the request asks for it and none are given)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
@@ -122,10 +136,17 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        keep = self.spec_prefill_keep(len(ids), params)
+        if kept_positions is None and keep is not None:
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be combined with speculative prefill")
+            kept_positions = self.spec_prefill.select(ids, keep)
+        kept_ids = ids if kept_positions is None else [ids[p] for p in kept_positions]
         arrival = arrival_time or time.monotonic()
-        samples = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
+        samples = [Request(request_id if params.n == 1 else f"{request_id}#{i}", kept_ids, params,
                            self.eos_token_ids, self.max_model_len, parent_id=request_id, index=i,
-                           arrival_time=arrival) for i in range(params.n)]
+                           arrival_time=arrival, position_ids=kept_positions,
+                           num_original_prompt_tokens=len(ids)) for i in range(params.n)]
         for r in samples[1:]:
             r.prefill_leader = samples[0]
         self.states[request_id] = RequestState(request_id, text, ids, params, samples,

@@ -30,7 +30,8 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_model_len: int, parent_id: str | None = None,
-                 index: int = 0, arrival_time: float | None = None):
+                 index: int = 0, arrival_time: float | None = None,
+                 position_ids: list[int] | None = None, num_original_prompt_tokens: int | None = None):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index  # sample index within the parent (n > 1)
@@ -55,6 +56,10 @@ class Request:
         self.output_logprobs: list[dict] = []  # per output token: {token_id: (logprob, rank)}
         self.prompt_logprobs: list[dict | None] = []
         self.generator: torch.Generator | None = None  # made on the logits' device by the sampler
+        # speculative prefill: the prompt holds only the kept tokens, at these original positions;
+        # tokens after the prompt continue from the original prompt's length
+        self.position_ids = position_ids
+        self.num_original_prompt_tokens = num_original_prompt_tokens or len(prompt_token_ids)
 
     # derived counts, never stored twice
     @property
@@ -81,10 +86,18 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    def positions(self, start: int, end: int) -> list[int] | range:
+        """Rotary positions of the tokens at cache indices start..end-1."""
+        if self.position_ids is None:
+            return range(start, end)
+        shift = self.num_original_prompt_tokens - self.num_prompt_tokens
+        return [self.position_ids[i] if i < self.num_prompt_tokens else i + shift
+                for i in range(start, end)]
+
     @property
     def max_tokens(self) -> int:
         """Output tokens allowed: the params' cap, bounded by the model's context."""
-        room = self.max_model_len - self.num_prompt_tokens
+        room = self.max_model_len - self.num_original_prompt_tokens
         cap = self.params.max_tokens
         return room if cap is None else min(cap, room)
 

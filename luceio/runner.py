@@ -105,7 +105,7 @@ class ModelRunner:
             tokens = r.all_token_ids + s.spec_token_ids if s.spec_token_ids else r.all_token_ids
             base = len(ids)
             ids.extend(tokens[start:end])
-            pos.extend(range(start, end))
+            pos.extend(r.positions(start, end))
             seq_lens.append(end)
             q_starts.append(len(ids))
             tables.append(block_tables[r.request_id])
@@ -124,8 +124,12 @@ class ModelRunner:
         for i, t in enumerate(tables):
             bt[i, :len(t)] = t
         pos_np = np.asarray(pos, dtype=np.int64)
-        seq_of_tok = np.repeat(np.arange(len(tables)), np.diff(q_starts))
-        slots = bt[seq_of_tok, pos_np // bs].astype(np.int64) * bs + pos_np % bs
+        q_lens = np.diff(q_starts)
+        seq_of_tok = np.repeat(np.arange(len(tables)), q_lens)
+        # cache index of each token (its rotary position may differ: speculative prefill)
+        cache_idx = np.asarray(seq_lens, dtype=np.int64)[seq_of_tok] - \
+            np.repeat(np.asarray(q_starts[1:], dtype=np.int64), q_lens) + np.arange(len(ids))
+        slots = bt[seq_of_tok, cache_idx // bs].astype(np.int64) * bs + cache_idx % bs
         host = HostBatch(np.asarray(ids, dtype=np.int64), pos_np, slots, bt,
                          np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
                          np.asarray(logits_idx, dtype=np.int64))
@@ -153,10 +157,11 @@ class ModelRunner:
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inp: StepInputs) -> torch.Tensor:
-        """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`."""
+    def execute(self, inp: StepInputs, probe=None) -> torch.Tensor:
+        """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`. A `probe`
+        (called per layer with the rotated queries) forces the eager path."""
         h = inp.host
-        if self.graphs is not None and self.graphs.fits(h):
+        if self.graphs is not None and probe is None and self.graphs.fits(h):
             hidden, rows = self.graphs.run(h)
         else:
             ids, pos, slots, rows = self.staging.to_device(
@@ -165,7 +170,7 @@ class ModelRunner:
                 np.int32, [h.block_tables.reshape(-1), h.seq_lens, h.query_start_loc])
             meta = AttnMetadata(slots, bt.view(h.block_tables.shape), seq_lens, qsl,
                                 int(h.q_lens.max()), int(h.seq_lens.max()))
-            hidden = self.model(ids, pos, self.kv_caches, meta)
+            hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])
 
 

@@ -35,6 +35,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     use_speculation: bool = True  # per-request opt-out of speculative decoding
+    spec_prefill_keep: float | None = None  # per-request speculative-prefill keep ratio
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -63,6 +64,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "must be in [0, 20]"),
+            ("spec_prefill_keep", self.spec_prefill_keep is None or
+             0.0 < self.spec_prefill_keep <= 1.0, "must be in (0, 1]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "must be non-empty strings"),
         ]

@@ -30,7 +30,7 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of a new request: (block ids, tokens covered). At least one
         token is always left to compute, so the step produces logits for it."""
-        if not self.enable_prefix_caching:
+        if not self._caches(req):
             return [], 0
         bs = self.block_size
         hashes = self._hashes(req, req.num_tokens - 1)
@@ -64,7 +64,7 @@ class KVCacheManager:
 
     def cache_blocks(self, req: Request) -> None:
         """Registers the request's newly full, verified blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self._caches(req):
             return
         bs = self.block_size
         table = self.block_tables.get(req.request_id, [])
@@ -76,6 +76,11 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache(table[i], hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
         self.num_cached_blocks[req.request_id] = num_full
+
+    def _caches(self, req) -> bool:
+        """Prefix caching applies unless off, or the request's tokens sit at other positions
+        than their cache index (speculative prefill): their KV would not match a plain prompt."""
+        return self.enable_prefix_caching and getattr(req, "position_ids", None) is None
 
     def free(self, req: Request) -> None:
         """Releases the request's blocks, tail first so shared prefixes outlive their tails."""

@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin):
+    def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -99,6 +99,8 @@ class Attention(nn.Module):
         kernels.rotary(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if probe is not None:  # speculative prefill reads the attention of the last window
+            probe(q, k_cache, meta, self.scale)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
                                     self.scale)
@@ -123,13 +125,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin, probe)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -150,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttnMetadata,
-                layer_range: tuple[int, int] | None = None, hidden=None):
+                layer_range: tuple[int, int] | None = None, hidden=None, probe=None):
         """Runs layers `layer_range` (default all); the first stage embeds, the last normalises.
         Returns [num_tokens, hidden] (or (hidden, residual) from a middle stage)."""
         start, end = layer_range or (0, len(self.layers))
@@ -159,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = hidden
         for i in range(start, end):
-            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, self.cos_sin)
+            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, self.cos_sin,
+                                         probe)
         if end < len(self.layers):
             return x, residual
         x, _ = self.norm(x, residual)

@@ -8,7 +8,7 @@ from .proposer import ProposalInput, Proposer
 from .rejection import rejection_sample, rejection_sample_batch
 
 __all__ = ["SpecDecoder", "SpecStats", "NgramProposer", "ProposalInput", "Proposer",
-           "rejection_sample", "rejection_sample_batch", "build_spec_decoder"]
+           "rejection_sample", "rejection_sample_batch", "build_spec_decoder", "build_spec_prefill"]
 
 
 def build_spec_decoder(args, target_runner, sampler, max_model_len: int) -> SpecDecoder | None:
@@ -40,3 +40,25 @@ def _draft_proposer(args, target_runner, max_model_len: int):
         raise ValueError(f"the draft model's vocabulary ({runner.cfg.vocab_size}) differs from "
                          f"the target's ({target_runner.cfg.vocab_size}); they must share a tokenizer")
     return DraftModelProposer(runner, args.block_size)
+
+
+def build_spec_prefill(args, target_runner, spec: SpecDecoder | None, max_model_len: int):
+    """The speculative-prefill scorer, with its own small KV cache (it runs on the worker
+    thread beside the draft proposer, so it shares the draft's weights but not its blocks)."""
+    if not args.draft_model:
+        if args.spec_prefill_keep is not None:
+            raise ValueError("--spec-prefill-keep needs --draft-model")
+        return None
+    from ..cache import KVCacheManager
+    from ..config import CacheConfig
+    from ..runner import ModelRunner
+    from .prefill import SpecPrefill
+    if spec is not None and spec.method == "draft":
+        draft_model = spec.proposer.runner.model
+    else:
+        draft_model = _draft_proposer(args, target_runner, max_model_len).runner.model
+    blocks = -(-max_model_len // args.block_size) + 1
+    runner = ModelRunner(None, target_runner.dtype, target_runner.device,
+                         CacheConfig(args.block_size, blocks, 0, 0.0, False), max_model_len,
+                         model=draft_model, enforce_eager=True)
+    return SpecPrefill(runner, KVCacheManager(blocks, args.block_size, False))

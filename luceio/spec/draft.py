@@ -34,6 +34,9 @@ class DraftSeq:
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids)
 
+    def positions(self, start: int, end: int) -> range:
+        return range(start, end)
+
 
 class DraftModelProposer:
     def __init__(self, runner, block_size: int):
