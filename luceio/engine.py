@@ -242,6 +242,8 @@ class LLMEngine:
             self.stats["prompt_tokens"] += sum(
                 min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.req.num_computed_tokens, 0))
                 for s in batch.sched.scheduled)
+            if self.spec is not None:
+                self._observe_spec(batch, result)
             changed = self.scheduler.update(batch.sched, result.sampled)
             now = time.monotonic()
             for req in changed:
@@ -251,6 +253,15 @@ class LLMEngine:
         self._release_finished()
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
+
+    def _observe_spec(self, batch: Batch, result: StepResult) -> None:
+        """Feeds decode-only steps' throughput to the speculation cost model."""
+        sched = batch.sched.scheduled
+        if any(s.req.num_computed_tokens < s.req.num_tokens - 1 for s in sched):
+            return  # a prefill chunk rode along: not comparable
+        drafted = any(s.spec_token_ids for s in sched)
+        seconds = result.seconds + (self.spec.last_draft_seconds if drafted else 0.0)
+        self.spec.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()), seconds)
 
     def _record_prompt_logprobs(self, batch: Batch, result: StepResult) -> None:
         for rid, lps in result.prompt_logprobs.items():

@@ -110,3 +110,21 @@ def test_opt_out_and_penalties_do_not_speculate(tiny_llama):
     _, eng = run_all(tiny_llama, prompts, SamplingParams(max_tokens=10, repetition_penalty=1.3, **GREEDY),
                      speculative_method="ngram")
     assert eng.spec.stats.num_draft_tokens == 0
+
+
+def test_cost_model_stops_speculating_when_it_does_not_pay():
+    from luceio.spec import SpecDecoder
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    spec.observe(16, drafted=False, num_tokens=16, seconds=0.010)  # 1600 tok/s plain
+    spec.observe(16, drafted=True, num_tokens=20, seconds=0.020)  # 1000 tok/s with drafts
+    spec.observe(4, drafted=False, num_tokens=4, seconds=0.010)  # 400 tok/s plain
+    spec.observe(4, drafted=True, num_tokens=10, seconds=0.012)  # 833 tok/s with drafts
+    decisions = []
+    for step in range(1, 2 * 8):
+        spec._step = step
+        decisions.append((spec.pays(16), spec.pays(4)))
+    # at batch 16 only the periodic probe step drafts; at batch 4 every step but the plain probe
+    assert [d[0] for d in decisions].count(True) == 1 and decisions[7][0] is True
+    assert all(d[1] for d in decisions)
+    spec._step = 16
+    assert spec.pays(4) is False  # the periodic plain step that refreshes the baseline

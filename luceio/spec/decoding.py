@@ -23,6 +23,10 @@ _EMA = 0.5
 _PROBE_EVERY = 8
 
 
+def _bucket(batch_size: int) -> int:
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
 @dataclass
 class SpecStats:
     num_drafts: int = 0
@@ -52,6 +56,9 @@ class SpecDecoder:
         self._ema: dict[str, float] = {}
         self._idle: dict[str, int] = {}
         self._released: list[str] = []  # proposer state is freed on the loop thread, between steps
+        self._tput: dict[tuple[int, bool], float] = {}  # (batch bucket, drafted) -> tokens/s
+        self._step = 0
+        self.last_draft_seconds = 0.0
 
     # proposing ---------------------------------------------------------------------------------
     def batch_cap(self, batch_size: int) -> int:
@@ -86,20 +93,47 @@ class SpecDecoder:
             if hasattr(self.proposer, "release"):
                 self.proposer.release(rid)
         self._released.clear()
-        cap = self.batch_cap(len(running))
+        self._step += 1
+        cap = self.batch_cap(len(running)) if self.pays(len(running)) else 0
         reqs = [r for r in running if self.eligible(r)] if cap else []
         ks = [self.k_for(r, cap) for r in reqs]
         return [r for r, k in zip(reqs, ks) if k], [k for k in ks if k]
 
+    # cost model: does speculation pay at this batch size on this machine? -------------------
+    def pays(self, batch_size: int) -> bool:
+        """Compares measured throughput (tokens per second of step time) of steps with drafts
+        against plain decode steps of the same batch-size bucket. Every `_PROBE_EVERY * 2`
+        steps one plain step refreshes the baseline and one drafting step re-checks, so the
+        decision follows changes in acceptance."""
+        b = _bucket(batch_size)
+        phase = self._step % (2 * _PROBE_EVERY)
+        if phase == 0:
+            return False  # measure plain decoding
+        if phase == _PROBE_EVERY:
+            return True  # measure speculation
+        spec, plain = self._tput.get((b, True)), self._tput.get((b, False))
+        return spec is None or plain is None or spec >= plain
+
+    def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float) -> None:
+        """Records one decode step's output tokens and time (drafting included)."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        key = (_bucket(batch_size), drafted)
+        tput = num_tokens / seconds
+        prev = self._tput.get(key)
+        self._tput[key] = tput if prev is None else _EMA * tput + (1 - _EMA) * prev
+
     def draft(self, reqs: list[Request], ks: list[int]):
         """Worker thread: runs the proposer (reads request tokens, writes only its own state)."""
         t0 = time.perf_counter()
+        self.last_draft_seconds = 0.0
         if self.method == "ngram":
             drafts = self.proposer.propose([ProposalInput(r.all_token_ids, k) for r, k in zip(reqs, ks)])
             probs = None
         else:
             drafts, probs = self.proposer.propose(reqs, ks, self.sampler)
-        self.stats.draft_seconds += time.perf_counter() - t0
+        self.last_draft_seconds = time.perf_counter() - t0
+        self.stats.draft_seconds += self.last_draft_seconds
         return drafts, probs
 
     def apply(self, reqs: list[Request], drafts, probs) -> None:
