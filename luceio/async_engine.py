@@ -50,7 +50,7 @@ class AsyncEngine:
         kept = None
         keep = self.engine.spec_prefill_keep(len(ids), params)
         if keep is not None:  # the draft's scoring pass runs on the worker, like a step
-            self.engine.scheduler.check_fits(len(ids), params.max_tokens)
+            self.engine.check_request(ids, params)
             kept = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.engine.spec_prefill.select, ids, keep)
         request_id = self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},

@@ -20,7 +20,8 @@ from .loader import load_checkpoint
 from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
-from .runner import ModelRunner, StepInputs
+from .models import build_model
+from .runner import ModelRunner, StepInputs, kv_bytes_per_block
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -57,17 +58,23 @@ class LLMEngine:
             tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config,
                                   ckpt.config)
         self.tokenizer = tokenizer
+        # the draft model loads first, so the target's KV cache is sized around its weights
+        draft = build_model(load_checkpoint(_resolve(args.draft_model)), dtype, device) \
+            if args.draft_model else None
         self.runner = ModelRunner(ckpt, dtype, device, args.cache_config(),
                                   self._max_len_hint(ckpt, model, args), model=model,
                                   enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                                   max_spec_tokens=args.num_speculative_tokens
-                                  if args.speculative_method else 0)
+                                  if args.speculative_method else 0,
+                                  extra_bytes_per_block=kv_bytes_per_block(
+                                      draft.cfg, args.block_size, dtype)
+                                  if draft is not None and args.speculative_method == "draft" else 0)
         self.max_model_len = self._max_len_hint(ckpt, model, args)
         self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.sampler = Sampler(args.seed)
-        self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len)
-        self.spec_prefill = build_spec_prefill(args, self.runner, self.spec, self.max_model_len)
+        self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
+        self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len)
         self.states: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -98,18 +105,24 @@ class LLMEngine:
 
     # requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
+                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
+            else:
+                prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        if not all(isinstance(t, int) and 0 <= t < self.runner.cfg.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {self.runner.cfg.vocab_size})")
-        return None, ids
+        self._check_token_ids("prompt token ids", ids)
+        return text, ids
+
+    def _check_token_ids(self, what: str, ids: list) -> None:
+        vocab = self.runner.cfg.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{what} must be ints in [0, {vocab})")
 
     def spec_prefill_keep(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
         """The keep ratio speculative prefill applies to this prompt, or None."""
@@ -122,6 +135,16 @@ class LLMEngine:
             return self.args.spec_prefill_keep
         return None
 
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request that could never run or would break a step."""
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.seed is not None and not 0 <= params.seed < 2**63 - params.n:
+            raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
+        if params.prompt_logprobs is not None and \
+                self.spec_prefill_keep(len(ids), params) is not None:
+            raise ValueError("prompt_logprobs cannot be combined with speculative prefill")
+
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     kept_positions: list[int] | None = None) -> str:
@@ -133,17 +156,18 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(ids), params.max_tokens)
+        self.check_request(ids, params)
+        sample_ids = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
+        if any(i in self.scheduler.requests for i in sample_ids):
+            raise ValueError(f"request id {request_id!r} collides with a running request's samples")
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
         keep = self.spec_prefill_keep(len(ids), params)
         if kept_positions is None and keep is not None:
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs cannot be combined with speculative prefill")
             kept_positions = self.spec_prefill.select(ids, keep)
         kept_ids = ids if kept_positions is None else [ids[p] for p in kept_positions]
         arrival = arrival_time or time.monotonic()
-        samples = [Request(request_id if params.n == 1 else f"{request_id}#{i}", kept_ids, params,
+        samples = [Request(sample_ids[i], kept_ids, params,
                            self.eos_token_ids, self.max_model_len, parent_id=request_id, index=i,
                            arrival_time=arrival, position_ids=kept_positions,
                            num_original_prompt_tokens=len(ids)) for i in range(params.n)]
@@ -251,6 +275,8 @@ class LLMEngine:
             for state in {self.states[r.parent_id] for r in changed if r.parent_id in self.states}:
                 self._emit(state)
         self._release_finished()
+        for rid in [r for r in self.runner.host_kv if r not in self.scheduler.requests]:
+            self.runner.drop_host_kv(rid)  # aborted while its swap-out was in flight
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
 

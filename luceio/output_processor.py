@@ -26,26 +26,42 @@ class SampleState:
         self.finished_sent = False
 
     def absorb(self) -> str | None:
-        """Detokenizes new tokens; returns the stop string hit, if any."""
-        new = self.req.output_token_ids[self.num_tokens_seen:]
+        """Detokenizes new tokens; returns the stop string hit, if any. A stop string ends the
+        output where it completes: tokens accepted after it in the same step (speculation) are
+        dropped, so the tokens match decoding one at a time. Stop strings count only once
+        `min_tokens` tokens exist."""
+        req = self.req
+        seen = self.num_tokens_seen
+        new = req.output_token_ids[seen:]
         self.num_tokens_seen += len(new)
         if self.detok is None or not new:
             return None
-        if self.req.status == RequestStatus.FINISHED_STOPPED and self.req.stop_reason is None \
-                and new[-1] in self.req.eos_token_ids:
-            new = new[:-1]  # eos is in token_ids, not in text
-        before = len(self.text)
-        self.text += self.detok.add(new) if new else ""
-        stops = self.req.params.stop
-        if not stops or self.req.status == RequestStatus.FINISHED_ABORTED:
+        text_tokens = new
+        if req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None \
+                and new[-1] in req.eos_token_ids:
+            text_tokens = new[:-1]  # eos is in token_ids, not in text
+        stops = req.params.stop if req.status != RequestStatus.FINISHED_ABORTED else []
+        if not stops:
+            self.text += self.detok.add(text_tokens) if text_tokens else ""
             return None
-        start = max(0, before - max(len(s) for s in stops) + 1)
-        hits = [(i, s) for s in stops if (i := self.text.find(s, start)) >= 0]
-        if not hits:
-            return None
-        i, s = min(hits)
-        self.text = self.text[:i + (len(s) if self.req.params.include_stop_str_in_output else 0)]
-        return s
+        longest = max(len(s) for s in stops)
+        for j, tok in enumerate(text_tokens):
+            before = len(self.text)
+            self.text += self.detok.add([tok])
+            if seen + j + 1 < req.params.min_tokens:
+                continue
+            start = max(0, before - longest + 1)
+            hits = [(i, s) for s in stops if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                i, stop = min(hits)
+                keep = len(stop) if req.params.include_stop_str_in_output else 0
+                self.text = self.text[:i + keep]
+                drop = len(new) - (j + 1)
+                if drop:
+                    req.drop_last_tokens(drop)
+                    self.num_tokens_seen -= drop
+                return stop
+        return None
 
     def visible_text(self) -> str:
         """Text safe to show: while running, hold back what could be the start of a stop string."""

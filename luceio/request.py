@@ -101,6 +101,13 @@ class Request:
         cap = self.params.max_tokens
         return room if cap is None else min(cap, room)
 
+    def drop_last_tokens(self, n: int) -> None:
+        """Removes the last n output tokens (a stop string completed before them)."""
+        for _ in range(n):
+            tok = self.all_token_ids.pop()
+            if len(self.output_logprobs) > self.num_output_tokens:
+                self.cumulative_logprob -= self.output_logprobs.pop()[tok][0]
+
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 

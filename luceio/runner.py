@@ -42,11 +42,14 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  cache_config: CacheConfig, max_model_len: int, model=None,
-                 enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0):
+                 enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0,
+                 extra_bytes_per_block: int = 0):
         self.device, self.dtype = device, dtype
         self.model = model if model is not None else build_model(ckpt, dtype, device)
         self.cfg = self.model.cfg
         self.block_size = cache_config.block_size
+        # a draft model's cache gets as many blocks: size both from one budget
+        self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks = self._num_blocks(cache_config, max_model_len)
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
@@ -65,9 +68,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        c = self.cfg
-        return (2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim *
-                torch.tensor([], dtype=self.dtype).element_size())
+        return kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
 
     def _num_blocks(self, cc: CacheConfig, max_model_len: int) -> int:
         if cc.num_blocks:
@@ -78,12 +79,12 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-            # leave room for activations of one full step (measured by the warm-up forward)
+            # a fixed 1 GiB of headroom for activations and the CUDA-graph pool
             budget = int(total * cc.gpu_memory_utilization) - used_by_others - \
                 torch.cuda.memory_allocated(self.device) - (1 << 30)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
-        n = budget // self.bytes_per_block
+        n = budget // (self.bytes_per_block + self.extra_bytes_per_block)
         if n < -(-max_model_len // self.block_size):
             raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {n} blocks, "
                              f"fewer than one {max_model_len}-token sequence needs; lower "
@@ -172,6 +173,11 @@ class ModelRunner:
                                 int(h.q_lens.max()), int(h.seq_lens.max()))
             hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])
+
+
+def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    return (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim *
+            torch.tensor([], dtype=dtype).element_size())
 
 
 class Staging:

@@ -231,3 +231,51 @@ async def test_event_loop_stays_responsive(tiny_llama):
     assert len(lags) > 20
     assert lags[len(lags) // 2] < 0.02 and lags[-1] < 0.25, lags[-5:]
     await engine.shutdown()
+
+
+def test_bad_ids_are_rejected_without_harming_others(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs())
+    eng = llm.engine
+    eng.add_request("ok", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=5, **GREEDY))
+    for bad, params in [({"prompt_token_ids": [1, 2, 100000]}, SamplingParams()),
+                        ([1, 2, -1], SamplingParams()),
+                        ([1, 2], SamplingParams(stop_token_ids=[10**6], min_tokens=2)),
+                        ([1, 2], SamplingParams(seed=2**64))]:
+        with pytest.raises(ValueError):
+            eng.add_request(None, bad, params)
+    eng.add_request("a", [5, 6], SamplingParams(n=2, max_tokens=3))
+    with pytest.raises(ValueError, match="collides"):
+        eng.add_request("a#1", [5, 6], SamplingParams(max_tokens=3))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert done["ok"].outputs[0].finish_reason == "length"
+
+
+def test_stop_string_waits_for_min_tokens(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs())
+    base = llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=30, **GREEDY))[0]
+    text = base.outputs[0].text
+    stop = text[:3]
+    out = llm.generate([{"prompt_token_ids": [11, 12, 13]}],
+                       SamplingParams(max_tokens=30, stop=[stop], min_tokens=20, **GREEDY))[0].outputs[0]
+    assert len(out.token_ids) >= 20
+
+
+def test_prompt_logprobs_survive_prefix_hits_and_preemption(tiny_llama):
+    prompt = list(range(40, 80))
+    p = SamplingParams(max_tokens=4, prompt_logprobs=1, **GREEDY)
+    llm = LLM(tiny_llama, **engine_kwargs())
+    first = llm.generate([{"prompt_token_ids": prompt}], p)[0].prompt_logprobs
+    second = llm.generate([{"prompt_token_ids": prompt}], p)[0].prompt_logprobs
+    assert len(first) == len(second) == 40
+    assert [d and d[prompt[i]].logprob for i, d in enumerate(first)] == \
+        pytest.approx([d and d[prompt[i]].logprob for i, d in enumerate(second)])
+    small = LLM(tiny_llama, **engine_kwargs(num_kv_blocks=8, max_num_batched_tokens=16))
+    outs = small.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": list(range(90, 140))}],
+                          [p, SamplingParams(max_tokens=60, **GREEDY)])
+    again = outs[0].prompt_logprobs
+    assert len(again) == 40
+    assert [d and round(d[prompt[i]].logprob, 4) for i, d in enumerate(again)] == \
+        [d and round(d[prompt[i]].logprob, 4) for i, d in enumerate(first)]

@@ -128,3 +128,22 @@ def test_cost_model_stops_speculating_when_it_does_not_pay():
     assert all(d[1] for d in decisions)
     spec._step = 16
     assert spec.pays(4) is False  # the periodic plain step that refreshes the baseline
+
+
+def test_stop_string_with_speculation_matches_plain(tiny_llama):
+    prompts = repetitive_prompts(6)
+    base, _ = run_all(tiny_llama, prompts, SamplingParams(max_tokens=30, **GREEDY))
+    llm = LLM(tiny_llama, **engine_kwargs())
+    texts = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                      SamplingParams(max_tokens=30, **GREEDY))]
+    for p, text in zip(prompts, texts):
+        if len(text) < 12:
+            continue
+        stop = text[8:11]
+        params = SamplingParams(max_tokens=30, stop=[stop], logprobs=1, **GREEDY)
+        plain = LLM(tiny_llama, **engine_kwargs()).generate([{"prompt_token_ids": p}], params)[0].outputs[0]
+        spec = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama)
+                   ).generate([{"prompt_token_ids": p}], params)[0].outputs[0]
+        assert spec.token_ids == plain.token_ids and spec.text == plain.text
+        assert len(spec.logprobs) == len(spec.token_ids)
+        assert spec.cumulative_logprob == pytest.approx(plain.cumulative_logprob, abs=1e-4)

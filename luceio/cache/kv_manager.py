@@ -79,8 +79,12 @@ class KVCacheManager:
 
     def _caches(self, req) -> bool:
         """Prefix caching applies unless off, or the request's tokens sit at other positions
-        than their cache index (speculative prefill): their KV would not match a plain prompt."""
-        return self.enable_prefix_caching and getattr(req, "position_ids", None) is None
+        than their cache index (speculative prefill): their KV would not match a plain prompt,
+        or the request wants prompt logprobs."""
+        if not self.enable_prefix_caching or getattr(req, "position_ids", None) is not None:
+            return False
+        # prompt logprobs need every prompt position computed, so such requests never hit
+        return getattr(getattr(req, "params", None), "prompt_logprobs", None) is None
 
     def free(self, req: Request) -> None:
         """Releases the request's blocks, tail first so shared prefixes outlive their tails."""

@@ -167,6 +167,7 @@ class Scheduler:
             self.swapped.add(req.request_id)
         else:
             req.num_computed_tokens = 0
+            req.prompt_logprobs = []  # recomputed with the prompt
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []

@@ -94,11 +94,14 @@ class _Run:
         self.firsts: list = []
         self.live: dict[str, _Track] = {}
         self.tasks: list[asyncio.Task] = []
+        self.client_gone = False
 
     async def start(self) -> None:
         st, prompt_field = self.state, "messages" if self.req.chat else "prompt"
         try:
             for rid, prompt, params in zip(self.ids, self.req.prompts, self.req.params):
+                if self.client_gone:  # hung up while an earlier prompt was being admitted
+                    raise ClientDisconnect()
                 if st.draining:
                     raise APIError(503, "the server is shutting down", "server_error",
                                    code="shutting_down")
@@ -203,6 +206,8 @@ class _Run:
                     n_out / elapsed if elapsed > 0 else 0.0, ",".join(reasons))
 
     async def abort(self) -> None:
+        """The client went away: abort what runs, admit nothing more."""
+        self.client_gone = True
         for rid in list(self.live):
             await self.state.engine.abort(rid)
 
@@ -224,8 +229,15 @@ class _Run:
 
 
 # handlers ----------------------------------------------------------------------------------------
+# Characters str.splitlines() breaks lines at that JSON leaves unescaped (it escapes the C0
+# controls): an SSE client that splits its lines that way (httpx's iter_lines does) would cut a
+# `data:` line in two. They can only occur inside JSON strings, so the escapes mean the same.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """One SSE `data:` payload: compact JSON on one line for every line splitter."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
 
 
 async def _read_json(request: Request, limit: int) -> dict:

@@ -11,7 +11,8 @@ __all__ = ["SpecDecoder", "SpecStats", "NgramProposer", "ProposalInput", "Propos
            "rejection_sample", "rejection_sample_batch", "build_spec_decoder", "build_spec_prefill"]
 
 
-def build_spec_decoder(args, target_runner, sampler, max_model_len: int) -> SpecDecoder | None:
+def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
+                       draft_model=None) -> SpecDecoder | None:
     method = args.speculative_method
     if method is None:
         return None
@@ -19,33 +20,34 @@ def build_spec_decoder(args, target_runner, sampler, max_model_len: int) -> Spec
         proposer = NgramProposer()
         proposer.warmup()
     elif method == "draft":
-        proposer = _draft_proposer(args, target_runner, max_model_len)
+        proposer = _draft_proposer(args, target_runner, max_model_len, draft_model)
     else:
         raise ValueError(f"unknown speculative method {method!r} (ngram or draft)")
     return SpecDecoder(method, args.num_speculative_tokens, proposer, sampler)
 
 
-def _draft_proposer(args, target_runner, max_model_len: int):
-    from ..engine import _resolve
-    from ..loader import load_checkpoint
+def _draft_proposer(args, target_runner, max_model_len: int, draft_model):
+    from ..config import CacheConfig
     from ..runner import ModelRunner
     from .draft import DraftModelProposer
-    if not args.draft_model:
+    if draft_model is None:
         raise ValueError("--speculative-method draft needs --draft-model")
-    ckpt = load_checkpoint(_resolve(args.draft_model))
-    runner = ModelRunner(ckpt, target_runner.dtype, target_runner.device, args.cache_config(),
-                         max_model_len, enforce_eager=args.enforce_eager,
+    if draft_model.cfg.vocab_size != target_runner.cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs "
+                         f"from the target's ({target_runner.cfg.vocab_size}); they must share a "
+                         f"tokenizer")
+    # as many blocks as the target: the target's cache was sized to leave room for them
+    cache = CacheConfig(args.block_size, target_runner.num_blocks, 0, 0.0, False)
+    runner = ModelRunner(None, target_runner.dtype, target_runner.device, cache, max_model_len,
+                         model=draft_model, enforce_eager=args.enforce_eager,
                          max_num_seqs=args.max_num_seqs, max_spec_tokens=1)
-    if runner.cfg.vocab_size != target_runner.cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({runner.cfg.vocab_size}) differs from "
-                         f"the target's ({target_runner.cfg.vocab_size}); they must share a tokenizer")
     return DraftModelProposer(runner, args.block_size)
 
 
-def build_spec_prefill(args, target_runner, spec: SpecDecoder | None, max_model_len: int):
+def build_spec_prefill(args, target_runner, draft_model, max_model_len: int):
     """The speculative-prefill scorer, with its own small KV cache (it runs on the worker
     thread beside the draft proposer, so it shares the draft's weights but not its blocks)."""
-    if not args.draft_model:
+    if draft_model is None:
         if args.spec_prefill_keep is not None:
             raise ValueError("--spec-prefill-keep needs --draft-model")
         return None
@@ -53,10 +55,6 @@ def build_spec_prefill(args, target_runner, spec: SpecDecoder | None, max_model_
     from ..config import CacheConfig
     from ..runner import ModelRunner
     from .prefill import SpecPrefill
-    if spec is not None and spec.method == "draft":
-        draft_model = spec.proposer.runner.model
-    else:
-        draft_model = _draft_proposer(args, target_runner, max_model_len).runner.model
     blocks = -(-max_model_len // args.block_size) + 1
     runner = ModelRunner(None, target_runner.dtype, target_runner.device,
                          CacheConfig(args.block_size, blocks, 0, 0.0, False), max_model_len,

@@ -183,6 +183,8 @@ class SpecDecoder:
 
     def _record(self, r: Request, num_drafts: int, num_accepted: int) -> None:
         st = self.stats
+        if r.is_finished:  # aborted during the step: its state is already released
+            return
         st.num_drafts += 1
         st.num_verify_steps += 1
         st.num_draft_tokens += num_drafts
