@@ -33,8 +33,8 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0  # proposer time (draft-model forwards or n-gram search)
+    verify_seconds: float = 0.0  # rejection-sampling time (the target forward is not included)
 
     @property
     def acceptance_rate(self) -> float:
