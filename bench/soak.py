@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -65,7 +65,7 @@ class ServerProc:
     """`python -m luceio.serve` on a free port of 127.0.0.1 (no --host: the default bind)."""
 
     def __init__(self, model: str, log: str, *extra: str, api_key: str | None = None,
-                 startup_timeout: float = 120.0):
+                 startup_timeout: float = 120.0, threads: int | None = 1):
         self.port, self.log, self.api_key = free_port(), log, api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -74,6 +74,8 @@ class ServerProc:
                *(["--api-key", api_key] if api_key else []), *extra]
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("LUCEIO_API_KEY", None)
+        if threads:  # torch's intra-op threads: one is plenty for a tiny model, and spinning
+            env["OMP_NUM_THREADS"] = str(threads)  # workers on 2 shared cores slow every op
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                                          env=env)
@@ -196,6 +198,7 @@ class Spec:
     include_usage: bool = False
     stream: bool = True
     ignore_eos: bool = False
+    extra_prompts: list[str] = field(default_factory=list)  # completions: a batch of prompts
     disconnect_events: int | None = None  # hang up after this many data events
     disconnect_s: float | None = None  # or after this long (maybe before the headers)
 
@@ -203,6 +206,14 @@ class Spec:
     def exact(self) -> bool:
         """Whether the output is determined (greedy or seeded): compared with a lone run."""
         return self.temperature == 0 or self.seed is not None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt, *self.extra_prompts]
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.prompts)
 
     @property
     def disconnects(self) -> bool:
@@ -225,7 +236,7 @@ class Spec:
             if self.logprobs is not None:
                 b["logprobs"], b["top_logprobs"] = True, self.logprobs
         else:
-            b["prompt"] = self.prompt
+            b["prompt"] = self.prompts if self.extra_prompts else self.prompt
             b["max_tokens"] = self.max_tokens
             if self.logprobs is not None:
                 b["logprobs"] = self.logprobs
@@ -252,8 +263,9 @@ class Spec:
                               max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
 
     def ref_key(self) -> tuple:
-        return (self.chat, self.prompt, self.n, self.max_tokens, self.temperature, self.seed,
-                self.top_p, self.top_k, tuple(self.stop), self.include_stop, self.ignore_eos)
+        return (self.chat, self.prompt, tuple(self.extra_prompts), self.n, self.max_tokens,
+                self.temperature, self.seed, self.top_p, self.top_k, tuple(self.stop),
+                self.include_stop, self.ignore_eos)
 
 
 def make_specs(rng: random.Random, count: int, start: int = 0, max_tokens: tuple = (4, 40),
@@ -278,11 +290,13 @@ def make_specs(rng: random.Random, count: int, start: int = 0, max_tokens: tuple
             s.include_stop = rng.random() < 0.3
         if rng.random() < 0.2:
             s.logprobs = rng.randint(0, 3)
+        if not s.chat and rng.random() < 0.15:
+            s.extra_prompts = [make_prompt(rng) for _ in range(rng.randint(1, 3))]
         if disconnect_frac and rng.random() < disconnect_frac:
-            s.stream = True
-            if rng.random() < 0.2:
-                s.disconnect_s = rng.uniform(0.0, 0.3)
+            if rng.random() < 0.2:  # by time: maybe before the response starts, maybe not
+                s.disconnect_s = rng.uniform(0.0, 0.3)  # (non-streaming requests too)
             else:
+                s.stream = True
                 s.disconnect_events = rng.randint(1, max(1, s.max_tokens // 2))
         specs.append(s)
     return specs
@@ -296,15 +310,28 @@ class References:
         self.cache: dict[tuple, list[tuple[str, str, int]]] = {}
 
     def get(self, spec: Spec) -> list[tuple[str, str, int]]:
-        """[(text, finish_reason, num tokens)] per sample, and the prompt length last."""
+        """[(text, finish_reason, num tokens)] per choice (prompt-major, as the API numbers
+        them), and ("", "", total prompt tokens) last. Each prompt of a batch runs alone."""
         key = spec.ref_key()
         if key not in self.cache:
-            p = spec.sampling_params()
-            out = (self.llm.chat(spec.messages(), p) if spec.chat
-                   else self.llm.generate(spec.prompt, p))[0]
-            self.cache[key] = [(o.text, o.finish_reason, len(o.token_ids))
-                               for o in out.outputs] + [("", "", len(out.prompt_token_ids))]
+            import torch
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # tiny model; 2 threads next to a busy server crawl
+            try:
+                self.cache[key] = self._run(spec)
+            finally:
+                torch.set_num_threads(threads)
         return self.cache[key]
+
+    def _run(self, spec: Spec) -> list[tuple[str, str, int]]:
+        p = spec.sampling_params()
+        rows, prompt_tokens = [], 0
+        for prompt in spec.prompts:
+            out = (self.llm.chat(spec.messages(), p) if spec.chat
+                   else self.llm.generate(prompt, p))[0]
+            rows += [(o.text, o.finish_reason, len(o.token_ids)) for o in out.outputs]
+            prompt_tokens += len(out.prompt_token_ids)
+        return rows + [("", "", prompt_tokens)]
 
     def fill(self, specs: list[Spec]) -> None:
         for s in specs:
@@ -322,6 +349,24 @@ class Result:
     body: dict | None = None
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+
+_SPLITLINES_ONLY = "\x85\u2028\u2029"  # line breaks to str.splitlines, not to SSE
+_SSE_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(r: httpx.Response):
+    """The response's lines as SSE defines them (CRLF, CR or LF; not str.splitlines)."""
+    buf = ""
+    async for text in r.aiter_text():
+        buf += text
+        held = buf.endswith("\r")  # maybe the first half of a CRLF: decide with the next text
+        parts = _SSE_EOL.split(buf[:-1] if held else buf)
+        buf = parts.pop() + ("\r" if held else "")
+        for line in parts:
+            yield line
+    if buf:
+        yield buf[:-1] if buf.endswith("\r") else buf
 
 
 async def run_request(http: httpx.AsyncClient, spec: Spec, headers: dict | None = None,
@@ -346,8 +391,11 @@ async def run_request(http: httpx.AsyncClient, spec: Spec, headers: dict | None 
                 return
             if not r.headers.get("content-type", "").startswith("text/event-stream"):
                 res.problems.append(f"content-type {r.headers.get('content-type')}")
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if line.startswith("data: "):
+                    if any(c in line for c in _SPLITLINES_ONLY):
+                        res.problems.append(f"raw U+2028/U+2029/U+0085 in a data line (breaks "
+                                            f"str.splitlines clients): {line[:80]!r}")
                     res.events.append(line[6:])
                     if spec.disconnect_events is not None and \
                             len(res.events) >= spec.disconnect_events:
@@ -398,9 +446,11 @@ def check_result(res: Result, refs: References | None, model: str | None = None,
     spec, p = res.spec, list(res.problems)
     if res.outcome == "error":
         return p + [f"request failed: {res.error}"]
+    if res.outcome == "disconnected" and res.status is None:
+        return p  # hung up before the response started
     if res.status != 200:
         return p + [f"status {res.status}: {str(res.body)[:300]}"]
-    chat, n = spec.chat, spec.n
+    chat, n = spec.chat, spec.num_choices
     obj = "chat.completion.chunk" if chat else "text_completion"
     texts = {i: "" for i in range(n)}
     finish: dict[int, str] = {}
@@ -630,26 +680,83 @@ def fuzz_strategies(model_name: str, vocab: int, model_paths: tuple[str, ...] = 
         "user": text,
     }
 
+    # values the server accepts: a body of these alone goes all the way through generation
+    valid = {
+        "model": st.sampled_from([model_name, None]),
+        "prompt": st.one_of(st.sampled_from(["Hello", "def f(x):", "日本語", " ", "a" * 300]),
+                            st.text(st.characters(codec="utf-8"), min_size=1, max_size=40),
+                            st.lists(token, min_size=1, max_size=20),
+                            st.lists(st.lists(token, min_size=1, max_size=8), min_size=1,
+                                     max_size=3),
+                            st.lists(st.sampled_from(["a", "Hello", "日本"]), min_size=1,
+                                     max_size=3)),
+        "messages": st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+             "content": st.one_of(st.text(st.characters(codec="utf-8"), max_size=30),
+                                  st.just(None), st.lists(st.fixed_dictionaries(
+                                      {"type": st.just("text"), "text": st.text(max_size=10)}),
+                                      max_size=2))},
+            optional={"name": st.text(max_size=5)}), min_size=1, max_size=3),
+        "max_tokens": st.integers(1, 12),
+        "max_completion_tokens": st.integers(1, 12),
+        "temperature": st.one_of(st.sampled_from([0, 1e-6, 1e-5, 100.0, 1e308]),
+                                 st.floats(0, 5)),
+        "top_p": st.one_of(st.sampled_from([1.0, 5e-324]), st.floats(0, 1, exclude_min=True)),
+        "top_k": st.sampled_from([-1, 0, 1, 2, 50, 10 ** 9, 2 ** 63 - 1]),
+        "min_p": st.floats(0, 1),
+        "n": st.sampled_from([1, 2, 3, 16, 128]),
+        "seed": st.sampled_from([None, 0, 1, -1, 2 ** 63 - 1, -2 ** 63]),
+        "stop": st.one_of(st.sampled_from(STOPS), st.lists(st.sampled_from(
+            STOPS + ["😀", "\n", "x" * 500]), max_size=4)),
+        "stop_token_ids": st.lists(token, max_size=3),
+        "stream": st.booleans(),
+        "echo": st.booleans(),
+        "logprobs": st.one_of(st.integers(0, 20), st.booleans()),
+        "top_logprobs": st.integers(0, 20),
+        "logit_bias": st.just({}),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.one_of(st.sampled_from([5e-324, 1e-300, 1e300]),
+                                        st.floats(0, 10, exclude_min=True)),
+        "ignore_eos": st.booleans(),
+        "min_tokens": st.integers(0, 4),
+        "skip_special_tokens": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
+        "response_format": st.just({"type": "text"}),
+        "tools": st.just([]),
+        "add_generation_prompt": st.booleans(),
+        "user": st.text(max_size=10),
+    }
+
     def value(name: str):
-        return st.one_of(good[name], good[name], good[name], anything)
+        if name in valid:
+            return st.one_of(valid[name], valid[name], valid[name], good[name], anything)
+        return st.one_of(good[name], anything)
 
     @st.composite
     def bodies(draw, chat: bool):
         names = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        clean = draw(st.integers(0, 2)) == 0  # a third: only valid values, no unknown fields
+        pick = (lambda n: valid[n]) if clean else value
+        pool = [n for n in names if n in valid] if clean else names
         body = {}
-        if draw(st.integers(0, 9)):  # the required field, usually
-            req = "messages" if chat else "prompt"
-            body[req] = draw(value(req))
-        for name in draw(st.lists(st.sampled_from(names), max_size=7, unique=True)):
-            body[name] = draw(value(name))
-        body.update(draw(st.dictionaries(text, anything, max_size=2)))  # unknown fields
+        req = "messages" if chat else "prompt"
+        if clean or draw(st.integers(0, 9)):  # the required field, usually
+            body[req] = draw(pick(req))
+        for name in draw(st.lists(st.sampled_from(pool), max_size=7, unique=True)):
+            body[name] = draw(pick(name))
+        if clean and body.get("stream") is not True:
+            body.pop("stream_options", None)
+        if not clean:
+            body.update(draw(st.dictionaries(text, anything, max_size=2)))  # unknown fields
         return body
 
     @st.composite
     def raw_bodies(draw, chat: bool):
         body = draw(bodies(chat))
-        how = draw(st.sampled_from(["json", "json", "nan", "cesu", "badutf8", "truncate",
-                                    "nest", "toplevel", "bytes", "bom", "dupkeys"]))
+        how = draw(st.sampled_from(["json"] * 10 + ["nan", "cesu", "badutf8", "truncate",
+                                                    "nest", "toplevel", "bytes", "bom",
+                                                    "dupkeys"]))
         data = json.dumps(body).encode()  # NaN/Infinity as bare literals; surrogates escaped
         if how == "nan":
             key = draw(st.sampled_from(["temperature", "max_tokens", "n", "top_p", "seed"]))
@@ -703,6 +810,8 @@ def check_fuzz_response(r: httpx.Response, stream_body: bytes | None = None) -> 
                   if ln.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             p.append(f"stream without [DONE]: {body[-200:]!r}")
+        if any(c in e for e in events for c in _SPLITLINES_ONLY):
+            p.append("raw U+2028/U+2029/U+0085 in a data line")
         for e in events[:-1]:
             try:
                 c = json.loads(e)
@@ -749,9 +858,9 @@ def run_fuzz(url: str, headers: dict, model_name: str, vocab: int, max_examples:
         @given(chat=st.booleans(), data=st.data())
         def case(chat, data):
             nonlocal count
+            raw = data.draw(raw_bodies(chat))  # drawn even when stopping: draws must not vary
             if stop is not None and stop.is_set():
                 return
-            raw = data.draw(raw_bodies(chat))
             path = "/v1/chat/completions" if chat else "/v1/completions"
             count += 1
             for msg in send_fuzz(http, path, raw, headers):
@@ -886,7 +995,7 @@ def check_raw_responses(name: str, data: bytes) -> list[str]:
     p = []
     for status, headers, body in parse_http_responses(data):
         if status >= 500:
-            p.append(f"{name}: {status} {body[:200]!r}")
+            p.append(f"{name}: 5xx: {status} {body[:200]!r}")
         elif status >= 400:
             if not headers.get("content-type", "").startswith("application/json"):
                 p.append(f"{name}: {status} with content-type {headers.get('content-type')}")
@@ -909,11 +1018,14 @@ def run_raw_http(port: int, auth: bytes = b"") -> tuple[int, list[str]]:
 # the soak ----------------------------------------------------------------------------------------
 async def sigterm_under_load(server: ServerProc, model_name: str | None, clients: int,
                              rng: random.Random, max_tokens: int = 1500) -> dict:
-    """Long streams in flight, SIGTERM: each ends with [DONE] (finish abort), exit status 0."""
+    """Long requests in flight (most streaming, some not), then SIGTERM: each ends properly (a
+    stream with its final chunk and [DONE], a plain request with its JSON, finish "abort" when
+    cut short); requests arriving after the signal get 503 or a refused connection, never a
+    hang; the process exits 0."""
     specs = make_specs(rng, clients, start=10 ** 6, max_tokens=(max_tokens, max_tokens),
-                       chat_frac=0.3, stream_frac=1.0)
+                       chat_frac=0.3, stream_frac=0.8)
     for s in specs:
-        s.ignore_eos, s.stop, s.n, s.include_usage = True, [], 1, False
+        s.ignore_eos, s.stop, s.n, s.include_usage, s.extra_prompts = True, [], 1, False, []
     task = asyncio.ensure_future(run_load(server.url, specs, server.headers, model_name, 60))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -923,19 +1035,50 @@ async def sigterm_under_load(server: ServerProc, model_name: str | None, clients
             break
         await asyncio.sleep(0.1)
     server.proc.send_signal(signal.SIGTERM)
+    late = make_specs(rng, 4, start=2 * 10 ** 6, max_tokens=(4, 4))
+
+    def draining() -> bool:  # /health says 503 (or the socket is closed already)
+        try:
+            return httpx.get(server.url + "/health", timeout=5).status_code == 503
+        except httpx.HTTPError:
+            return True
+
+    deadline = time.monotonic() + 20
+    while not await asyncio.to_thread(draining) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    late_results = await asyncio.wait_for(run_load(server.url, late, server.headers,
+                                                   model_name, 30), 40)
     results = await asyncio.wait_for(task, 60)
     code = await asyncio.to_thread(server.proc.wait, 60)
     counts, problems = summarize(results, None, model_name, allow_abort=True)
     aborted = 0
     for r in results:
-        if r.status == 200 and r.events and r.events[-1] == "[DONE]":
-            last = json.loads(r.events[-2]) if len(r.events) > 1 else {}
+        if r.status != 200:
+            continue
+        if r.spec.stream and len(r.events) > 1 and r.events[-1] == "[DONE]":
+            last = json.loads(r.events[-2])
             if last.get("choices") and last["choices"][0].get("finish_reason") == "abort":
                 aborted += 1
+        elif not r.spec.stream and isinstance(r.body, dict) and \
+                r.body["choices"][0]["finish_reason"] == "abort":
+            aborted += 1
+    late_outcomes = Counter()
+    for r in late_results:
+        if r.outcome == "error" and "Connect" in (r.error or ""):
+            late_outcomes["refused"] += 1
+        elif r.status == 503 and not check_error_object(r.body):
+            late_outcomes["503"] += 1
+        elif r.status == 200 and not check_result(r, None, model_name, allow_abort=True):
+            late_outcomes["200"] += 1
+        else:
+            problems.append(f"late request: {r.outcome} {r.status} {r.error} "
+                            f"{str(r.body)[:200]}")
     if code != 0:
         problems.append(f"exit status {code}")
-    return {"streams": clients, "ended_with_done": counts.get("completed", 0),
-            "finished_abort": aborted, "exit_status": code, "problems": problems[:20]}
+    return {"requests": clients, "streaming": sum(s.stream for s in specs),
+            "ended_properly": counts.get("completed", 0), "finished_abort": aborted,
+            "late_requests": dict(late_outcomes), "exit_status": code,
+            "problems": problems[:20]}
 
 
 def soak(args) -> dict:
@@ -948,6 +1091,7 @@ def soak(args) -> dict:
     extra = ["--served-model-name", name, "--max-tokens-cap", str(args.max_tokens_cap)]
     if args.kv_blocks:
         extra += ["--num-kv-blocks", str(args.kv_blocks)]
+    extra += ["--preemption-mode", args.preemption_mode]
     log = os.path.join(tmp, "server.log")
     server = ServerProc(model, log, *extra, api_key=api_key)
     print(f"server pid {server.pid} on {server.url}; log {log}", flush=True)
@@ -975,19 +1119,28 @@ def soak(args) -> dict:
         problems: list[str] = []
         latencies: list[float] = []
         stop = threading.Event()
+        lock = threading.Lock()
         fuzz = {"cases": 0, "raw_http_cases": 0, "problems": []}
 
-        def fuzz_loop():
+        def fuzz_loop(worker: int):
+            try:
+                fuzz_rounds(worker)
+            except Exception as e:  # noqa: BLE001  reported, not lost with the thread
+                with lock:
+                    fuzz["problems"].append(f"fuzz thread failed: {type(e).__name__}: {e}")
+
+        def fuzz_rounds(worker: int):
             k = 0
             while not stop.is_set():
-                n, p = run_fuzz(server.url, server.headers, name, vocab, 50, seed=args.seed + k,
-                                model_paths=(model, tmp), stop=stop)
-                fuzz["cases"] += n
-                fuzz["problems"] += p
-                n, p = run_raw_http(server.port, b"Authorization: Bearer " +
-                                    api_key.encode() + b"\r\n")
-                fuzz["raw_http_cases"] += n
-                fuzz["problems"] += p
+                n, p = run_fuzz(server.url, server.headers, name, vocab, 50,
+                                seed=args.seed + 1000 * worker + k, model_paths=(model, tmp),
+                                stop=stop)
+                n_raw, p_raw = run_raw_http(server.port, b"Authorization: Bearer " +
+                                            api_key.encode() + b"\r\n")
+                with lock:
+                    fuzz["cases"] += n
+                    fuzz["raw_http_cases"] += n_raw
+                    fuzz["problems"] += p + p_raw
                 k += 1
 
         async def client(cid: int, http: httpx.AsyncClient, end: float):
@@ -1001,10 +1154,10 @@ def soak(args) -> dict:
                     spec = make_specs(crng, 1, start=cid * 10 ** 5 + i, max_tokens=(4, 48))[0]
                     spec.temperature, spec.seed = max(spec.temperature, 0.8), None
                 if crng.random() < args.disconnect_frac:
-                    spec.stream = True
                     if crng.random() < 0.2:
                         spec.disconnect_s = crng.uniform(0.0, 0.5)
                     else:
+                        spec.stream = True
                         spec.disconnect_events = crng.randint(1, max(1, spec.max_tokens // 2))
                 i += 1
                 counts["sent"] += 1
@@ -1026,14 +1179,23 @@ def soak(args) -> dict:
                                          timeout=args.request_timeout) as http:
                 await asyncio.gather(*(client(c, http, end) for c in range(args.clients)))
 
-        ft = threading.Thread(target=fuzz_loop, daemon=True)
+        threads = [threading.Thread(target=fuzz_loop, args=(w,), daemon=True)
+                   for w in range(args.fuzz_threads)]
         t0 = time.monotonic()
-        if args.fuzz:
-            ft.start()
+        for t in threads:
+            t.start()
         asyncio.run(load())
         stop.set()
-        ft.join(120)
+        for t in threads:
+            t.join(120)
         elapsed = time.monotonic() - t0
+        fuzz["cases_under_load"] = fuzz["cases"]
+        server.wait_idle(120)
+        if args.fuzz_cases:  # then on the idle server, where every case is answered at once
+            n, p = run_fuzz(server.url, server.headers, name, vocab, args.fuzz_cases,
+                            seed=args.seed + 99, model_paths=(model, tmp))
+            fuzz["cases"] += n
+            fuzz["problems"] += p
         m1 = server.wait_idle(120)
         rss1 = server.rss_kib()
         leaked = int(m1["luceio_kv_blocks_used"])
@@ -1070,7 +1232,8 @@ def soak(args) -> dict:
             "server_500_counter": m1.get("luceio_http_errors_total{status=500}", 0),
             "rss_mib": {"after_warmup": round(rss0 / 1024, 1), "after_soak": round(rss1 / 1024, 1),
                         "growth": round((rss1 - rss0) / 1024, 1)},
-            "fuzz_cases": fuzz["cases"], "raw_http_cases": fuzz["raw_http_cases"],
+            "fuzz_cases": fuzz["cases"], "fuzz_cases_under_load": fuzz["cases_under_load"],
+            "raw_http_cases": fuzz["raw_http_cases"],
             "fuzz_problems": len(fuzz["problems"]), "fuzz_problem_samples": fuzz["problems"][:20],
             "fresh_request_exact": not fresh_problems,
             "sigterm": sigterm,
@@ -1102,8 +1265,8 @@ def print_table(r: dict) -> None:
             ("fuzz cases (JSON / raw HTTP)", f"{r['fuzz_cases']} / {r['raw_http_cases']}"),
             ("fuzz problems", r["fuzz_problems"]),
             ("latency p50 / p99 (s)", f"{r['latency_s']['p50']} / {r['latency_s']['p99']}"),
-            ("SIGTERM: streams ended [DONE] / exit",
-             f"{r['sigterm']['ended_with_done']}/{r['sigterm']['streams']} / "
+            ("SIGTERM: requests ended properly / exit",
+             f"{r['sigterm']['ended_properly']}/{r['sigterm']['requests']} / "
              f"{r['sigterm']['exit_status']}"),
             ("OK", r["ok"])]
     w = max(len(k) for k, _ in rows)
@@ -1121,12 +1284,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=160,
                     help="KV pool size (default ~10%% of 256 clients' demand: preemption); "
                          "0 = the server's default sizing")
+    ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     ap.add_argument("--max-tokens-cap", type=int, default=64)
     ap.add_argument("--exact-pool", type=int, default=96,
                     help="distinct greedy/seeded requests, references computed up front")
     ap.add_argument("--request-timeout", type=float, default=300.0)
-    ap.add_argument("--no-fuzz", dest="fuzz", action="store_false",
-                    help="skip the concurrent fuzz thread")
+    ap.add_argument("--fuzz-threads", type=int, default=4,
+                    help="fuzzing threads (hypothesis JSON bodies + raw HTTP) during the load")
+    ap.add_argument("--fuzz-cases", type=int, default=1000,
+                    help="hypothesis JSON cases on the idle server after the load")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "cpu", "soak.json"))
     args = ap.parse_args(argv)

@@ -75,6 +75,9 @@ class EngineArgs(CliArgs):
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens; default the "
                                      "model's own context length")
     seed: int = _opt(0, "seed for requests that set none")
+    cpu_threads: int | None = _opt(None, "torch threads on CPU; default: cores - 1, leaving one "
+                                   "for the event loop (oversubscribed threads slow small "
+                                   "matmuls by an order of magnitude)")
     block_size: int = _opt(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _opt(None, "fixed number of KV blocks (overrides memory sizing)")
     kv_cache_memory: int = _opt(0, "bytes for the KV cache; 0 = a fraction of free GPU memory "

@@ -52,6 +52,8 @@ class LLMEngine:
         self.args = args
         device = args.resolved_device()
         dtype = args.resolved_dtype(device)
+        if device.type == "cpu":
+            torch.set_num_threads(args.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         ckpt = load_checkpoint(_resolve(args.model)) if model is None else None
         self.model_config = ckpt.config if ckpt else {}
         if tokenizer is None and ckpt is not None and ckpt.tokenizer is not None:
