@@ -29,8 +29,9 @@ from ..engine import QueueFullError
 from .args import ServerArgs
 from .metrics import ServerMetrics
 from .openapi import openapi_schema
-from .protocol import (APIError, ModelContext, ParsedRequest, ResponseBuilder, bad, error_body,
-                       parse_chat, parse_completion)
+from .protocol import (APIError, ModelContext, ParsedRequest, bad, error_body, parse_chat,
+                       parse_completion)
+from .responses import ResponseBuilder
 
 logger = logging.getLogger("luceio.server")
 
@@ -117,7 +118,7 @@ class _Run:
                                    headers={"Retry-After": "1"}) from None
                 except ValueError as e:
                     raise bad(prompt_field, str(e)) from None
-                except RuntimeError as e:
+                except RuntimeError:
                     if st.draining or getattr(st.engine, "_closed", False):
                         raise APIError(503, "the server is shutting down", "server_error",
                                        code="shutting_down") from None
