@@ -52,3 +52,14 @@ def test_verify_graphs_equal_eager_with_speculation(tiny_llama):
     assert any(q > 1 for (_, q) in eng.runner.graphs.graphs)
     assert eng.spec.stats.num_draft_tokens > 0
     assert spec == eager
+
+
+def test_draft_model_fits_beside_a_memory_sized_target(tiny_llama):
+    """With no explicit KV size, the target's cache is sized around the draft's weights and
+    its cache, so a draft-model engine starts and runs (regression: the draft got no memory)."""
+    llm = LLM(tiny_llama, dtype="float32", device="cuda", gpu_memory_utilization=0.3,
+              speculative_method="draft", draft_model=tiny_llama, max_model_len=512)
+    eng = llm.engine
+    assert eng.spec.proposer.runner.num_blocks == eng.runner.num_blocks
+    out = llm.generate(prompts(4), GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 48 for o in out)
