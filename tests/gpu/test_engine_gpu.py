@@ -57,7 +57,7 @@ def test_verify_graphs_equal_eager_with_speculation(tiny_llama):
 def test_draft_model_fits_beside_a_memory_sized_target(tiny_llama):
     """With no explicit KV size, the target's cache is sized around the draft's weights and
     its cache, so a draft-model engine starts and runs (regression: the draft got no memory)."""
-    llm = LLM(tiny_llama, dtype="float32", device="cuda", gpu_memory_utilization=0.3,
+    llm = LLM(tiny_llama, dtype="float32", device="cuda", gpu_memory_utilization=0.03,
               speculative_method="draft", draft_model=tiny_llama, max_model_len=512)
     eng = llm.engine
     assert eng.spec.proposer.runner.num_blocks == eng.runner.num_blocks
