@@ -1064,8 +1064,9 @@ async def sigterm_under_load(server: ServerProc, model_name: str | None, clients
             aborted += 1
     late_outcomes = Counter()
     for r in late_results:
-        if r.outcome == "error" and "Connect" in (r.error or ""):
-            late_outcomes["refused"] += 1
+        if r.outcome == "error" and any(k in (r.error or "") for k in
+                                        ("Connect", "Disconnected", "ReadError", "RemoteProtocol")):
+            late_outcomes["refused"] += 1  # the socket closed before any response: shutting down
         elif r.status == 503 and not check_error_object(r.body):
             late_outcomes["503"] += 1
         elif r.status == 200 and not check_result(r, None, model_name, allow_abort=True):
