@@ -201,7 +201,8 @@ def section_spec(quick: bool) -> None:
     target = make_engine(random_model("qwen2.5-coder-1.5b", max_positions=2048), 1536, kv_gib=4)
     from luceio.cuda_graphs import StepGraphs
     r = target.runner  # verify graphs up to k = 8 (the engine itself captures up to its k)
-    r.graphs = StepGraphs(r.model, r.kv_caches, 64, 1536, r.block_size, r.device, max_spec_tokens=8)
+    r.graphs = StepGraphs(r.model, r.kv_caches, 64, 1536, r.block_size, r.device, max_spec_tokens=8,
+                          staging=r.staging)
     r.graphs.capture()
     draft = make_engine(random_model("qwen2.5-coder-0.5b", max_positions=2048), 1536, kv_gib=2)
     vocab = target.runner.cfg.vocab_size

@@ -22,7 +22,7 @@ _MAX_VERIFY_BATCH = 32  # the speculative planner drafts nothing for larger batc
 
 class StepGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, max_spec_tokens: int = 0):
+                 device: torch.device, max_spec_tokens: int = 0, staging=None):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_model_len, self.block_size = max_model_len, block_size
         buckets = [b for b in _BUCKETS if b <= max_num_seqs] or [1]
@@ -40,7 +40,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
-        self._pinned = None
+        self.staging = staging
 
     def _inputs(self, bs: int, q: int):
         n = bs * q
@@ -98,15 +98,9 @@ class StepGraphs:
         return tok.reshape(3, -1), tables, lens
 
     def _fill(self, tok, tables, lens) -> None:
-        """One pinned host→device copy, then on-device copies into the static inputs."""
-        parts = [tok.reshape(-1), tables.reshape(-1), lens]
-        total = sum(p.size for p in parts)
-        if self._pinned is None or self._pinned.numel() < total:
-            self._pinned = torch.empty(max(total, 1 << 16), dtype=torch.long, pin_memory=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the previous copy has left
-        np.concatenate(parts, out=self._pinned.numpy()[:total])
-        dev = self._pinned[:total].to(self.device, non_blocking=True)
-        t, b, l_ = dev.split([p.size for p in parts])
+        """One pinned host→device copy (the runner's staging), then on-device copies into the
+        static inputs."""
+        t, b, l_ = self.staging.to_device(np.int64, [tok, tables, lens])
         n_tok, bs = tok.shape[1], lens.size
         self.tok[:, :n_tok].copy_(t.view(3, n_tok))
         self.tables[:bs].copy_(b.view(bs, self.max_blocks))

@@ -218,9 +218,8 @@ class LLMEngine:
 
     def _release_finished(self) -> None:
         ids, self.scheduler.released_ids = self.scheduler.released_ids, []
-        for rid in ids:
-            self.runner.drop_host_kv(rid)
-            if self.spec is not None:
+        if self.spec is not None:
+            for rid in ids:
                 self.spec.release(rid)
 
     def schedule_step(self) -> Batch | None:
@@ -278,7 +277,7 @@ class LLMEngine:
                 self._emit(state)
         self._release_finished()
         for rid in [r for r in self.runner.host_kv if r not in self.scheduler.requests]:
-            self.runner.drop_host_kv(rid)  # aborted while its swap-out was in flight
+            self.runner.drop_host_kv(rid)  # finished or aborted (also mid swap-out) while swapped
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
 

@@ -63,7 +63,8 @@ class ModelRunner:
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
                 self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs,
-                                         max_model_len, self.block_size, device, max_spec_tokens)
+                                         max_model_len, self.block_size, device, max_spec_tokens,
+                                         self.staging)
                 self.graphs.capture()
 
     @property
