@@ -53,8 +53,14 @@ class AsyncEngine:
             self.engine.check_request(ids, params)
             kept = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.engine.spec_prefill.select, ids, keep)
+        scores = None
+        if self.engine.wants_block_scores(len(ids) if kept is None else len(kept)):
+            self.engine.check_request(ids, params)
+            kept_ids = ids if kept is None else [ids[p] for p in kept]
+            scores = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.prompt_block_scores, kept_ids)
         request_id = self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
-                                             params, kept_positions=kept)
+                                             params, kept_positions=kept, block_scores=scores)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._wakeup.set()

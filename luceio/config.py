@@ -102,6 +102,15 @@ class EngineArgs(CliArgs):
                                            "prompt and the target prefills only this fraction of "
                                            "it (needs --draft-model; inexact by design; default off)")
     spec_prefill_min_tokens: int = _opt(1024, "shortest prompt that speculative prefill shortens")
+    kv_resident_tokens: int | None = _opt(None, "bounded KV residency: each request keeps at most "
+                                          "this many tokens of KV on the device; colder blocks "
+                                          "wait in host memory and attention skips them (inexact "
+                                          "once a request outgrows it; default off)")
+    kv_resident_policy: str = _opt("keys", "which blocks stay resident: keys (the target's "
+                                   "pooled keys vs its latest query), spec (the draft model's "
+                                   "prompt scores; needs --draft-model) or recency",
+                                   choices=["keys", "spec", "recency"])
+    kv_rescore_interval: int = _opt(16, "keys policy: decode steps between re-scorings")
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -121,6 +130,13 @@ class EngineArgs(CliArgs):
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory,
                            self.gpu_memory_utilization, self.enable_prefix_caching)
+
+    def residency_config(self):
+        if not self.kv_resident_tokens:
+            return None
+        from .cache.residency import ResidencyConfig
+        return ResidencyConfig(self.kv_resident_tokens, self.block_size, self.kv_resident_policy,
+                               self.kv_rescore_interval)
 
     def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.speculative_method, self.draft_model,

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .cache import KVCacheManager
@@ -44,6 +45,7 @@ class StepResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    kv_scores: dict = field(default_factory=dict)  # residency keys policy: id -> block scores
     seconds: float = 0.0
 
 
@@ -72,7 +74,11 @@ class LLMEngine:
                                       draft.cfg, args.block_size, dtype)
                                   if draft is not None and args.speculative_method == "draft" else 0)
         self.max_model_len = self._max_len_hint(ckpt, model, args)
-        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching,
+                                 args.residency_config())
+        if args.kv_resident_policy == "spec" and args.kv_resident_tokens and draft is None:
+            raise ValueError("--kv-resident-policy spec scores blocks with the draft model: "
+                             "give --draft-model")
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.sampler = Sampler(args.seed)
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
@@ -149,10 +155,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    kept_positions: list[int] | None = None) -> str:
+                    kept_positions: list[int] | None = None,
+                    block_scores=None) -> str:
         """Validates and queues a request; raises ValueError for one that can never run.
         `kept_positions`: the prompt positions speculative prefill kept (computed here when
-        the request asks for it and none are given)."""
+        the request asks for it and none are given). `block_scores`: the residency `spec`
+        policy's per-block prompt scores (likewise computed here when needed)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
@@ -177,9 +185,26 @@ class LLMEngine:
             r.prefill_leader = samples[0]
         self.states[request_id] = RequestState(request_id, text, ids, params, samples,
                                                self.tokenizer)
+        if block_scores is None and self.wants_block_scores(len(kept_ids)):
+            block_scores = self.prompt_block_scores(kept_ids)
         for r in samples:
+            if block_scores is not None:
+                self.kv.residency.set_scores(r.request_id, block_scores)
             self.scheduler.add_request(r)
         return request_id
+
+    def wants_block_scores(self, num_prompt_tokens: int) -> bool:
+        """Residency `spec` policy: whether this prompt outgrows the budget (so it needs the
+        draft's scores of its blocks)."""
+        return self.kv.residency is not None and self.args.kv_resident_policy == "spec" and \
+            num_prompt_tokens > self.args.kv_resident_tokens
+
+    def prompt_block_scores(self, ids: list[int]):
+        """The draft model's importance of each prompt token (speculative prefill's scorer),
+        averaged per KV block. Runs a draft forward: call it where a step would run."""
+        tok = self.spec_prefill.scores(ids).float().cpu().numpy()
+        bs = self.args.block_size
+        return np.array([tok[i:i + bs].mean() for i in range(0, len(tok), bs)])
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -225,10 +250,10 @@ class LLMEngine:
     def schedule_step(self) -> Batch | None:
         sched = self.scheduler.schedule()
         if not sched:
-            if sched.swap_out:  # a preemption freed blocks but nothing runs: save them now
+            if sched.swap_out or sched.kv_moves:  # blocks were freed but nothing runs: copy now
                 self.runner.swap(sched)
             return None
-        return Batch(sched, self.runner.prepare(sched, self.kv.block_tables))
+        return Batch(sched, self.runner.prepare(sched, self.kv))
 
     def execute(self, batch: Batch) -> StepResult:
         """Forward and sampling. Reads request state, writes only tensors: safe off-loop."""
@@ -257,6 +282,7 @@ class LLMEngine:
                                device=logits.device)
             n = req.params.prompt_logprobs
             res.prompt_logprobs[rid] = self.sampler.logprobs(logits[sl], nxt, [n] * len(nxt))
+        res.kv_scores = batch.inputs.kv_scores or {}
         res.seconds = time.perf_counter() - t0
         return res
 
@@ -269,6 +295,9 @@ class LLMEngine:
                 for s in batch.sched.scheduled)
             if self.spec is not None:
                 self._observe_spec(batch, result)
+            for rid, scores in result.kv_scores.items():
+                if rid in self.scheduler.requests:
+                    self.kv.residency.set_scores(rid, scores)
             changed = self.scheduler.update(batch.sched, result.sampled)
             now = time.monotonic()
             for req in changed:
@@ -276,7 +305,7 @@ class LLMEngine:
             for state in {self.states[r.parent_id] for r in changed if r.parent_id in self.states}:
                 self._emit(state)
         self._release_finished()
-        for rid in [r for r in self.runner.host_kv if r not in self.scheduler.requests]:
+        for rid in [r for r in self.runner.host_request_ids() if r not in self.scheduler.requests]:
             self.runner.drop_host_kv(rid)  # finished or aborted (also mid swap-out) while swapped
         outs, self._pending_outputs = self._pending_outputs, []
         return outs

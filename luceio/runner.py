@@ -2,7 +2,7 @@
 batch, runs the forward, and returns logits for the rows that need them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -10,6 +10,7 @@ import torch
 from .config import CacheConfig
 from .loader import Checkpoint
 from .models import AttnMetadata, build_model
+from .cache.host_store import HostKVStore, QueryProbe
 from .scheduler import SchedulerOutput
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -37,6 +38,11 @@ class StepInputs:
     host: HostBatch
     row_slices: dict[str, slice]  # request id -> its rows among the logits (sample/verify)
     prompt_row_slices: dict[str, tuple[slice, int]]  # request id -> (rows, first prompt index)
+    # residency `keys` policy: request id -> token row whose queries score its blocks, and
+    # (a copy of its block table, number of full blocks before the step's tail)
+    score_rows: dict[str, int] = field(default_factory=dict)
+    score_tables: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    kv_scores: dict | None = None  # filled by `execute`
 
 
 class ModelRunner:
@@ -57,6 +63,7 @@ class ModelRunner:
                           for _ in range(self.cfg.num_layers)]
         self.staging = Staging(device)
         self.host_kv: dict[str, torch.Tensor] = {}  # swapped-out requests' blocks
+        self.host_store = HostKVStore(self.kv_caches, device)  # bounded residency
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             from . import kernels
@@ -93,7 +100,10 @@ class ModelRunner:
         return int(n)
 
     # batch building ----------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, kv) -> StepInputs:
+        """`kv`: the KVCacheManager whose block tables the batch reads (with bounded residency,
+        attention reads the resident blocks only: offloaded ones are left out of the table
+        and the sequence length shortened by as much; positions stay the original ones)."""
         ids: list[int] = []
         pos: list[int] = []
         seq_lens, q_starts, tables = [], [0], []
@@ -108,9 +118,10 @@ class ModelRunner:
             base = len(ids)
             ids.extend(tokens[start:end])
             pos.extend(r.positions(start, end))
-            seq_lens.append(end)
+            table, skipped = kv.attention_table(r.request_id)
+            seq_lens.append(end - skipped)
             q_starts.append(len(ids))
-            tables.append(block_tables[r.request_id])
+            tables.append(table)
             if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1 \
                     and len(r.prompt_logprobs) < r.num_prompt_tokens:
                 last = min(end, r.num_prompt_tokens - 1)
@@ -135,7 +146,16 @@ class ModelRunner:
         host = HostBatch(np.asarray(ids, dtype=np.int64), pos_np, slots, bt,
                          np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
                          np.asarray(logits_idx, dtype=np.int64))
-        return StepInputs(host, rows, prompt_rows)
+        inp = StepInputs(host, rows, prompt_rows)
+        index = {s.req.request_id: i for i, s in enumerate(out.scheduled)}
+        for rid in out.kv_score_ids:
+            i = index[rid]
+            r, n_new = out.scheduled[i].req, out.scheduled[i].num_new_tokens
+            # the row of the step's last real token (drafts excluded)
+            last = min(r.num_computed_tokens + n_new, r.num_tokens) - r.num_computed_tokens
+            inp.score_rows[rid] = q_starts[i] + last - 1
+            inp.score_tables[rid] = (list(kv.blocks_of(rid)), (r.num_computed_tokens + last) // bs)
+        return inp
 
     # swap preemption ---------------------------------------------------------------------------
     def swap(self, out: SchedulerOutput) -> None:
@@ -145,6 +165,7 @@ class ModelRunner:
             idx = torch.tensor(blocks, device=self.device)
             # [num_layers, 2, len(blocks), block_size, num_kv_heads, head_dim]
             self.host_kv[rid] = torch.stack([kv.index_select(1, idx) for kv in self.kv_caches]).cpu()
+        self.host_store.apply(out.kv_moves)  # residency: offloads, then reloads
         for rid, blocks in out.swap_in:
             data = self.host_kv.pop(rid, None)
             if data is None:  # aborted while its step was being prepared
@@ -156,12 +177,34 @@ class ModelRunner:
 
     def drop_host_kv(self, request_id: str) -> None:
         self.host_kv.pop(request_id, None)
+        self.host_store.drop(request_id)
+
+    def host_request_ids(self) -> list[str]:
+        return list(self.host_kv) + self.host_store.request_ids()
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inp: StepInputs, probe=None) -> torch.Tensor:
         """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`. A `probe`
         (called per layer with the rotated queries) forces the eager path."""
+        if inp.score_rows:
+            if probe is not None:
+                raise ValueError("a step cannot both score KV blocks and run another probe")
+            probe = QueryProbe(list(inp.score_rows.values()), self.device)
+        logits = self._forward(inp, probe)
+        if inp.score_rows:
+            inp.kv_scores = self._score_blocks(inp, probe)
+        return logits
+
+    def _score_blocks(self, inp: StepInputs, probe: QueryProbe) -> dict:
+        """Residency `keys` policy: scores of each scored request's blocks before its tail."""
+        scores = {}
+        for j, (rid, (table, num_old)) in enumerate(inp.score_tables.items()):
+            s = self.host_store.score(rid, table, num_old, probe.queries(j), probe.scale)
+            scores[rid] = s.cpu().numpy()
+        return scores
+
+    def _forward(self, inp: StepInputs, probe) -> torch.Tensor:
         h = inp.host
         if self.graphs is not None and probe is None and self.graphs.fits(h):
             hidden, rows = self.graphs.run(h)

@@ -28,7 +28,7 @@ def test_padded_batch_gives_the_same_hidden_states(tiny_llama):
                              for r in reqs], [])
     for r in reqs:
         assert eng.kv.allocate_slots(r, 1 + len(r.spec_token_ids))
-    h = eng.runner.prepare(sched, eng.kv.block_tables).host
+    h = eng.runner.prepare(sched, eng.kv).host
     runner, model = eng.runner, eng.runner.model
     t = torch.from_numpy
     meta = AttnMetadata(t(h.slot_mapping), t(h.block_tables), t(h.seq_lens), t(h.query_start_loc),

@@ -3,19 +3,40 @@ from __future__ import annotations
 
 from ..request import Request
 from .block_pool import BlockPool, hash_block
+from .residency import OFFLOADED, Residency, ResidencyConfig
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 residency: ResidencyConfig | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        # bounded residency: tables may hold OFFLOADED entries (see residency.py)
+        self.residency = Residency(residency) if residency is not None else None
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[int]] = {}  # chained hashes of the full blocks
         self.num_cached_blocks: dict[str, int] = {}  # how many of its blocks are registered
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def attention_table(self, request_id: str) -> tuple[list[int], int]:
+        """(the device blocks attention reads, in order; tokens skipped before the tail)."""
+        table = self.block_tables[request_id]
+        if self.residency is None or OFFLOADED not in table:
+            return table, 0
+        resident = [b for b in table if b != OFFLOADED]
+        return resident, (len(table) - len(resident)) * self.block_size
+
+    def plan_residency(self, req: Request, num_new_tokens: int) -> None:
+        """Bounded residency: offload/reload this request's blocks for a step computing
+        `num_new_tokens` more tokens. Call before `allocate_slots`, so offloads make room."""
+        if self.residency is None:
+            return
+        table = self.block_tables.setdefault(req.request_id, [])
+        after = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        self.residency.plan(req.request_id, table, req.num_computed_tokens, after, self.pool)
 
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
@@ -69,6 +90,9 @@ class KVCacheManager:
         bs = self.block_size
         table = self.block_tables.get(req.request_id, [])
         num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        if self.residency is not None:
+            exact = self.residency.exact_blocks(req.request_id)
+            num_full = num_full if exact is None else min(num_full, exact)
         start = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
             return
@@ -89,7 +113,9 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Releases the request's blocks, tail first so shared prefixes outlive their tails."""
         table = self.block_tables.pop(req.request_id, [])
-        self.pool.free(list(reversed(table)))
+        self.pool.free([b for b in reversed(table) if b != OFFLOADED])
+        if self.residency is not None:
+            self.residency.release(req.request_id)
         self.block_hashes.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
 
@@ -102,4 +128,4 @@ class KVCacheManager:
         if len(table) > keep:
             extra = table[keep:]
             del table[keep:]
-            self.pool.free(list(reversed(extra)))
+            self.pool.free([b for b in reversed(extra) if b != OFFLOADED])

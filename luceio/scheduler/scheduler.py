@@ -2,13 +2,17 @@
 request's `num_computed_tokens` toward its token count (plus drafts to verify), under a token
 budget. Running requests go first (decodes before unfinished prefills), then waiting ones FCFS.
 When the pool runs dry the newest running request is preempted (recompute: its blocks are
-freed and it is re-prefilled later, its tokens kept so its output does not change)."""
+freed and it is re-prefilled later, its tokens kept so its output does not change; or swap).
+With bounded KV residency, each running request's blocks are planned before its slots are
+allocated (cold blocks offloaded, selected ones reloaded) and prefill chunks are capped at half
+the residency budget."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache import KVCacheManager
+from ..cache.residency import OFFLOADED, KVMoves
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 
@@ -32,6 +36,9 @@ class SchedulerOutput:
     # swap preemption: KV to copy before this step's forward (request id, block ids)
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # bounded residency: block copies before the forward, and requests whose blocks to score
+    kv_moves: KVMoves = field(default_factory=KVMoves)
+    kv_score_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -70,6 +77,8 @@ class Scheduler:
                              f"({num_prompt_tokens} prompt + {max_tokens} max_tokens)")
         total = num_prompt_tokens + (max_tokens if max_tokens is not None else limit - num_prompt_tokens)
         need = -(-total // self.kv.block_size)
+        if self.kv.residency is not None:
+            need = self.kv.residency.cfg.max_blocks(total)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"the request needs up to {need} KV blocks ({total} tokens), but the "
                              f"whole KV cache holds {self.kv.pool.num_blocks} blocks")
@@ -88,6 +97,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         done: set[str] = set()
+        score_ids: list[str] = []
+        res = self.kv.residency
 
         # decodes first, then unfinished prefills, each in arrival order
         for req in sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens):
@@ -95,21 +106,33 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget,
+                          self._chunk_cap)
             if num_new <= 0:
                 continue
+            self.kv.plan_residency(req, num_new)
             if not self._allocate_or_preempt(req, num_new, done, preempted):
                 continue
             spec = self._fit_spec(req, num_new)
             scheduled.append(ScheduledRequest(req, num_new, spec))
             done.add(req.request_id)
             budget -= num_new
+            if res is not None and res.wants_scores(
+                    req.request_id, self.kv.blocks_of(req.request_id),
+                    req.num_computed_tokens + num_new < req.num_tokens):
+                score_ids.append(req.request_id)
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        out = SchedulerOutput(scheduled, preempted, self._swap_out, self._swap_in)
+        out = SchedulerOutput(scheduled, preempted, self._swap_out, self._swap_in,
+                              res.take_moves() if res is not None else KVMoves(), score_ids)
         self._swap_out, self._swap_in = [], []
         return out
+
+    @property
+    def _chunk_cap(self) -> int:
+        res = self.kv.residency
+        return res.cfg.chunk_tokens if res is not None else self.config.max_num_batched_tokens
 
     def _fit_spec(self, req: Request, num_new: int) -> list[int]:
         """Drops the drafts that did not fit in the budget."""
@@ -137,7 +160,7 @@ class Scheduler:
                     leader.num_computed_tokens < leader.num_prompt_tokens:
                 continue  # n > 1: wait for the first sample's prompt to be cached, then share it
             if req.request_id in self.swapped:
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
                 if not self.kv.allocate_slots(req, num_new):
                     break
                 self.swapped.discard(req.request_id)
@@ -145,7 +168,7 @@ class Scheduler:
                 self._swap_in.append((req.request_id, self.kv.blocks_of(req.request_id)[:num_kept]))
             else:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - num_hit, budget)
+                num_new = min(req.num_tokens - num_hit, budget, self._chunk_cap)
                 if not self.kv.allocate_slots(req, num_new, computed_blocks):
                     break
                 if req.status == RequestStatus.WAITING:
@@ -159,7 +182,8 @@ class Scheduler:
         return budget
 
     def _preempt(self, req: Request) -> None:
-        if self.swap_mode and req.num_computed_tokens > 0:
+        if self.swap_mode and req.num_computed_tokens > 0 and \
+                OFFLOADED not in self.kv.blocks_of(req.request_id):
             # the runner copies these blocks to host memory before this step's forward, which
             # is the first thing that could overwrite them
             num_kept = -(-req.num_computed_tokens // self.kv.block_size)

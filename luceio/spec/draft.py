@@ -58,7 +58,7 @@ class DraftModelProposer:
                 break
             sched = SchedulerOutput([ScheduledRequest(seqs[i], seqs[i].num_tokens_with_spec -
                                                       seqs[i].num_computed_tokens) for i in live], [])
-            inp = self.runner.prepare(sched, self.kv.block_tables)
+            inp = self.runner.prepare(sched, self.kv)
             logits = self.runner.execute(inp)
             live_reqs = [reqs[i] for i in live]
             processed = sampler.process(logits, live_reqs)

@@ -61,7 +61,7 @@ class SpecPrefill:
                 seq.num_computed_tokens = start
                 seq.all_token_ids = list(prompt_ids[:end])
                 sched = SchedulerOutput([ScheduledRequest(seq, end - start)], [])
-                inp = self.runner.prepare(sched, self.kv.block_tables)
+                inp = self.runner.prepare(sched, self.kv)
                 self.runner.execute(inp, probe=probe if end == n else None)
             return probe.score.mean(0)
         finally:

@@ -1,0 +1,177 @@
+"""Bounded KV residency, the planning half (loop thread, ids and counts only).
+
+A request's KV lives in at most `budget_blocks` device blocks. Its block table keeps one entry
+per logical block; an entry of `OFFLOADED` means the block's KV sits in pinned host memory
+(the runner's `HostKVStore` holds it) and attention skips it: the runner hands the attention
+kernels the table with those entries removed and the sequence length shortened to match, so
+the kernels attend over the resident blocks only, while rotary positions stay the original
+ones (they are baked into the cached keys).
+
+Which blocks stay: the first `SINK_BLOCKS` (attention sinks) and the most recent
+`recent_blocks` (always), then the best-scored of the rest up to the budget. Scores come from
+the policy:
+- `keys`: the target's own pooled keys — every `rescore_interval` decode steps (and after every
+  prefill chunk) the runner scores each block by the attention the request's latest query pays
+  to the block's mean key (softmax over blocks per layer and head, max over heads and layers);
+- `spec`: the speculative-prefill scorer — the draft model's attention-based importance of each
+  prompt token, averaged per block, computed once at admission;
+- `recency`: no scores; the most recent blocks stay (a sliding window plus the sinks).
+
+Blocks computed while everything was resident are exact and may enter the prefix cache; blocks
+computed after the first eviction attended to a subset and never do."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OFFLOADED = -1
+SINK_BLOCKS = 1
+POLICIES = ("keys", "spec", "recency")
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    budget_tokens: int
+    block_size: int
+    policy: str = "keys"
+    rescore_interval: int = 16
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"residency policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.budget_tokens < 4 * self.block_size:
+            raise ValueError(f"--kv-resident-tokens must be at least 4 blocks "
+                             f"({4 * self.block_size} tokens), got {self.budget_tokens}")
+        if self.rescore_interval < 1:
+            raise ValueError("--kv-rescore-interval must be at least 1")
+
+    @property
+    def budget_blocks(self) -> int:
+        return self.budget_tokens // self.block_size
+
+    @property
+    def recent_blocks(self) -> int:
+        return max(2, self.budget_blocks // 4)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Longest prefill chunk: half the budget, so a chunk attends to at least as many
+        earlier tokens as it holds."""
+        return self.budget_tokens // 2
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """Most device blocks one request of `num_tokens` tokens holds at once."""
+        full = -(-num_tokens // self.block_size)
+        return min(full, self.budget_blocks + 2)
+
+
+@dataclass
+class KVMoves:
+    """Copies the runner makes before a step's forward, in this order: drops, offloads, then
+    reloads (so a block freed by an offload may be the target of a reload in the same step)."""
+    offload: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # id, logical, phys
+    reload: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)  # requests whose host copies are stale
+
+    def __bool__(self) -> bool:
+        return bool(self.offload or self.reload or self.drop)
+
+
+class _State:
+    def __init__(self):
+        self.scores: np.ndarray | None = None  # per logical block; higher stays
+        self.version = 0  # bumped when scores change
+        self.planned: tuple | None = None  # (num blocks, tail start, version) of the last plan
+        self.steps_since_score = 0
+        self.exact_blocks: int | None = None  # blocks computed before the first eviction
+
+
+class Residency:
+    def __init__(self, cfg: ResidencyConfig):
+        self.cfg = cfg
+        self.states: dict[str, _State] = {}
+        self.moves = KVMoves()
+
+    def take_moves(self) -> KVMoves:
+        moves, self.moves = self.moves, KVMoves()
+        return moves
+
+    def exact_blocks(self, rid: str) -> int | None:
+        st = self.states.get(rid)
+        return None if st is None else st.exact_blocks
+
+    def set_scores(self, rid: str, scores: np.ndarray) -> None:
+        st = self.states.setdefault(rid, _State())
+        st.scores = np.asarray(scores, dtype=np.float64)
+        st.version += 1
+        st.steps_since_score = 0
+
+    def wants_scores(self, rid: str, table: list[int], prefill_chunk: bool) -> bool:
+        """Whether this step should score the request's blocks (keys policy): after a prefill
+        chunk, or every `rescore_interval` decode steps, once the request outgrew its budget."""
+        if self.cfg.policy != "keys" or len(table) <= self.cfg.budget_blocks:
+            return False
+        st = self.states.setdefault(rid, _State())
+        st.steps_since_score += 1
+        return prefill_chunk or st.steps_since_score >= self.cfg.rescore_interval or \
+            st.scores is None
+
+    def release(self, rid: str) -> None:
+        if self.states.pop(rid, None) is not None:
+            self.moves.drop.append(rid)
+
+    def plan(self, rid: str, table: list[int], num_computed: int, num_blocks_after: int,
+             pool) -> None:
+        """Offloads/reloads so that, with the step's tail blocks (from the block holding
+        the first new token up to `num_blocks_after`), the request fits its budget. Offloads
+        free their device blocks at once; reloads take free blocks only, never preempting."""
+        cfg = self.cfg
+        st = self.states.setdefault(rid, _State())
+        tail_start = num_computed // cfg.block_size
+        key = (num_blocks_after, tail_start, st.version)
+        if st.planned == key:
+            return
+        room = max(cfg.budget_blocks - (num_blocks_after - tail_start), 0)
+        old = min(tail_start, len(table))
+        keep = self._choose(st, old, room)
+        off = [i for i in range(old) if table[i] != OFFLOADED and not keep[i]]
+        if off:
+            if st.exact_blocks is None:
+                st.exact_blocks = tail_start
+            phys = [table[i] for i in off]
+            for i in off:
+                table[i] = OFFLOADED
+            pool.free(phys)
+            self.moves.offload.append((rid, off, phys))
+        back = [i for i in range(old) if table[i] == OFFLOADED and keep[i]]
+        # the step's new blocks come first; reload into what is left
+        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0)
+        st.planned = key if len(back) <= spare else None  # short of blocks: retry next step
+        back = back[:max(spare, 0)]
+        if back:
+            phys = pool.allocate(len(back))
+            for i, b in zip(back, phys):
+                table[i] = b
+            self.moves.reload.append((rid, back, phys))
+
+    def _choose(self, st: _State, old: int, room: int) -> np.ndarray:
+        """Mask over the `old` blocks (before the tail) that stay on the device."""
+        keep = np.zeros(old, dtype=bool)
+        if old <= room:
+            keep[:] = True
+            return keep
+        keep[:SINK_BLOCKS] = True
+        keep[max(old - self.cfg.recent_blocks, 0):] = True
+        left = room - int(keep.sum())
+        if left <= 0:
+            return keep
+        # best-scored first; unscored blocks and ties go by recency
+        score = np.full(old, -np.inf)
+        if st.scores is not None and self.cfg.policy != "recency":
+            n = min(old, len(st.scores))
+            score[:n] = st.scores[:n]
+        order = np.lexsort((-np.arange(old), -score))  # by score desc, then newest first
+        cand = order[~keep[order]][:left]
+        keep[cand] = True
+        return keep

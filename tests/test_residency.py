@@ -1,0 +1,224 @@
+"""Bounded KV residency: a request keeps at most N tokens of KV on the device, colder blocks
+wait in host memory, attention reads the resident blocks only (tiny random models, fp32, CPU)."""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import engine_kwargs, make_tiny_model
+from luceio import LLM, AsyncEngine, EngineArgs, SamplingParams
+from luceio.cache import BlockPool
+from luceio.cache.residency import OFFLOADED, Residency, ResidencyConfig
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 384, (n,), generator=g).tolist()
+
+
+def run(path, prompts, max_tokens=40, **kw):
+    llm = LLM(path, **engine_kwargs(**kw))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, **GREEDY))
+    return [o.outputs[0].token_ids for o in outs], llm.engine
+
+
+def assert_clean(eng):
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+    assert eng.runner.host_store.request_ids() == []
+    assert eng.kv.residency.states == {}
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("res") / "d"), "qwen2", seed=7)
+
+
+@pytest.mark.parametrize("policy", ["keys", "recency"])
+def test_budget_covering_the_context_is_exactly_plain(tiny_llama, policy):
+    ps = [prompt(150, i) for i in range(3)]
+    plain, _ = run(tiny_llama, ps)
+    spy = []
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=256, kv_resident_policy=policy))
+    original = llm.engine.runner.host_store.apply
+    llm.engine.runner.host_store.apply = lambda m: (spy.append(m), original(m))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(max_tokens=40, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert not any(m.offload or m.reload for m in spy)
+    assert_clean(llm.engine)
+
+
+def test_attention_reads_only_resident_blocks(tiny_llama):
+    """Past the budget, the batch's table lists the resident blocks only, its sequence length
+    counts their tokens, and positions stay the original ones."""
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+    eng = llm.engine
+    p = prompt(300)
+    eng.add_request("a", {"prompt_token_ids": p}, SamplingParams(max_tokens=30, **GREEDY))
+    seen = 0
+    while eng.has_unfinished_requests():
+        batch = eng.schedule_step()
+        if batch is not None and batch.sched.scheduled:
+            req = batch.sched.scheduled[0].req
+            table = eng.kv.blocks_of("a")
+            resident = [b for b in table if b != OFFLOADED]
+            h = batch.inputs.host
+            if OFFLOADED in table:
+                seen += 1
+                end = req.num_computed_tokens + batch.sched.scheduled[0].num_new_tokens
+                assert h.seq_lens[0] == end - table.count(OFFLOADED) * 16
+                assert list(h.block_tables[0, :len(resident)]) == resident
+                assert list(h.positions) == list(range(req.num_computed_tokens, end))
+                # the budget holds: 96 tokens = 6 blocks, plus the step's own new blocks
+                new_blocks = -(-end // 16) - req.num_computed_tokens // 16
+                assert len(resident) <= 6 + new_blocks
+                assert table[0] != OFFLOADED  # the sink block stays
+                assert table[-1] != OFFLOADED
+        eng.finish_step(batch, eng.execute(batch) if batch is not None else None)
+    assert seen > 20
+    assert_clean(eng)
+
+
+def test_offloaded_blocks_come_back_bit_identical(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=80, kv_rescore_interval=2))
+    runner = llm.engine.runner
+    store = runner.host_store
+    truth, reloaded = {}, []
+    original = store.apply
+
+    def spy(moves):
+        for rid, logical, phys in moves.offload:
+            for i, b in zip(logical, phys):
+                data = torch.stack([kv[:, b].clone() for kv in runner.kv_caches])
+                if (rid, i) in truth:  # a full block never changes
+                    assert torch.equal(truth[rid, i], data)
+                truth[rid, i] = data
+        original(moves)
+        for rid, logical, phys in moves.reload:
+            for i, b in zip(logical, phys):
+                back = torch.stack([kv[:, b] for kv in runner.kv_caches])
+                assert torch.equal(back, truth[rid, i])
+                reloaded.append((rid, i))
+    store.apply = spy
+    outs = llm.generate([{"prompt_token_ids": prompt(260, s)} for s in range(2)],
+                        SamplingParams(max_tokens=60, **GREEDY))
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
+    assert truth and reloaded, "no block went out and came back"
+    assert_clean(llm.engine)
+
+
+def test_plan_moves_blocks_by_score():
+    """Planner level: the sink and recent blocks stay, the best-scored fill the rest, and a
+    change of scores reloads what became important and offloads what did not."""
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16, policy="keys"))
+    pool = BlockPool(64)
+    table = pool.allocate(20)  # 20 full blocks; the step adds token 320 (block 20)
+    res.set_scores("r", np.arange(20)[::-1].astype(float))  # older = more important
+    res.plan("r", table, 320, 21, pool)
+    kept = [i for i, b in enumerate(table) if b != OFFLOADED]
+    # budget 8 blocks - 1 tail block = 7 old blocks: sink 0, recent 18..19, best 1..4
+    assert kept == [0, 1, 2, 3, 4, 18, 19]
+    assert res.take_moves().offload[0][1] == [i for i in range(20) if i not in kept]
+    scores = np.arange(20)[::-1].astype(float)
+    scores[10] = 100.0
+    res.set_scores("r", scores)
+    res.plan("r", table, 320, 21, pool)
+    moves = res.take_moves()
+    assert moves.reload[0][1] == [10] and moves.offload[0][1] == [4]
+    assert [i for i, b in enumerate(table) if b != OFFLOADED] == [0, 1, 2, 3, 10, 18, 19]
+    assert pool.num_free_blocks == 64 - 7
+    res.plan("r", table, 320, 21, pool)  # nothing changed: no moves
+    assert not res.take_moves()
+    res.release("r")
+    assert res.take_moves().drop == ["r"]
+
+
+def test_request_larger_than_the_pool_runs_in_its_budget(tiny_llama):
+    """With residency, a request needs only its budget of device blocks: a 400-token request
+    runs in a 12-block (192-token) pool."""
+    outs, eng = run(tiny_llama, [prompt(340)], max_tokens=60, num_kv_blocks=12,
+                    kv_resident_tokens=128)
+    assert len(outs[0]) == 60
+    assert_clean(eng)
+    with pytest.raises(ValueError, match="KV blocks"):
+        LLM(tiny_llama, **engine_kwargs(num_kv_blocks=12)).generate(
+            [{"prompt_token_ids": prompt(340)}], SamplingParams(max_tokens=60))
+
+
+def test_policies_and_abort_leave_nothing_behind(tiny_llama, draft):
+    for policy in ["keys", "recency", "spec"]:
+        llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96, kv_resident_policy=policy,
+                                              draft_model=draft if policy == "spec" else None))
+        eng = llm.engine
+        for i in range(3):
+            eng.add_request(f"r{i}", {"prompt_token_ids": prompt(250, i)},
+                            SamplingParams(max_tokens=50, **GREEDY))
+        if policy == "spec":
+            assert eng.kv.residency.states["r0"].scores is not None
+        for _ in range(40):
+            eng.step()
+        assert eng.runner.host_store.request_ids(), f"{policy}: nothing was offloaded"
+        eng.abort_request(["r0", "r1"])
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert_clean(eng)
+
+
+def test_spec_policy_needs_a_draft(tiny_llama):
+    with pytest.raises(ValueError, match="draft"):
+        LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96, kv_resident_policy="spec"))
+    with pytest.raises(ValueError, match="at least 4 blocks"):
+        LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=32))
+
+
+def test_preemption_with_offloaded_blocks_recomputes(tiny_llama):
+    """Swap preemption of a request with offloaded blocks falls back to recompute; outputs
+    equal a run without preemption, and nothing is left behind."""
+    ps = [prompt(200, i) for i in range(4)]
+    ref, _ = run(tiny_llama, ps, kv_resident_tokens=96)
+    outs, eng = run(tiny_llama, ps, kv_resident_tokens=96, num_kv_blocks=18,
+                    preemption_mode="swap")
+    assert eng.scheduler.num_preemptions > 0
+    assert outs == ref
+    assert_clean(eng)
+    assert eng.runner.host_kv == {}
+
+
+def test_inexact_blocks_never_enter_the_prefix_cache(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+    eng = llm.engine
+    eng.add_request("a", {"prompt_token_ids": prompt(300)}, SamplingParams(max_tokens=5, **GREEDY))
+    while eng.has_unfinished_requests():
+        eng.step()
+        exact = eng.kv.residency.exact_blocks("a")
+        if exact is not None:
+            assert eng.kv.num_cached_blocks.get("a", 0) <= exact
+    assert exact is None or exact < 300 // 16
+    # a second identical request hits only the exact prefix
+    eng.add_request("b", {"prompt_token_ids": prompt(300)}, SamplingParams(max_tokens=5, **GREEDY))
+    eng.step()
+    assert eng.scheduler.requests["b"].num_cached_tokens <= 96
+
+
+def test_async_engine_with_spec_policy(tiny_llama, draft):
+    async def main():
+        eng = AsyncEngine.from_engine_args(EngineArgs(
+            model=tiny_llama, kv_resident_tokens=96, kv_resident_policy="spec",
+            draft_model=draft, **{k: v for k, v in engine_kwargs().items() if k != "model"}))
+        outs = await asyncio.gather(*[_collect(eng, prompt(220, i)) for i in range(3)])
+        await eng.shutdown()
+        return outs, eng.engine
+    outs, eng = asyncio.run(main())
+    assert all(len(o) == 20 for o in outs)
+    assert_clean(eng)
+
+
+async def _collect(eng, p):
+    last = None
+    async for out in eng.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=20, **GREEDY)):
+        last = out
+    return last.outputs[0].token_ids
