@@ -32,6 +32,8 @@ class CacheConfig:
     kv_cache_memory: int  # bytes, CPU budget or explicit GPU budget (0 = use fraction)
     gpu_memory_utilization: float
     enable_prefix_caching: bool
+    resident_tokens: int | None = None  # bounded residency: a request's device KV cap
+    resident_policy: str = "keys"
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,8 @@ class EngineArgs(CliArgs):
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory,
-                           self.gpu_memory_utilization, self.enable_prefix_caching)
+                           self.gpu_memory_utilization, self.enable_prefix_caching,
+                           self.kv_resident_tokens, self.kv_resident_policy)
 
     def residency_config(self):
         if not self.kv_resident_tokens:

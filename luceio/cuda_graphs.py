@@ -22,7 +22,8 @@ _MAX_VERIFY_BATCH = 32  # the speculative planner drafts nothing for larger batc
 
 class StepGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, max_spec_tokens: int = 0, staging=None):
+                 device: torch.device, max_spec_tokens: int = 0, staging=None,
+                 capture_queries: bool = False):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_model_len, self.block_size = max_model_len, block_size
         buckets = [b for b in _BUCKETS if b <= max_num_seqs] or [1]
@@ -41,6 +42,13 @@ class StepGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self.staging = staging
+        # bounded residency (keys policy): every replay also leaves each layer's rotated
+        # queries in q_buf [num_layers, rows, num_heads, head_dim], for block scoring
+        self.q_buf = None
+        if capture_queries:
+            cfg = model.cfg
+            self.q_buf = torch.zeros(cfg.num_layers, rows, cfg.num_heads, cfg.head_dim,
+                                     dtype=kv_caches[0].dtype, device=device)
 
     def _inputs(self, bs: int, q: int):
         n = bs * q
@@ -60,7 +68,8 @@ class StepGraphs:
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    self.outputs[bs, q] = self.model(ids, pos, self.kv_caches, meta)
+                    self.outputs[bs, q] = self.model(ids, pos, self.kv_caches, meta,
+                                                     probe=self._capture_probe(bs * q))
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[bs, q] = g
@@ -74,6 +83,22 @@ class StepGraphs:
         if int((h.seq_lens + (q - q_lens)).max()) > self.max_model_len:
             return None
         return next(b for b in self.buckets[q] if b >= len(q_lens)), q
+
+    def _capture_probe(self, n: int):
+        if self.q_buf is None:
+            return None
+        layer = iter(range(self.q_buf.shape[0]))
+
+        def probe(q, k_cache, meta, scale):  # runs once, while capturing: the copy is recorded
+            self.q_buf[next(layer), :n].copy_(q)
+        return probe
+
+    def queries(self, h, token_row: int) -> torch.Tensor:
+        """[num_layers, num_heads, head_dim]: the queries of the last replay's token at flat
+        row `token_row` of host batch `h` (rows are padded to q per request in a graph)."""
+        _, q = self._bucket(h)
+        r = int(np.searchsorted(h.query_start_loc, token_row, side="right")) - 1
+        return self.q_buf[:, r * q + token_row - int(h.query_start_loc[r])]
 
     def fits(self, h) -> bool:
         return bool(self.graphs) and self._bucket(h) is not None

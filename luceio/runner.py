@@ -71,7 +71,9 @@ class ModelRunner:
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
                 self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs,
                                          max_model_len, self.block_size, device, max_spec_tokens,
-                                         self.staging)
+                                         self.staging, capture_queries=bool(
+                                             cache_config.resident_tokens) and
+                                         cache_config.resident_policy == "keys")
                 self.graphs.capture()
 
     @property
@@ -93,9 +95,10 @@ class ModelRunner:
         else:
             budget = _CPU_DEFAULT_KV_BYTES
         n = budget // (self.bytes_per_block + self.extra_bytes_per_block)
-        if n < -(-max_model_len // self.block_size):
+        longest = max_model_len if not cc.resident_tokens else min(max_model_len, cc.resident_tokens)
+        if n < -(-longest // self.block_size) + (2 if cc.resident_tokens else 0):
             raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {n} blocks, "
-                             f"fewer than one {max_model_len}-token sequence needs; lower "
+                             f"fewer than one {longest}-token sequence needs; lower "
                              f"--max-model-len or raise --kv-cache-memory")
         return int(n)
 
@@ -187,21 +190,25 @@ class ModelRunner:
     def execute(self, inp: StepInputs, probe=None) -> torch.Tensor:
         """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`. A `probe`
         (called per layer with the rotated queries) forces the eager path."""
+        graphed = self.graphs is not None and probe is None and self.graphs.fits(inp.host)
         if inp.score_rows:
             if probe is not None:
                 raise ValueError("a step cannot both score KV blocks and run another probe")
-            probe = QueryProbe(list(inp.score_rows.values()), self.device)
+            if not graphed or self.graphs.q_buf is None:  # graphs capture queries themselves
+                probe = QueryProbe(list(inp.score_rows.values()), self.device)
         logits = self._forward(inp, probe)
         if inp.score_rows:
             inp.kv_scores = self._score_blocks(inp, probe)
         return logits
 
-    def _score_blocks(self, inp: StepInputs, probe: QueryProbe) -> dict:
+    def _score_blocks(self, inp: StepInputs, probe: QueryProbe | None) -> dict:
         """Residency `keys` policy: scores of each scored request's blocks before its tail."""
         scores = {}
+        scale = self.cfg.head_dim ** -0.5
         for j, (rid, (table, num_old)) in enumerate(inp.score_tables.items()):
-            s = self.host_store.score(rid, table, num_old, probe.queries(j), probe.scale)
-            scores[rid] = s.cpu().numpy()
+            q = probe.queries(j) if probe is not None else \
+                self.graphs.queries(inp.host, inp.score_rows[rid])
+            scores[rid] = self.host_store.score(rid, table, num_old, q, scale).cpu().numpy()
         return scores
 
     def _forward(self, inp: StepInputs, probe) -> torch.Tensor:

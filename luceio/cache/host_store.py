@@ -32,6 +32,7 @@ class HostKVStore:
         idx = torch.tensor(phys, device=self.device)
         return torch.stack([kv.index_select(1, idx) for kv in self.kv_caches])  # [L, 2, n, ...]
 
+    @torch.inference_mode()
     def apply(self, moves: KVMoves) -> None:
         for rid in moves.drop:
             self.drop(rid)
@@ -99,7 +100,6 @@ class QueryProbe:
         self.per_layer: list[torch.Tensor] = []
 
     def __call__(self, q, k_cache, meta, scale: float) -> None:
-        self.scale = scale
         self.per_layer.append(q.index_select(0, self.rows))
 
     def queries(self, j: int) -> torch.Tensor:

@@ -59,4 +59,6 @@ def build_spec_prefill(args, target_runner, draft_model, max_model_len: int):
     runner = ModelRunner(None, target_runner.dtype, target_runner.device,
                          CacheConfig(args.block_size, blocks, 0, 0.0, False), max_model_len,
                          model=draft_model, enforce_eager=True)
-    return SpecPrefill(runner, KVCacheManager(blocks, args.block_size, False))
+    # scoring chunks as long as the engine's step budget: fewer, fuller forwards
+    return SpecPrefill(runner, KVCacheManager(blocks, args.block_size, False),
+                       chunk=max(2048, args.max_num_batched_tokens))
