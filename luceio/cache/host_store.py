@@ -52,7 +52,11 @@ class HostKVStore:
             store = self.blocks.get(rid)
             if store is None or any(i not in store for i in logical):
                 raise RuntimeError(f"request {rid!r}: reload of a block that was never offloaded")
-            data = torch.stack([store[i] for i in logical], dim=2).to(self.device, non_blocking=True)
+            first = store[logical[0]]
+            staged = torch.empty((first.shape[0], 2, len(logical), *first.shape[2:]),
+                                 dtype=first.dtype, pin_memory=self.device.type == "cuda")
+            torch.stack([store[i] for i in logical], dim=2, out=staged)  # pinned: an async DMA
+            data = staged.to(self.device, non_blocking=True)
             idx = torch.tensor(phys, device=self.device)
             for layer, kv in enumerate(self.kv_caches):
                 kv.index_copy_(1, idx, data[layer])

@@ -55,6 +55,11 @@ class ResidencyConfig:
         return max(2, self.budget_blocks // 4)
 
     @property
+    def max_reloads(self) -> int:
+        """Most blocks one plan brings back from host memory."""
+        return max(2, self.budget_blocks // 8)
+
+    @property
     def chunk_tokens(self) -> int:
         """Longest prefill chunk: half the budget, so a chunk attends to at least as many
         earlier tokens as it holds."""
@@ -125,7 +130,9 @@ class Residency:
              pool) -> None:
         """Offloads/reloads so that, with the step's tail blocks (from the block holding
         the first new token up to `num_blocks_after`), the request fits its budget. Offloads
-        free their device blocks at once; reloads take free blocks only, never preempting."""
+        free their device blocks at once; reloads take free blocks only, never preempting,
+        and at most `max_reloads` per plan: the resident set moves toward the chosen one a
+        few blocks at a time, which bounds the host-to-device traffic of one step."""
         cfg = self.cfg
         st = self.states.setdefault(rid, _State())
         tail_start = num_computed // cfg.block_size
@@ -134,8 +141,17 @@ class Residency:
             return
         room = max(cfg.budget_blocks - (num_blocks_after - tail_start), 0)
         old = min(tail_start, len(table))
-        keep = self._choose(st, old, room)
-        off = [i for i in range(old) if table[i] != OFFLOADED and not keep[i]]
+        keep, score = self._choose(st, old, room)
+        best_first = np.lexsort((np.arange(old), score))[::-1]  # high score, then newest
+        back = [int(i) for i in best_first if table[i] == OFFLOADED and keep[i]]
+        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0)
+        limit = max(min(cfg.max_reloads, spare), 0)
+        st.planned = key if len(back) <= limit else None  # more to bring back: plan again
+        back = back[:limit]
+        resident = sum(1 for i in range(old) if table[i] != OFFLOADED)
+        excess = resident + len(back) - room
+        worst_first = [int(i) for i in best_first[::-1] if table[i] != OFFLOADED and not keep[i]]
+        off = sorted(worst_first[:max(excess, 0)])
         if off:
             if st.exact_blocks is None:
                 st.exact_blocks = tail_start
@@ -144,34 +160,23 @@ class Residency:
                 table[i] = OFFLOADED
             pool.free(phys)
             self.moves.offload.append((rid, off, phys))
-        back = [i for i in range(old) if table[i] == OFFLOADED and keep[i]]
-        # the step's new blocks come first; reload into what is left
-        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0)
-        st.planned = key if len(back) <= spare else None  # short of blocks: retry next step
-        back = back[:max(spare, 0)]
         if back:
             phys = pool.allocate(len(back))
             for i, b in zip(back, phys):
                 table[i] = b
             self.moves.reload.append((rid, back, phys))
 
-    def _choose(self, st: _State, old: int, room: int) -> np.ndarray:
-        """Mask over the `old` blocks (before the tail) that stay on the device."""
-        keep = np.zeros(old, dtype=bool)
-        if old <= room:
-            keep[:] = True
-            return keep
-        keep[:SINK_BLOCKS] = True
-        keep[max(old - self.cfg.recent_blocks, 0):] = True
-        left = room - int(keep.sum())
-        if left <= 0:
-            return keep
-        # best-scored first; unscored blocks and ties go by recency
+    def _choose(self, st: _State, old: int, room: int) -> tuple[np.ndarray, np.ndarray]:
+        """(mask over the `old` blocks before the tail that should be on the device, their
+        scores). The sinks and the most recent blocks score +inf; unscored blocks -inf, so
+        ties and unscored blocks go by recency."""
         score = np.full(old, -np.inf)
         if st.scores is not None and self.cfg.policy != "recency":
             n = min(old, len(st.scores))
             score[:n] = st.scores[:n]
-        order = np.lexsort((-np.arange(old), -score))  # by score desc, then newest first
-        cand = order[~keep[order]][:left]
-        keep[cand] = True
-        return keep
+        score[:SINK_BLOCKS] = np.inf
+        score[max(old - self.cfg.recent_blocks, 0):] = np.inf
+        keep = np.zeros(old, dtype=bool)
+        order = np.lexsort((np.arange(old), score))[::-1]
+        keep[order[:max(room, int(np.isposinf(score).sum()))]] = True
+        return keep, score
