@@ -143,6 +143,17 @@ def test_plan_moves_blocks_by_score():
     res.plan("r", table, 320, 21, pool)  # the rest follows at the next plan
     assert res.take_moves().reload[0][1] == [8, 9]
     assert [i for i, b in enumerate(table) if b != OFFLOADED] == [0, 6, 7, 8, 9, 18, 19]
+    # hysteresis: an offloaded block scored a little above a resident one does not swap in
+    scores[[6, 7, 8, 9]] = 10.0
+    scores[12] = 11.0
+    res.set_scores("r", scores)
+    res.plan("r", table, 320, 21, pool)
+    assert not res.take_moves()
+    scores[12] = 20.0
+    res.set_scores("r", scores)
+    res.plan("r", table, 320, 21, pool)
+    moves = res.take_moves()
+    assert moves.reload[0][1] == [12] and len(moves.offload[0][1]) == 1
     res.release("r")
     assert res.take_moves().drop == ["r"]
 

@@ -41,22 +41,21 @@ class HostKVStore:
             todo = [(i, p) for i, p in zip(logical, phys) if i not in store]
             if not todo:
                 continue
-            data = self._gather([p for _, p in todo])
+            data = self._gather([p for _, p in todo])  # [L, 2, n, bs, H, D]
             self._pool(rid, [i for i, _ in todo], data[:, 0])
-            host = torch.empty(data.shape, dtype=data.dtype,
+            # block-major on the host: each block one contiguous run, so a reload is one DMA
+            # per block straight from pinned memory, with no host-side gather
+            host = torch.empty((len(todo), *data.shape[:2], *data.shape[3:]), dtype=data.dtype,
                                pin_memory=self.device.type == "cuda")
-            host.copy_(data)
+            host.copy_(data.permute(2, 0, 1, 3, 4, 5))
             for j, (i, _) in enumerate(todo):
-                store[i] = host[:, :, j]
+                store[i] = host[j]
         for rid, logical, phys in moves.reload:
             store = self.blocks.get(rid)
             if store is None or any(i not in store for i in logical):
                 raise RuntimeError(f"request {rid!r}: reload of a block that was never offloaded")
-            first = store[logical[0]]
-            staged = torch.empty((first.shape[0], 2, len(logical), *first.shape[2:]),
-                                 dtype=first.dtype, pin_memory=self.device.type == "cuda")
-            torch.stack([store[i] for i in logical], dim=2, out=staged)  # pinned: an async DMA
-            data = staged.to(self.device, non_blocking=True)
+            data = torch.stack([store[i].to(self.device, non_blocking=True) for i in logical],
+                               dim=2)  # [L, 2, n, bs, H, D]
             idx = torch.tensor(phys, device=self.device)
             for layer, kv in enumerate(self.kv_caches):
                 kv.index_copy_(1, idx, data[layer])

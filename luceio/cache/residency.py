@@ -83,6 +83,13 @@ class KVMoves:
         return bool(self.offload or self.reload or self.drop)
 
 
+HYSTERESIS = 1.25  # a block comes back only to replace one scored this much lower
+
+
+def _better(candidate: float, victim: float) -> bool:
+    return candidate > (victim * HYSTERESIS if victim > 0 else victim)
+
+
 class _State:
     def __init__(self):
         self.scores: np.ndarray | None = None  # per logical block; higher stays
@@ -143,15 +150,28 @@ class Residency:
         old = min(tail_start, len(table))
         keep, score = self._choose(st, old, room)
         best_first = np.lexsort((np.arange(old), score))[::-1]  # high score, then newest
-        back = [int(i) for i in best_first if table[i] == OFFLOADED and keep[i]]
-        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0)
-        limit = max(min(cfg.max_reloads, spare), 0)
-        st.planned = key if len(back) <= limit else None  # more to bring back: plan again
-        back = back[:limit]
-        resident = sum(1 for i in range(old) if table[i] != OFFLOADED)
-        excess = resident + len(back) - room
+        want = [int(i) for i in best_first if table[i] == OFFLOADED and keep[i]]
         worst_first = [int(i) for i in best_first[::-1] if table[i] != OFFLOADED and not keep[i]]
-        off = sorted(worst_first[:max(excess, 0)])
+        free_slots = room - sum(1 for i in range(old) if table[i] != OFFLOADED)
+        off = worst_first[:max(-free_slots, 0)]  # over budget (the tail grew): must go
+        victims = worst_first[len(off):]
+        free_slots = max(free_slots, 0)
+        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0)
+        back, done = [], True
+        for i in want:
+            if len(back) == cfg.max_reloads:
+                done = False  # more to bring back: plan again next step
+                break
+            if free_slots > 0 and spare > 0:  # room in the budget and a free block
+                free_slots, spare = free_slots - 1, spare - 1
+            elif victims and _better(score[i], score[victims[0]]):
+                off.append(victims.pop(0))  # a swap, only for a clear gain (no churn on ties)
+            else:
+                done = free_slots <= 0  # short of free blocks: try again next step
+                break
+            back.append(i)
+        st.planned = key if done else None
+        off.sort()
         if off:
             if st.exact_blocks is None:
                 st.exact_blocks = tail_start
