@@ -249,3 +249,16 @@ async def _collect(eng, p):
     async for out in eng.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=20, **GREEDY)):
         last = out
     return last.outputs[0].token_ids
+
+
+def test_residency_with_speculative_decoding(tiny_llama):
+    """Rejected drafts trim the (resident) tail; a covering budget stays exactly plain, a small
+    one runs clean."""
+    ps = [prompt(40, i) * 5 for i in range(2)]  # repetitive: n-gram drafts get proposed
+    ref, _ = run(tiny_llama, ps, max_tokens=60)
+    spec_kw = dict(speculative_method="ngram", num_speculative_tokens=3)
+    full, eng = run(tiny_llama, ps, max_tokens=60, kv_resident_tokens=512, **spec_kw)
+    assert full == ref and eng.spec.stats.num_draft_tokens > 0
+    small, eng = run(tiny_llama, ps, max_tokens=60, kv_resident_tokens=96, **spec_kw)
+    assert all(len(o) == 60 for o in small)
+    assert_clean(eng)

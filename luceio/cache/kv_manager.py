@@ -24,10 +24,9 @@ class KVCacheManager:
     def attention_table(self, request_id: str) -> tuple[list[int], int]:
         """(the device blocks attention reads, in order; tokens skipped before the tail)."""
         table = self.block_tables[request_id]
-        if self.residency is None or OFFLOADED not in table:
+        if self.residency is None:
             return table, 0
-        resident = [b for b in table if b != OFFLOADED]
-        return resident, (len(table) - len(resident)) * self.block_size
+        return self.residency.attention_table(request_id, table)
 
     def plan_residency(self, req: Request, num_new_tokens: int) -> None:
         """Bounded residency: offload/reload this request's blocks for a step computing
@@ -128,4 +127,6 @@ class KVCacheManager:
         if len(table) > keep:
             extra = table[keep:]
             del table[keep:]
+            if self.residency is not None:
+                self.residency.forget_view(req.request_id)
             self.pool.free([b for b in reversed(extra) if b != OFFLOADED])

@@ -97,6 +97,7 @@ class _State:
         self.planned: tuple | None = None  # (num blocks, tail start, version) of the last plan
         self.steps_since_score = 0
         self.exact_blocks: int | None = None  # blocks computed before the first eviction
+        self.view: tuple[int, list[int], int] | None = None  # attention_table cache
 
 
 class Residency:
@@ -129,6 +130,23 @@ class Residency:
         return prefill_chunk or st.steps_since_score >= self.cfg.rescore_interval or \
             st.scores is None
 
+    def attention_table(self, rid: str, table: list[int]) -> tuple[list[int], int]:
+        """(resident blocks in order, tokens skipped). Cached between plans: between them the
+        table only grows or shrinks at its (resident) tail."""
+        st = self.states.get(rid)
+        if st is None or st.exact_blocks is None:
+            return table, 0  # nothing was ever offloaded
+        if st.view is None or st.view[0] > len(table):
+            resident = [b for b in table if b != OFFLOADED]
+            st.view = (len(table), resident, len(table) - len(resident))
+        n, resident, skipped = st.view
+        return resident + table[n:] if len(table) > n else resident, skipped * self.cfg.block_size
+
+    def forget_view(self, rid: str) -> None:
+        st = self.states.get(rid)
+        if st is not None:
+            st.view = None
+
     def release(self, rid: str) -> None:
         if self.states.pop(rid, None) is not None:
             self.moves.drop.append(rid)
@@ -150,9 +168,10 @@ class Residency:
         old = min(tail_start, len(table))
         keep, score = self._choose(st, old, room)
         best_first = np.lexsort((np.arange(old), score))[::-1]  # high score, then newest
-        want = [int(i) for i in best_first if table[i] == OFFLOADED and keep[i]]
-        worst_first = [int(i) for i in best_first[::-1] if table[i] != OFFLOADED and not keep[i]]
-        free_slots = room - sum(1 for i in range(old) if table[i] != OFFLOADED)
+        away = np.asarray(table[:old]) == OFFLOADED
+        want = best_first[(away & keep)[best_first]].tolist()
+        worst_first = best_first[::-1][(~away & ~keep)[best_first[::-1]]].tolist()
+        free_slots = room - int(old - away.sum())
         off = worst_first[:max(-free_slots, 0)]  # over budget (the tail grew): must go
         victims = worst_first[len(off):]
         free_slots = max(free_slots, 0)
@@ -172,6 +191,8 @@ class Residency:
             back.append(i)
         st.planned = key if done else None
         off.sort()
+        if off or back:
+            st.view = None
         if off:
             if st.exact_blocks is None:
                 st.exact_blocks = tail_start
