@@ -4,7 +4,8 @@ speculative prefill drops most of the prompt, or when bounded residency keeps on
 KV on the device? One row per (length, depth, setting); results are appended as they come.
 
     python bench/needle.py [--lengths 2048,4096,8192] [--depths 0.1,0.3,0.5,0.7,0.9]
-        [--keeps 0.5,0.25,0.1] [--budgets 1024,2048] [--out bench/results/cpu/needle.json]
+        [--keeps 0.5,0.25,0.1] [--budgets 1024,2048] [--policies keys,spec]
+        [--out bench/results/cpu/needle.json]
 """
 from __future__ import annotations
 
@@ -57,10 +58,14 @@ def build(tok, n_tokens: int, depth: float, code: str, seed: int) -> list[int]:
                       add_special_tokens=False)
 
 
-def make(args_kw: dict) -> LLMEngine:
-    return LLMEngine(EngineArgs(model="qwen2.5-coder-1.5b", dtype="bfloat16", device="cpu",
-                                max_model_len=9216, enable_prefix_caching=False,
-                                max_num_batched_tokens=2048, **args_kw))
+def make(args_kw: dict, share: LLMEngine | None = None) -> LLMEngine:
+    """An engine; with `share`, one on the same target weights and tokenizer (loaded once)."""
+    args = EngineArgs(model="qwen2.5-coder-1.5b", dtype="bfloat16", device="cpu",
+                      max_model_len=9216, enable_prefix_caching=False,
+                      max_num_batched_tokens=2048, **args_kw)
+    if share is None:
+        return LLMEngine(args)
+    return LLMEngine(args, model=share.runner.model, tokenizer=share.tokenizer)
 
 
 def ask(eng: LLMEngine, ids: list[int], keep: float | None) -> tuple[str, float]:
@@ -74,9 +79,7 @@ def ask(eng: LLMEngine, ids: list[int], keep: float | None) -> tuple[str, float]
     return text, time.perf_counter() - t
 
 
-def memoize(fn):
-    cache: dict = {}
-
+def memoize(fn, cache: dict):
     def wrapped(ids):
         key = tuple(ids)
         if key not in cache:
@@ -91,7 +94,7 @@ def main() -> None:
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--keeps", default="0.5,0.25,0.1")
     ap.add_argument("--budgets", default="1024,2048")
-    ap.add_argument("--policy", default="keys")
+    ap.add_argument("--policies", default="keys,spec")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/cpu/needle.json")
     a = ap.parse_args()
@@ -99,19 +102,29 @@ def main() -> None:
     lengths, depths = [int(x) for x in a.lengths.split(",")], floats(a.depths)
     keeps, budgets = floats(a.keeps), [int(x) for x in a.budgets.split(",") if x]
 
-    base = make(dict(draft_model="qwen2.5-coder-0.5b", cpu_threads=a.threads))
-    base.spec_prefill.scores = memoize(base.spec_prefill.scores)  # one draft pass per prompt
-    bounded = {b: make(dict(kv_resident_tokens=b, kv_resident_policy=a.policy,
-                            cpu_threads=a.threads)) for b in budgets}
+    kv = 320 << 20  # bytes of KV per engine: one 9K-token bf16 sequence of the 1.5B
+    base = make(dict(draft_model="qwen2.5-coder-0.5b", cpu_threads=a.threads,
+                     kv_cache_memory=kv))
+    memo: dict = {}  # one draft scoring pass per prompt, shared by every engine's draft
+    base.spec_prefill.scores = memoize(base.spec_prefill.scores, memo)
+    bounded = {}
+    for policy in a.policies.split(","):
+        for b in budgets:
+            extra = dict(draft_model="qwen2.5-coder-0.5b") if policy == "spec" else {}
+            eng = make(dict(kv_resident_tokens=b, kv_resident_policy=policy,
+                            cpu_threads=a.threads, kv_cache_memory=kv, **extra), share=base)
+            if eng.spec_prefill is not None:
+                eng.spec_prefill.scores = memoize(eng.spec_prefill.scores, memo)
+            bounded[f"resident_{b}_{policy}"] = (b, eng)
     tok = base.tokenizer
     res = {"env": env_info(), "target": "qwen2.5-coder-1.5b (Q4_K_M GGUF, run in bf16)",
-           "draft": "qwen2.5-coder-0.5b", "policy": a.policy, "rows": []}
+           "draft": "qwen2.5-coder-0.5b", "rows": []}
     for n in lengths:
         for d in depths:
             code = f"{random.Random(n * 100 + int(d * 10)).randint(1000, 9999)}-{'KLMNPQRS'[int(d * 7)]}"
             ids = build(tok, n, d, code, seed=n + int(d * 100))
             runs = [("plain", base, None)] + [(f"keep_{k}", base, k) for k in keeps] + \
-                [(f"resident_{b}", bounded[b], None) for b in budgets if b < len(ids)]
+                [(name, eng, None) for name, (b, eng) in bounded.items() if b < len(ids)]
             for name, eng, keep in runs:
                 text, secs = ask(eng, ids, keep)
                 row = {"length": n, "tokens": len(ids), "depth": d, "setting": name, "found": code in text,

@@ -262,3 +262,21 @@ def test_residency_with_speculative_decoding(tiny_llama):
     small, eng = run(tiny_llama, ps, max_tokens=60, kv_resident_tokens=96, **spec_kw)
     assert all(len(o) == 60 for o in small)
     assert_clean(eng)
+
+
+def test_keys_policy_scores_before_the_last_prompt_token(tiny_llama):
+    """A prompt past the budget: its prefill stops one token short and is scored there, so
+    the chosen blocks are resident when the last prompt token samples the first output."""
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+    eng = llm.engine
+    p = prompt(200)
+    eng.add_request("a", {"prompt_token_ids": p}, SamplingParams(max_tokens=3, **GREEDY))
+    steps = []
+    while eng.has_unfinished_requests():
+        batch = eng.schedule_step()
+        s = batch.sched.scheduled[0]
+        steps.append((s.req.num_computed_tokens, s.num_new_tokens, "a" in batch.sched.kv_score_ids))
+        eng.finish_step(batch, eng.execute(batch))
+    last_prefill = [st for st in steps if st[0] + st[1] == 200]
+    assert last_prefill == [(199, 1, False)]
+    assert (steps[steps.index(last_prefill[0]) - 1][2]) is True  # scored just before

@@ -147,6 +147,15 @@ class Residency:
         if st is not None:
             st.view = None
 
+    def prefill_tokens(self, num_computed: int, num_tokens: int, num_new: int) -> int:
+        """`keys` policy: a prefill that outgrew the budget stops one token short of the end,
+        so its blocks are scored with the query of its next-to-last token and the chosen
+        blocks are back before the last token (which samples the first output) attends."""
+        if self.cfg.policy == "keys" and num_tokens > self.cfg.budget_tokens and \
+                num_computed + num_new == num_tokens and num_new > 1:
+            return num_new - 1
+        return num_new
+
     def release(self, rid: str) -> None:
         if self.states.pop(rid, None) is not None:
             self.moves.drop.append(rid)

@@ -110,6 +110,8 @@ class Scheduler:
                           self._chunk_cap)
             if num_new <= 0:
                 continue
+            if res is not None:
+                num_new = res.prefill_tokens(req.num_computed_tokens, req.num_tokens, num_new)
             self.kv.plan_residency(req, num_new)
             if not self._allocate_or_preempt(req, num_new, done, preempted):
                 continue
