@@ -280,3 +280,16 @@ def test_keys_policy_scores_before_the_last_prompt_token(tiny_llama):
     last_prefill = [st for st in steps if st[0] + st[1] == 200]
     assert last_prefill == [(199, 1, False)]
     assert (steps[steps.index(last_prefill[0]) - 1][2]) is True  # scored just before
+
+
+def test_release_cancels_pending_copies():
+    """A request preempted (or aborted) in the step that planned its moves: the copies are
+    cancelled and its host copies dropped, so a recompute never finds stale blocks."""
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16))
+    pool = BlockPool(64)
+    table = pool.allocate(20)
+    res.plan("r", table, 320, 21, pool)
+    assert res.moves.offload
+    res.release("r")
+    moves = res.take_moves()
+    assert not moves.offload and not moves.reload and moves.drop == ["r"]

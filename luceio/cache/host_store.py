@@ -82,7 +82,7 @@ class HostKVStore:
         [L, num_heads, D]: per layer and head a softmax over blocks of q·mean(k), then the max
         over heads and layers. Resident blocks are pooled here on first use."""
         have = self.pooled.get(rid, (None, set()))[1]
-        missing = [] if len(have) >= num_old and max(have) < len(have) else \
+        missing = [] if have and len(have) >= num_old and max(have) < len(have) else \
             [i for i in range(num_old) if i not in have]
         if missing:
             if any(table[i] < 0 for i in missing):

@@ -157,8 +157,13 @@ class Residency:
         return num_new
 
     def release(self, rid: str) -> None:
+        """The request's blocks were freed: its pending copies are moot and its host copies
+        stale (a recomputed request must not find them)."""
         if self.states.pop(rid, None) is not None:
-            self.moves.drop.append(rid)
+            m = self.moves
+            m.offload = [x for x in m.offload if x[0] != rid]
+            m.reload = [x for x in m.reload if x[0] != rid]
+            m.drop.append(rid)
 
     def plan(self, rid: str, table: list[int], num_computed: int, num_blocks_after: int,
              pool) -> None:
