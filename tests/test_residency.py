@@ -293,3 +293,22 @@ def test_release_cancels_pending_copies():
     res.release("r")
     moves = res.take_moves()
     assert not moves.offload and not moves.reload and moves.drop == ["r"]
+
+
+def test_metrics_count_moves(tiny_llama):
+    from prometheus_client import generate_latest
+
+    from luceio.server.metrics import ServerMetrics
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+    eng = llm.engine
+    eng.add_request("a", {"prompt_token_ids": prompt(300)}, SamplingParams(max_tokens=5, **GREEDY))
+    for _ in range(4):
+        eng.step()
+
+    class Holder:
+        engine = eng
+    text = generate_latest(ServerMetrics(Holder()).registry).decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("luceio_kv_")}
+    assert values["luceio_kv_offloaded_blocks"] == eng.kv.blocks_of("a").count(OFFLOADED) > 0
+    assert values["luceio_kv_offloads_total"] >= values["luceio_kv_offloaded_blocks"]

@@ -105,6 +105,8 @@ class Residency:
         self.cfg = cfg
         self.states: dict[str, _State] = {}
         self.moves = KVMoves()
+        self.num_offloaded = 0  # blocks moved to host memory (a re-offload without a copy counts)
+        self.num_reloaded = 0
 
     def take_moves(self) -> KVMoves:
         moves, self.moves = self.moves, KVMoves()
@@ -215,11 +217,13 @@ class Residency:
                 table[i] = OFFLOADED
             pool.free(phys)
             self.moves.offload.append((rid, off, phys))
+            self.num_offloaded += len(off)
         if back:
             phys = pool.allocate(len(back))
             for i, b in zip(back, phys):
                 table[i] = b
             self.moves.reload.append((rid, back, phys))
+            self.num_reloaded += len(back)
 
     def _choose(self, st: _State, old: int, room: int) -> tuple[np.ndarray, np.ndarray]:
         """(mask over the `old` blocks before the tail that should be on the device, their

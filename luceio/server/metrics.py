@@ -86,6 +86,13 @@ class _EngineCollector:
                     pool.num_free_blocks)
         yield gauge("luceio_kv_cache_usage_ratio", "fraction of KV blocks in use",
                     pool.num_used_blocks / pool.num_blocks)
+        res = e.kv.residency
+        if res is not None:
+            yield gauge("luceio_kv_offloaded_blocks", "blocks whose KV waits in host memory "
+                        "(bounded residency)", sum(t.count(-1) for t in e.kv.block_tables.values()))
+            yield counter("luceio_kv_offloads", "blocks moved to host memory", res.num_offloaded)
+            yield counter("luceio_kv_reloads", "blocks brought back from host memory",
+                          res.num_reloaded)
         yield counter("luceio_prefix_cache_queries", "prefix-cache block lookups",
                       pool.num_lookups)
         yield counter("luceio_prefix_cache_hits", "prefix-cache block hits", pool.num_hits)
