@@ -29,9 +29,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def engine(target, draft=None, **kw) -> LLMEngine:
-    args = EngineArgs(model="random", dtype="bfloat16", device=DEVICE, max_model_len=MAX_POS,
-                      kv_cache_memory=KV_BYTES, max_num_seqs=8, max_num_batched_tokens=8192,
+def engine(target, draft=None, max_len=MAX_POS, kv_bytes=KV_BYTES, **kw) -> LLMEngine:
+    args = EngineArgs(model="random", dtype="bfloat16", device=DEVICE, max_model_len=max_len,
+                      kv_cache_memory=kv_bytes, max_num_seqs=8, max_num_batched_tokens=8192,
                       enable_prefix_caching=False, **kw)
     eng = LLMEngine(args, model=target)
     if draft is not None:
@@ -74,6 +74,31 @@ def decode_tps(eng: LLMEngine, ids: list[int], new: int) -> tuple[float, int]:
     return (new - n0) / (time.perf_counter() - t), used
 
 
+def small_pool(target, vocab: int, budget: int, n_req: int = 8, ctx: int = 16384,
+               new: int = 128) -> dict:
+    """A KV pool of 1 GiB (two full 16K-token sequences of the 1.5B shape), eight 16K-token
+    requests at once: full KV runs them two at a time; a resident budget runs all eight."""
+    out = {"requests": n_req, "prompt_tokens": ctx, "new_tokens": new, "kv_pool_gib": 1.0}
+    for name, kw in (("full_kv", {}), (f"resident_{budget}", dict(kv_resident_tokens=budget))):
+        eng = engine(target, max_len=ctx + 2 * new, kv_bytes=1 << 30, **kw)
+        ttft(eng, prompt(2 * budget, vocab, 499), None)  # warm-up: kernels and graphs
+        for i in range(n_req):
+            eng.add_request(f"p{i}", {"prompt_token_ids": prompt(ctx, vocab, 500 + i)},
+                            SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        sync()
+        t, peak = time.perf_counter(), 0
+        while eng.has_unfinished_requests():
+            peak = max(peak, len(eng.scheduler.running))
+            eng.step()
+        sync()
+        wall = time.perf_counter() - t
+        out[name] = {"wall_s": round(wall, 2), "output_tok_s": round(n_req * new / wall, 1),
+                     "peak_running": peak, "kv_blocks": eng.kv.pool.num_blocks}
+        print(name, out[name], flush=True)
+        del eng
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/h200")
@@ -82,6 +107,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="profile one draft scoring pass")
+    ap.add_argument("--sections", default="ttft,decode,pool")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     target = random_model("qwen2.5-coder-1.5b", device=DEVICE, max_positions=MAX_POS)
@@ -89,8 +115,14 @@ def main() -> None:
     vocab = target.cfg.vocab_size
     res: dict = {"env": env_info(), "ttft": [], "decode": [], "budget_tokens": a.budget}
 
-    eng = engine(target, draft)
     warm = min(4096, lengths[0])
+    if "pool" in a.sections:
+        res["small_pool"] = small_pool(target, vocab, a.budget)
+    out_path = os.path.join(a.out, "long_context.json")
+    if "ttft" not in a.sections:
+        write_json(out_path, res)
+        return
+    eng = engine(target, draft)
     for keep in (None, 0.1, 0.25):  # warm-up: every kernel specialisation and graph
         ttft(eng, prompt(warm, vocab, 99), keep)
     for n in lengths:
@@ -138,7 +170,7 @@ def main() -> None:
         res["decode"].append(row)
         print(row, flush=True)
     res["rescore_interval"] = 16
-    write_json(os.path.join(a.out, "long_context.json"), res)
+    write_json(out_path, res)
 
 
 if __name__ == "__main__":
