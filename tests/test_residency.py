@@ -312,3 +312,15 @@ def test_metrics_count_moves(tiny_llama):
               if line.startswith("luceio_kv_")}
     assert values["luceio_kv_offloaded_blocks"] == eng.kv.blocks_of("a").count(OFFLOADED) > 0
     assert values["luceio_kv_offloads_total"] >= values["luceio_kv_offloaded_blocks"]
+
+
+def test_n_samples_and_prompt_logprobs_under_residency(tiny_llama):
+    """n > 1 (samples share only the exact prefix) and prompt logprobs (computed over the
+    resident blocks) both complete and leave nothing behind."""
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+    out = llm.generate([{"prompt_token_ids": prompt(250)}],
+                       SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20,
+                                      prompt_logprobs=1))[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 20 for c in out.outputs)
+    assert len(out.prompt_logprobs) == 250 and out.prompt_logprobs[0] is None
+    assert_clean(llm.engine)
