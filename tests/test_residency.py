@@ -264,9 +264,10 @@ def test_residency_with_speculative_decoding(tiny_llama):
     assert_clean(eng)
 
 
-def test_keys_policy_scores_before_the_last_prompt_token(tiny_llama):
-    """A prompt past the budget: its prefill stops one token short and is scored there, so
-    the chosen blocks are resident when the last prompt token samples the first output."""
+def test_keys_policy_scores_then_redoes_the_last_prompt_chunk(tiny_llama):
+    """A prompt past the budget: its last chunk stops one token short and is scored there;
+    then the whole chunk runs again over the blocks the score chose (so the end of the prompt
+    attends to them) and samples the first output token."""
     llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
     eng = llm.engine
     p = prompt(200)
@@ -277,9 +278,9 @@ def test_keys_policy_scores_before_the_last_prompt_token(tiny_llama):
         s = batch.sched.scheduled[0]
         steps.append((s.req.num_computed_tokens, s.num_new_tokens, "a" in batch.sched.kv_score_ids))
         eng.finish_step(batch, eng.execute(batch))
-    last_prefill = [st for st in steps if st[0] + st[1] == 200]
-    assert last_prefill == [(199, 1, False)]
-    assert (steps[steps.index(last_prefill[0]) - 1][2]) is True  # scored just before
+    # chunks of 48 (half the budget): ..., 144+48 = 192, then 192 + 7 stops one short
+    assert steps[-4:] == [(192, 7, True), (192, 8, False), (200, 1, False), (201, 1, False)]
+    assert_clean(eng)
 
 
 def test_release_cancels_pending_copies():

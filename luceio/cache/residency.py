@@ -98,6 +98,8 @@ class _State:
         self.steps_since_score = 0
         self.exact_blocks: int | None = None  # blocks computed before the first eviction
         self.view: tuple[int, list[int], int] | None = None  # attention_table cache
+        self.final_chunk: int | None = None  # keys policy: where the prompt's last chunk began
+        self.rewound = False  # ... and whether it was computed again after scoring
 
 
 class Residency:
@@ -149,14 +151,25 @@ class Residency:
         if st is not None:
             st.view = None
 
-    def prefill_tokens(self, num_computed: int, num_tokens: int, num_new: int) -> int:
-        """`keys` policy: a prefill that outgrew the budget stops one token short of the end,
-        so its blocks are scored with the query of its next-to-last token and the chosen
-        blocks are back before the last token (which samples the first output) attends."""
-        if self.cfg.policy == "keys" and num_tokens > self.cfg.budget_tokens and \
-                num_computed + num_new == num_tokens and num_new > 1:
-            return num_new - 1
-        return num_new
+    def prefill_step(self, rid: str, num_computed: int, num_tokens: int, num_new: int,
+                     can_rewind: bool) -> tuple[int, int]:
+        """`keys` policy, for a prompt past the budget: (first token, tokens) this step computes.
+        The prefill's last chunk stops one token short and is scored there (with the query of
+        the prompt's next-to-last token: the end of the question); then, once, that chunk is
+        computed again over the blocks the score chose, so the end of the prompt (and the
+        first output token) sees what it asks about. `can_rewind` False (prompt logprobs)
+        keeps the first pass."""
+        if self.cfg.policy != "keys" or num_tokens <= self.cfg.budget_tokens:
+            return num_computed, num_new
+        st = self.states.setdefault(rid, _State())
+        if num_computed + num_new == num_tokens and num_new > 1 and st.final_chunk is None:
+            st.final_chunk = num_computed
+            return num_computed, num_new - 1
+        if can_rewind and st.final_chunk is not None and not st.rewound and \
+                num_computed == num_tokens - 1:
+            st.rewound = True
+            return st.final_chunk, min(num_tokens - st.final_chunk, self.cfg.chunk_tokens)
+        return num_computed, num_new
 
     def release(self, rid: str) -> None:
         """The request's blocks were freed: its pending copies are moot and its host copies

@@ -110,8 +110,11 @@ class Scheduler:
                           self._chunk_cap)
             if num_new <= 0:
                 continue
-            if res is not None:
-                num_new = res.prefill_tokens(req.num_computed_tokens, req.num_tokens, num_new)
+            if res is not None:  # keys policy: the last prompt chunk is scored, then redone
+                req.num_computed_tokens, num_new = res.prefill_step(
+                    req.request_id, req.num_computed_tokens, req.num_tokens, num_new,
+                    req.params.prompt_logprobs is None)
+                num_new = min(num_new, budget)
             self.kv.plan_residency(req, num_new)
             if not self._allocate_or_preempt(req, num_new, done, preempted):
                 continue
