@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="1024,2048")
     ap.add_argument("--policies", default="keys,spec")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated setting names to run "
+                    "(plain, keep_0.25, resident_1024_keys, ...); default all")
     ap.add_argument("--out", default="bench/results/cpu/needle.json")
     a = ap.parse_args()
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
@@ -125,6 +127,8 @@ def main() -> None:
             ids = build(tok, n, d, code, seed=n + int(d * 100))
             runs = [("plain", base, None)] + [(f"keep_{k}", base, k) for k in keeps] + \
                 [(name, eng, None) for name, (b, eng) in bounded.items() if b < len(ids)]
+            if a.only:
+                runs = [r for r in runs if r[0] in a.only.split(",")]
             for name, eng, keep in runs:
                 text, secs = ask(eng, ids, keep)
                 row = {"length": n, "tokens": len(ids), "depth": d, "setting": name, "found": code in text,
