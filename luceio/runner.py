@@ -208,7 +208,9 @@ class ModelRunner:
         for j, (rid, (table, num_old)) in enumerate(inp.score_tables.items()):
             q = probe.queries(j) if probe is not None else \
                 self.graphs.queries(inp.host, inp.score_rows[rid])
-            scores[rid] = self.host_store.score(rid, table, num_old, q, scale).cpu().numpy()
+            s = self.host_store.score(rid, table, num_old, q, scale)
+            if s is not None:
+                scores[rid] = s.cpu().numpy()
         return scores
 
     def _forward(self, inp: StepInputs, probe) -> torch.Tensor:

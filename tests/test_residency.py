@@ -77,7 +77,9 @@ def test_attention_reads_only_resident_blocks(tiny_llama):
                 new_blocks = -(-end // 16) - req.num_computed_tokens // 16
                 assert len(resident) <= 6 + new_blocks
                 assert table[0] != OFFLOADED  # the sink block stays
-                assert table[-1] != OFFLOADED
+                # each new token's KV lands in its logical block's physical block and offset
+                for j, p in enumerate(range(req.num_computed_tokens, end)):
+                    assert h.slot_mapping[j] == table[p // 16] * 16 + p % 16
         eng.finish_step(batch, eng.execute(batch) if batch is not None else None)
     assert seen > 20
     assert_clean(eng)
@@ -215,20 +217,74 @@ def test_preemption_with_residency(tiny_llama):
     assert eng.runner.host_kv == {}
 
 
-def test_inexact_blocks_never_enter_the_prefix_cache(tiny_llama):
-    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+@pytest.mark.parametrize("n, batched", [(300, 2048), (97, 42)])
+def test_inexact_blocks_never_enter_the_prefix_cache(tiny_llama, n, batched):
+    """Blocks computed after the first offload, or in a last prompt chunk that is computed
+    again (97 tokens, 42-token steps: the redo makes the first offload), are never cached."""
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96, max_num_batched_tokens=batched))
     eng = llm.engine
-    eng.add_request("a", {"prompt_token_ids": prompt(300)}, SamplingParams(max_tokens=5, **GREEDY))
+    eng.add_request("a", {"prompt_token_ids": prompt(n)}, SamplingParams(max_tokens=5, **GREEDY))
+    limits = []
     while eng.has_unfinished_requests():
         eng.step()
         exact = eng.kv.residency.exact_blocks("a")
         if exact is not None:
+            limits.append(exact)
             assert eng.kv.num_cached_blocks.get("a", 0) <= exact
-    assert exact is None or exact < 300 // 16
+    assert limits and max(limits) < n // 16
     # a second identical request hits only the exact prefix
-    eng.add_request("b", {"prompt_token_ids": prompt(300)}, SamplingParams(max_tokens=5, **GREEDY))
+    eng.add_request("b", {"prompt_token_ids": prompt(n)}, SamplingParams(max_tokens=5, **GREEDY))
     eng.step()
-    assert eng.scheduler.requests["b"].num_cached_tokens <= 96
+    assert eng.scheduler.requests["b"].num_cached_tokens <= max(limits) * 16
+
+
+def test_abort_while_a_step_runs(tiny_llama):
+    """The loop thread aborts (and sweeps host copies) between a step's scheduling and its
+    execution, as the async engine may: the step still runs, and nothing is left behind."""
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96, kv_rescore_interval=1))
+    eng = llm.engine
+    for i in range(2):
+        eng.add_request(f"r{i}", {"prompt_token_ids": prompt(250, i)},
+                        SamplingParams(max_tokens=40, **GREEDY))
+    aborted = 0
+    for k in range(60):
+        batch = eng.schedule_step()
+        if batch is None:
+            break
+        if k in (25, 35) and (batch.sched.kv_moves.reload or batch.sched.kv_score_ids):
+            rid = (batch.sched.kv_moves.reload or [[batch.sched.kv_score_ids[0]]])[0][0]
+            eng.abort_request(rid)
+            eng.finish_step(None, None)  # the abort's own sweep, while the step is pending
+            aborted += 1
+        eng.finish_step(batch, eng.execute(batch))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert aborted
+    assert_clean(eng)
+
+
+def test_shared_blocks_are_never_offloaded():
+    """Offloading a block another request holds frees nothing: the planner keeps it."""
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16))
+    pool = BlockPool(22)
+    table = pool.allocate(20)
+    pool.touch([table[5]])  # block 5 shared (a prefix-cache hit of another request)
+    res.set_scores("r", np.zeros(20))
+    res.plan("r", table, 320, 21, pool)
+    assert table[5] != OFFLOADED
+    scores = np.zeros(20)
+    scores[12] = 10.0
+    res.set_scores("r", scores)
+    res.plan("r", table, 320, 21, pool)  # must not raise for want of a free block
+    assert table[5] != OFFLOADED
+
+
+def test_n_samples_share_the_exact_prefix(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=96))
+    out = llm.generate([{"prompt_token_ids": prompt(250)}],
+                       SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=30))[0]
+    assert all(len(c.token_ids) == 30 for c in out.outputs)
+    assert_clean(llm.engine)
 
 
 def test_async_engine_with_spec_policy(tiny_llama, draft):
@@ -325,3 +381,12 @@ def test_n_samples_and_prompt_logprobs_under_residency(tiny_llama):
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 20 for c in out.outputs)
     assert len(out.prompt_logprobs) == 250 and out.prompt_logprobs[0] is None
     assert_clean(llm.engine)
+
+
+def test_spec_scores_survive_preemption():
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16, policy="spec"))
+    res.set_scores("r", np.arange(5.0))
+    res.release("r", preempted=True)
+    assert list(res.states["r"].scores) == [0, 1, 2, 3, 4]
+    res.release("r")  # finished: nothing kept
+    assert res.states == {}

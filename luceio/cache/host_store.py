@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .residency import KVMoves
+from .residency import OFFLOADED, KVMoves
 
 
 class HostKVStore:
@@ -36,6 +36,10 @@ class HostKVStore:
     def apply(self, moves: KVMoves) -> None:
         for rid in moves.drop:
             self.drop(rid)
+        for rid, first in moves.repool:
+            entry = self.pooled.get(rid)
+            if entry is not None:
+                entry[1].difference_update([i for i in entry[1] if i >= first])
         for rid, logical, phys in moves.offload:
             store = self.blocks.setdefault(rid, {})
             todo = [(i, p) for i, p in zip(logical, phys) if i not in store]
@@ -52,7 +56,9 @@ class HostKVStore:
                 store[i] = host[j]
         for rid, logical, phys in moves.reload:
             store = self.blocks.get(rid)
-            if store is None or any(i not in store for i in logical):
+            if store is None:  # aborted (and dropped by the loop thread) while this step ran
+                continue
+            if any(i not in store for i in logical):
                 raise RuntimeError(f"request {rid!r}: reload of a block that was never offloaded")
             data = torch.stack([store[i].to(self.device, non_blocking=True) for i in logical],
                                dim=2)  # [L, 2, n, bs, H, D]
@@ -77,10 +83,13 @@ class HostKVStore:
 
     @torch.inference_mode()
     def score(self, rid: str, table: list[int], num_old: int, queries: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float) -> torch.Tensor | None:
         """Scores of the request's first `num_old` (full) blocks for its latest queries
         [L, num_heads, D]: per layer and head a softmax over blocks of q·mean(k), then the max
-        over heads and layers. Resident blocks are pooled here on first use."""
+        over heads and layers. Resident blocks are pooled here on first use. None when the
+        request was dropped meanwhile (aborted while this step ran)."""
+        if rid not in self.pooled and OFFLOADED in table[:num_old]:
+            return None
         have = self.pooled.get(rid, (None, set()))[1]
         missing = [] if have and len(have) >= num_old and max(have) < len(have) else \
             [i for i in range(num_old) if i not in have]

@@ -28,14 +28,15 @@ class KVCacheManager:
             return table, 0
         return self.residency.attention_table(request_id, table)
 
-    def plan_residency(self, req: Request, num_new_tokens: int) -> None:
+    def plan_residency(self, req: Request, num_new_tokens: int, reserve: int = 0) -> None:
         """Bounded residency: offload/reload this request's blocks for a step computing
         `num_new_tokens` more tokens. Call before `allocate_slots`, so offloads make room."""
         if self.residency is None:
             return
         table = self.block_tables.setdefault(req.request_id, [])
         after = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
-        self.residency.plan(req.request_id, table, req.num_computed_tokens, after, self.pool)
+        self.residency.plan(req.request_id, table, req.num_computed_tokens, after, self.pool,
+                            reserve)
 
     def _hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the full blocks among the first `num_tokens` tokens (memoised)."""
@@ -109,12 +110,12 @@ class KVCacheManager:
         # prompt logprobs need every prompt position computed, so such requests never hit
         return getattr(getattr(req, "params", None), "prompt_logprobs", None) is None
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, preempted: bool = False) -> None:
         """Releases the request's blocks, tail first so shared prefixes outlive their tails."""
         table = self.block_tables.pop(req.request_id, [])
         self.pool.free([b for b in reversed(table) if b != OFFLOADED])
         if self.residency is not None:
-            self.residency.release(req.request_id)
+            self.residency.release(req.request_id, preempted)
         self.block_hashes.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
 

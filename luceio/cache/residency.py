@@ -78,9 +78,10 @@ class KVMoves:
     offload: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # id, logical, phys
     reload: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     drop: list[str] = field(default_factory=list)  # requests whose host copies are stale
+    repool: list[tuple[str, int]] = field(default_factory=list)  # (id, first block recomputed)
 
     def __bool__(self) -> bool:
-        return bool(self.offload or self.reload or self.drop)
+        return bool(self.offload or self.reload or self.drop or self.repool)
 
 
 HYSTERESIS = 1.25  # a block comes back only to replace one scored this much lower
@@ -115,8 +116,14 @@ class Residency:
         return moves
 
     def exact_blocks(self, rid: str) -> int | None:
+        """Blocks whose KV equals a plain prefill's (None: all so far): those computed before
+        the first offload, and before a last chunk that may be computed again."""
         st = self.states.get(rid)
-        return None if st is None else st.exact_blocks
+        if st is None:
+            return None
+        limits = [x for x in (st.exact_blocks, None if st.final_chunk is None else
+                              st.final_chunk // self.cfg.block_size) if x is not None]
+        return min(limits) if limits else None
 
     def set_scores(self, rid: str, scores: np.ndarray) -> None:
         st = self.states.setdefault(rid, _State())
@@ -168,20 +175,27 @@ class Residency:
         if can_rewind and st.final_chunk is not None and not st.rewound and \
                 num_computed == num_tokens - 1:
             st.rewound = True
+            # the recomputed blocks' pooled keys are stale; they are not exact either
+            self.moves.repool.append((rid, st.final_chunk // self.cfg.block_size))
             return st.final_chunk, min(num_tokens - st.final_chunk, self.cfg.chunk_tokens)
         return num_computed, num_new
 
-    def release(self, rid: str) -> None:
+    def release(self, rid: str, preempted: bool = False) -> None:
         """The request's blocks were freed: its pending copies are moot and its host copies
-        stale (a recomputed request must not find them)."""
-        if self.states.pop(rid, None) is not None:
+        stale (a recomputed request must not find them). A preempted request keeps the
+        `spec` policy's prompt scores, which are computed only at admission."""
+        st = self.states.pop(rid, None)
+        if st is not None:
             m = self.moves
             m.offload = [x for x in m.offload if x[0] != rid]
             m.reload = [x for x in m.reload if x[0] != rid]
+            m.repool = [x for x in m.repool if x[0] != rid]
             m.drop.append(rid)
+            if preempted and self.cfg.policy == "spec" and st.scores is not None:
+                self.set_scores(rid, st.scores)
 
     def plan(self, rid: str, table: list[int], num_computed: int, num_blocks_after: int,
-             pool) -> None:
+             pool, reserve: int = 0) -> None:
         """Offloads/reloads so that, with the step's tail blocks (from the block holding
         the first new token up to `num_blocks_after`), the request fits its budget. Offloads
         free their device blocks at once; reloads take free blocks only, never preempting,
@@ -197,14 +211,21 @@ class Residency:
         old = min(tail_start, len(table))
         keep, score = self._choose(st, old, room)
         best_first = np.lexsort((np.arange(old), score))[::-1]  # high score, then newest
-        away = np.asarray(table[:old]) == OFFLOADED
+        phys_old = np.asarray(table[:old])
+        away = phys_old == OFFLOADED
+        # a block shared with another request (prefix cache, n > 1) frees no device memory
+        # when offloaded: it stays, counted in the budget
+        shared = np.array([b != OFFLOADED and pool.ref_cnt[b] > 1 for b in table[:old]],
+                          dtype=bool)
         want = best_first[(away & keep)[best_first]].tolist()
-        worst_first = best_first[::-1][(~away & ~keep)[best_first[::-1]]].tolist()
+        worst_first = best_first[::-1][(~away & ~keep & ~shared)[best_first[::-1]]].tolist()
         free_slots = room - int(old - away.sum())
         off = worst_first[:max(-free_slots, 0)]  # over budget (the tail grew): must go
         victims = worst_first[len(off):]
         free_slots = max(free_slots, 0)
-        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0)
+        # reloads into free blocks leave the step's own new blocks and `reserve` (the other
+        # running requests' growth) free, so a reload never causes a preemption
+        spare = pool.num_free_blocks - max(num_blocks_after - len(table), 0) - reserve
         back, done = [], True
         for i in want:
             if len(back) == cfg.max_reloads:

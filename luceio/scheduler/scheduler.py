@@ -115,7 +115,7 @@ class Scheduler:
                     req.request_id, req.num_computed_tokens, req.num_tokens, num_new,
                     req.params.prompt_logprobs is None)
                 num_new = min(num_new, budget)
-            self.kv.plan_residency(req, num_new)
+            self.kv.plan_residency(req, num_new, reserve=len(self.running))
             if not self._allocate_or_preempt(req, num_new, done, preempted):
                 continue
             spec = self._fit_spec(req, num_new)
@@ -197,7 +197,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
             req.prompt_logprobs = []  # recomputed with the prompt
-        self.kv.free(req)
+        self.kv.free(req, preempted=True)
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
         req.num_preemptions += 1
