@@ -972,7 +972,10 @@ def send_raw(port: int, data: bytes, end: str, hold_s: float = 0.5,
         if data:
             s.sendall(data)
         if end == "shut":
-            s.shutdown(socket.SHUT_WR)
+            try:
+                s.shutdown(socket.SHUT_WR)
+            except OSError:  # the server already answered and hung up (oversized headers)
+                pass
         else:
             s.settimeout(hold_s)
         out = b""
