@@ -211,14 +211,12 @@ class Residency:
         old = min(tail_start, len(table))
         keep, score = self._choose(st, old, room)
         best_first = np.lexsort((np.arange(old), score))[::-1]  # high score, then newest
-        phys_old = np.asarray(table[:old])
-        away = phys_old == OFFLOADED
+        away = np.asarray(table[:old]) == OFFLOADED
+        want = best_first[(away & keep)[best_first]].tolist()
         # a block shared with another request (prefix cache, n > 1) frees no device memory
         # when offloaded: it stays, counted in the budget
-        shared = np.array([b != OFFLOADED and pool.ref_cnt[b] > 1 for b in table[:old]],
-                          dtype=bool)
-        want = best_first[(away & keep)[best_first]].tolist()
-        worst_first = best_first[::-1][(~away & ~keep & ~shared)[best_first[::-1]]].tolist()
+        worst_first = [i for i in best_first[::-1][(~away & ~keep)[best_first[::-1]]].tolist()
+                       if pool.ref_cnt[table[i]] == 1]
         free_slots = room - int(old - away.sum())
         off = worst_first[:max(-free_slots, 0)]  # over budget (the tail grew): must go
         victims = worst_first[len(off):]
