@@ -63,7 +63,9 @@ class ModelRunner:
                           for _ in range(self.cfg.num_layers)]
         self.staging = Staging(device)
         self.host_kv: dict[str, torch.Tensor] = {}  # swapped-out requests' blocks
-        self.host_store = HostKVStore(self.kv_caches, device)  # bounded residency
+        # bounded residency's host copies (and, for the keys policy, pooled keys)
+        self.host_store = HostKVStore(self.kv_caches, device,
+                                      pool_keys=cache_config.resident_policy == "keys")
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
             from . import kernels
@@ -196,7 +198,7 @@ class ModelRunner:
                 raise ValueError("a step cannot both score KV blocks and run another probe")
             if not graphed or self.graphs.q_buf is None:  # graphs capture queries themselves
                 probe = QueryProbe(list(inp.score_rows.values()), self.device)
-        logits = self._forward(inp, probe)
+        logits = self._forward(inp, probe, graphed and probe is None)
         if inp.score_rows:
             inp.kv_scores = self._score_blocks(inp, probe)
         return logits
@@ -213,9 +215,9 @@ class ModelRunner:
                 scores[rid] = s.cpu().numpy()
         return scores
 
-    def _forward(self, inp: StepInputs, probe) -> torch.Tensor:
+    def _forward(self, inp: StepInputs, probe, graphed: bool) -> torch.Tensor:
         h = inp.host
-        if self.graphs is not None and probe is None and self.graphs.fits(h):
+        if graphed:
             hidden, rows = self.graphs.run(h)
         else:
             ids, pos, slots, rows = self.staging.to_device(

@@ -11,15 +11,14 @@ from .residency import OFFLOADED, KVMoves
 
 
 class HostKVStore:
-    def __init__(self, kv_caches: list[torch.Tensor], device: torch.device):
+    def __init__(self, kv_caches: list[torch.Tensor], device: torch.device,
+                 pool_keys: bool = True):
         self.kv_caches = kv_caches
         self.device = device
+        self.pool_keys = pool_keys  # only the keys policy scores blocks by their mean keys
         self.blocks: dict[str, dict[int, torch.Tensor]] = {}  # id -> logical -> [L, 2, bs, H, D]
         # id -> (mean keys [capacity, L, H, D] fp32, the logical blocks filled in)
         self.pooled: dict[str, tuple[torch.Tensor, set[int]]] = {}
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self.blocks or rid in self.pooled
 
     def request_ids(self) -> list[str]:
         return list(set(self.blocks) | set(self.pooled))
@@ -46,7 +45,8 @@ class HostKVStore:
             if not todo:
                 continue
             data = self._gather([p for _, p in todo])  # [L, 2, n, bs, H, D]
-            self._pool(rid, [i for i, _ in todo], data[:, 0])
+            if self.pool_keys:
+                self._pool(rid, [i for i, _ in todo], data[:, 0])
             # block-major on the host: each block one contiguous run, so a reload is one DMA
             # per block straight from pinned memory, with no host-side gather
             host = torch.empty((len(todo), *data.shape[:2], *data.shape[3:]), dtype=data.dtype,
@@ -91,8 +91,7 @@ class HostKVStore:
         if rid not in self.pooled and OFFLOADED in table[:num_old]:
             return None
         have = self.pooled.get(rid, (None, set()))[1]
-        missing = [] if have and len(have) >= num_old and max(have) < len(have) else \
-            [i for i in range(num_old) if i not in have]
+        missing = [i for i in range(num_old) if i not in have]
         if missing:
             if any(table[i] < 0 for i in missing):
                 raise RuntimeError(f"request {rid!r}: an offloaded block has no pooled key")
