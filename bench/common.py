@@ -50,13 +50,13 @@ def random_model(shape: str, dtype=torch.bfloat16, device="cuda", max_positions:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step reads: every parameter except the embedding table
-    (one row is gathered), but the LM head (tied or not) is read whole."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.embed_tokens.weight
+    """Bytes of weights a decode step reads: every weight (quantized ones at their packed size)
+    except the embedding table (one row is gathered), but the LM head (tied or not) is read
+    whole."""
+    total = model.weight_bytes()
     if model.cfg.tie_word_embeddings:
         return total  # the shared matrix is read by the LM head
-    return total - emb.numel() * emb.element_size()
+    return total - model.embed_tokens.weight_bytes()
 
 
 def kv_bytes_per_token(model, context: int, dtype=torch.bfloat16) -> int:

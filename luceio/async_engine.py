@@ -1,10 +1,16 @@
 """AsyncEngine: one asyncio loop owns the engine. A background task drives steps while there is
 work; the forward runs on one worker thread so the loop keeps serving; only the loop thread
-touches engine state. Each request gets a stream fed by the step task."""
+touches engine state. Each request gets a stream fed by the step task.
+
+Rules: the loop that first calls `generate` owns the engine until it closes; a call from another
+loop or thread raises RuntimeError. A request id names one request at a time: reusing it while
+that request runs raises ValueError; once it has finished the id is free again, and the old
+consumer's cleanup touches only its own stream."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
@@ -23,6 +29,8 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the engine
+        self._loop_thread = ""
         self._closed = False
 
     @classmethod
@@ -37,6 +45,11 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def closed(self) -> bool:
+        """Shut down: new requests are refused."""
+        return self._closed
+
     # requests ----------------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -44,6 +57,7 @@ class AsyncEngine:
         Leaving the iteration early aborts the request and frees its blocks."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
+        self._check_loop()
         self._ensure_running()
         params = sampling_params or SamplingParams()
         text, ids = self.engine.tokenize(prompt)
@@ -62,6 +76,8 @@ class AsyncEngine:
         request_id = self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
                                              params, kept_positions=kept, block_scores=scores)
         queue: asyncio.Queue = asyncio.Queue()
+        # may replace the stream of a finished request whose consumer lags: that consumer reads
+        # its own queue, and its cleanup leaves this one alone
         self._streams[request_id] = queue
         self._wakeup.set()
         finished = False
@@ -75,18 +91,31 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.engine.abort_request(request_id)
-                self.engine.finish_step(None, None)  # drop the abort's own output
+            if self._streams.get(request_id) is queue:  # else a newer request holds the id
+                del self._streams[request_id]
+                if not finished:
+                    self.engine.abort_request(request_id)
+                    self.engine.finish_step(None, None)  # drop the abort's own output
 
     async def abort(self, request_id: str) -> None:
+        self._check_loop()
         self.engine.abort_request(request_id)
         self._dispatch(self.engine.finish_step(None, None))
 
     # the step task -----------------------------------------------------------------------------
+    def _check_loop(self) -> None:
+        """Binds the engine to the running loop, or raises if another (still open) loop owns it:
+        its queues and step task would never wake a consumer on this one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop, self._loop_thread = loop, threading.current_thread().name
+        elif loop is not self._loop:
+            raise RuntimeError(f"this AsyncEngine belongs to event loop {self._loop!r} in thread "
+                               f"{self._loop_thread!r}; call it from that loop (from another "
+                               f"thread: asyncio.run_coroutine_threadsafe)")
+
     def _ensure_running(self) -> None:
-        if self._task is None or self._task.done():
+        if self._task is None or self._task.done() or self._task.get_loop().is_closed():
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="luceio-steps")
 
@@ -135,6 +164,7 @@ class AsyncEngine:
     # lifecycle ---------------------------------------------------------------------------------
     async def shutdown(self) -> None:
         """Aborts what is in flight, stops the step task and the worker thread."""
+        self._check_loop()
         self._closed = True
         ids = list(self.engine.states)
         if ids:

@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from . import __version__
-    from .server.args import make_parser, parse_args
+    from .server.args import make_parser
 
     parser = argparse.ArgumentParser(prog="luceio", description="luceio: LLM inference")
     parser.add_argument("--version", action="version", version=f"luceio {__version__}")
@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
                                "/v1/chat/completions, /v1/models, /health, /metrics"))
     ns = parser.parse_args(argv)
     if ns.command == "serve":
-        from .serve import run
-        return run(*parse_args(ns))
+        from .serve import serve
+        return serve(ns)
     parser.error(f"unknown command {ns.command!r}")
     return 2
 

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+# CPU KV cache default (--kv-cache-memory 0); see runner.py
+CPU_KV_TOKENS = 8192  # room for this many tokens (or one --max-model-len sequence, if longer)
+CPU_KV_MAX_FRACTION = 0.5  # of the memory available once the weights are loaded
+MIN_FITTED_CONTEXT = 256  # without --max-model-len, the shortest context the KV cache may cap to
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -74,16 +80,27 @@ class EngineArgs(CliArgs):
     dtype: str = _opt("auto", "weights and activations: auto (bf16 on GPU, fp32 on CPU), "
                       "float32, float16, bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
     device: str = _opt("auto", "auto (the GPU when torch sees one, else cpu), cpu, cuda, cuda:N")
+    quantization: str = _opt("auto", "weights: auto (a GGUF keeps its 4/5/6/8-bit types, "
+                             "read by luceio's quantized kernels; safetensors stay as stored), "
+                             "none (dequantize a GGUF at load), int8 / int4 (quantize a 16-bit "
+                             "checkpoint's layer weights at load: round-to-nearest in groups of "
+                             "32, int8 symmetric, int4 with a per-group minimum)",
+                             choices=["auto", "none", "int8", "int4"])
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens; default the "
-                                     "model's own context length")
+                                     "model's own context length, shortened to what the KV "
+                                     "cache holds when that is less (logged; at least "
+                                     f"{MIN_FITTED_CONTEXT})")
     seed: int = _opt(0, "seed for requests that set none")
     cpu_threads: int | None = _opt(None, "torch threads on CPU; default: cores - 1, leaving one "
                                    "for the event loop (oversubscribed threads slow small "
                                    "matmuls by an order of magnitude)")
     block_size: int = _opt(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _opt(None, "fixed number of KV blocks (overrides memory sizing)")
-    kv_cache_memory: int = _opt(0, "bytes for the KV cache; 0 = a fraction of free GPU memory "
-                                "on GPU, 1 GiB on CPU")
+    kv_cache_memory: int = _opt(0, "bytes for the KV cache; 0 = on GPU what "
+                                "--gpu-memory-utilization leaves after the weights; on CPU room "
+                                f"for {CPU_KV_TOKENS} tokens (or one --max-model-len sequence, "
+                                f"if longer), at most {CPU_KV_MAX_FRACTION:g} of the memory "
+                                "available after loading the weights")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     max_num_seqs: int = _opt(128, "most requests running at once")

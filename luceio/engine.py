@@ -49,6 +49,21 @@ class StepResult:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class MemoryStats:
+    device: str
+    weight_bytes: int  # the target's weights, and a draft model's
+    kv_cache_bytes: int  # the KV pool, and a draft model's cache of as many blocks
+    num_kv_blocks: int
+    block_size: int  # tokens per block
+    max_model_len: int  # the longest prompt + output served
+
+    def __str__(self) -> str:
+        return (f"weights {self.weight_bytes / 2**20:.1f} MiB on {self.device}; KV cache "
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB = {self.num_kv_blocks} blocks x "
+                f"{self.block_size} tokens; longest context {self.max_model_len} tokens")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, model=None, tokenizer: Tokenizer | None = None):
         self.args = args
@@ -63,17 +78,22 @@ class LLMEngine:
                                   ckpt.config)
         self.tokenizer = tokenizer
         # the draft model loads first, so the target's KV cache is sized around its weights
-        draft = build_model(load_checkpoint(_resolve(args.draft_model)), dtype, device) \
+        draft = build_model(load_checkpoint(_resolve(args.draft_model)), dtype, device,
+                            args.quantization) \
             if args.draft_model else None
         self.runner = ModelRunner(ckpt, dtype, device, args.cache_config(),
                                   self._max_len_hint(ckpt, model, args), model=model,
                                   enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                                  quantization=args.quantization,
+                                  fit_context=args.max_model_len is None,
                                   max_spec_tokens=args.num_speculative_tokens
                                   if args.speculative_method else 0,
                                   extra_bytes_per_block=kv_bytes_per_block(
                                       draft.cfg, args.block_size, dtype)
                                   if draft is not None and args.speculative_method == "draft" else 0)
-        self.max_model_len = self._max_len_hint(ckpt, model, args)
+        self.max_model_len = self.runner.max_model_len
+        self._weight_bytes = self.runner.model.weight_bytes() + \
+            (draft.weight_bytes() if draft is not None else 0)
         self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching,
                                  args.residency_config())
         if args.kv_resident_policy == "spec" and args.kv_resident_tokens and draft is None:
@@ -87,6 +107,13 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        logger.info("%s", self.memory_stats())
+
+    def memory_stats(self) -> MemoryStats:
+        """What the weights and the KV pool take, and the context the pool serves."""
+        return MemoryStats(str(self.runner.device), self._weight_bytes,
+                           self.runner.kv_cache_bytes, self.runner.num_blocks,
+                           self.args.block_size, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kw) -> "LLMEngine":

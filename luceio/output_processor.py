@@ -1,8 +1,14 @@
 """Per user request: detokenize each sample incrementally, apply stop strings with hold-back
 (a stop string never leaks into streamed text), and build vLLM-shaped RequestOutputs in
-cumulative, delta or final-only mode."""
+cumulative, delta or final-only mode.
+
+This runs on the event loop after every step, so a step's work here is proportional to what
+the step added: stop strings are found in one scan of the new text, and Logprob objects are
+built once per position (cumulative outputs copy the list, not its entries)."""
 from __future__ import annotations
 
+import bisect
+import re
 import time
 
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -11,11 +17,37 @@ from .sampling_params import RequestOutputKind, SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class StopStrings:
+    """A request's stop strings as one regex, compiled once per request."""
+
+    def __init__(self, stops: list[str]):
+        self.longest = max(len(s) for s in stops)
+        # the lookahead reports every start position; the alternatives go shortest first, so
+        # each start reports the stop that completes first there
+        alternatives = "|".join(re.escape(s) for s in sorted(stops, key=len))
+        self._pattern = re.compile(f"(?=({alternatives}))")
+
+    def first_hit(self, text: str, start: int, token_ends: list[int],
+                  first_token: int) -> tuple[int, int, str] | None:
+        """The stop a token-by-token check finds first, as (token index, position, stop).
+        `token_ends[j]`: len(text) once new token j is decoded; the check looks at `text[start:]`
+        from token `first_token` on (min_tokens). The earliest completing token wins, then the
+        leftmost position."""
+        best = None
+        for m in self._pattern.finditer(text, start):
+            stop = m.group(1)
+            j = max(bisect.bisect_left(token_ends, m.start() + len(stop)), first_token)
+            if best is None or (j, m.start()) < best[:2]:
+                best = (j, m.start(), stop)
+        return best
+
+
 class SampleState:
     """One sample's text and what has been emitted of it."""
 
-    def __init__(self, req: Request, tokenizer: Tokenizer | None):
+    def __init__(self, req: Request, tokenizer: Tokenizer | None, stops: StopStrings | None):
         self.req = req
+        self.stops = stops
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
                                              req.params.skip_special_tokens)
                       if tokenizer is not None else None)
@@ -24,6 +56,7 @@ class SampleState:
         self.emitted_tokens = 0
         self.emitted_chars = 0
         self.finished_sent = False
+        self.logprobs: list[dict[int, Logprob]] = []  # built so far, one dict per output token
 
     def absorb(self) -> str | None:
         """Detokenizes new tokens; returns the stop string hit, if any. A stop string ends the
@@ -40,35 +73,34 @@ class SampleState:
         if req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None \
                 and new[-1] in req.eos_token_ids:
             text_tokens = new[:-1]  # eos is in token_ids, not in text
-        stops = req.params.stop if req.status != RequestStatus.FINISHED_ABORTED else []
-        if not stops:
+        first = max(req.params.min_tokens - seen - 1, 0)  # stops count from this new token on
+        if self.stops is None or req.status == RequestStatus.FINISHED_ABORTED or \
+                first >= len(text_tokens):
             self.text += self.detok.add(text_tokens) if text_tokens else ""
             return None
-        longest = max(len(s) for s in stops)
-        for j, tok in enumerate(text_tokens):
-            before = len(self.text)
+        ends = [len(self.text)]  # one token at a time: a stop drops the tokens after its own
+        for tok in text_tokens:
             self.text += self.detok.add([tok])
-            if seen + j + 1 < req.params.min_tokens:
-                continue
-            start = max(0, before - longest + 1)
-            hits = [(i, s) for s in stops if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                i, stop = min(hits)
-                keep = len(stop) if req.params.include_stop_str_in_output else 0
-                self.text = self.text[:i + keep]
-                drop = len(new) - (j + 1)
-                if drop:
-                    req.drop_last_tokens(drop)
-                    self.num_tokens_seen -= drop
-                return stop
-        return None
+            ends.append(len(self.text))
+        hit = self.stops.first_hit(self.text, max(ends[first] - self.stops.longest + 1, 0),
+                                   ends[1:], first)
+        if hit is None:
+            return None
+        j, i, stop = hit
+        keep = len(stop) if req.params.include_stop_str_in_output else 0
+        self.text = self.text[:i + keep]
+        drop = len(new) - (j + 1)
+        if drop:
+            req.drop_last_tokens(drop)
+            self.num_tokens_seen -= drop
+        return stop
 
     def visible_text(self) -> str:
         """Text safe to show: while running, hold back what could be the start of a stop string."""
         p = self.req.params
-        if self.req.is_finished or not p.stop or p.include_stop_str_in_output:
+        if self.req.is_finished or self.stops is None or p.include_stop_str_in_output:
             return self.text
-        hold = max(len(s) for s in p.stop) - 1
+        hold = self.stops.longest - 1
         return self.text[:max(len(self.text) - hold, 0)]
 
 
@@ -79,9 +111,11 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.samples = [SampleState(r, tokenizer) for r in samples]
+        stops = StopStrings(params.stop) if params.stop else None
+        self.samples = [SampleState(r, tokenizer, stops) for r in samples]
         self.tokenizer = tokenizer
         self.arrival_time = samples[0].arrival_time
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = []  # built so far
         self.prompt_logprobs_sent = False
 
     @property
@@ -108,7 +142,7 @@ class RequestState:
         r = s.req
         text = s.visible_text()
         tokens = r.output_token_ids[:s.num_tokens_seen]
-        lps = self._logprobs(r) if r.params.logprobs is not None else None
+        lps = self._logprobs(s) if r.params.logprobs is not None else None
         done = r.is_finished
         if kind == RequestOutputKind.DELTA:
             if len(tokens) == s.emitted_tokens and len(text) == s.emitted_chars and \
@@ -118,6 +152,7 @@ class RequestState:
             lps = lps[s.emitted_tokens:] if lps is not None else None
         else:
             tokens_out = tokens
+            lps = list(lps) if lps is not None else None  # later steps extend the built list
         s.emitted_chars = len(s.visible_text())
         s.emitted_tokens = len(tokens)
         s.finished_sent = done
@@ -125,14 +160,19 @@ class RequestState:
                                 r.cumulative_logprob if r.params.logprobs is not None else None,
                                 lps, r.status.finish_reason, r.stop_reason)
 
-    def _logprobs(self, r: Request) -> list[dict[int, Logprob]]:
-        return [{t: Logprob(lp, rank, self._tok_text(t)) for t, (lp, rank) in d.items()}
-                for d in r.output_logprobs]
+    def _logprobs(self, s: SampleState) -> list[dict[int, Logprob]]:
+        """The sample's Logprobs: built for the positions added since the last output only."""
+        s.logprobs.extend(self._entries(d) for d in s.req.output_logprobs[len(s.logprobs):])
+        return s.logprobs
 
-    def _prompt_logprobs(self, r: Request):
-        return [None if d is None else
-                {t: Logprob(lp, rank, self._tok_text(t)) for t, (lp, rank) in d.items()}
-                for d in r.prompt_logprobs]
+    def _prompt_logprobs(self, r: Request) -> list[dict[int, Logprob] | None]:
+        built = self.prompt_logprobs
+        built.extend(None if d is None else self._entries(d)
+                     for d in r.prompt_logprobs[len(built):])
+        return list(built)
+
+    def _entries(self, d: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {t: Logprob(lp, rank, self._tok_text(t)) for t, (lp, rank) in d.items()}
 
     def _tok_text(self, t: int) -> str | None:
         return self.tokenizer.id_to_token_text(t) if self.tokenizer is not None else None

@@ -1,19 +1,28 @@
 """ModelRunner: owns the model and its KV cache; turns a `SchedulerOutput` into one flat varlen
-batch, runs the forward, and returns logits for the rows that need them."""
+batch, runs the forward, and returns logits for the rows that need them.
+
+KV cache sizing: `--num-kv-blocks` fixes the pool; else `--kv-cache-memory` bytes; else on GPU
+what `--gpu-memory-utilization` leaves, and on CPU room for `CPU_KV_TOKENS` tokens (or one
+`--max-model-len` sequence, if longer), at most `CPU_KV_MAX_FRACTION` of the memory available
+once the weights are loaded. A pool sized from memory must hold one full-context sequence: given
+`--max-model-len`, a smaller pool is an error; without it the context shrinks to what the pool
+holds (logged), down to `MIN_FITTED_CONTEXT` tokens."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import psutil
 import torch
 
-from .config import CacheConfig
+from .config import CPU_KV_MAX_FRACTION, CPU_KV_TOKENS, MIN_FITTED_CONTEXT, CacheConfig
 from .loader import Checkpoint
 from .models import AttnMetadata, build_model
 from .cache.host_store import HostKVStore, QueryProbe
 from .scheduler import SchedulerOutput
 
-_CPU_DEFAULT_KV_BYTES = 1 << 30
+logger = logging.getLogger("luceio")
 
 
 @dataclass
@@ -49,14 +58,19 @@ class ModelRunner:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  cache_config: CacheConfig, max_model_len: int, model=None,
                  enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0,
-                 extra_bytes_per_block: int = 0):
+                 extra_bytes_per_block: int = 0, quantization: str = "auto",
+                 fit_context: bool = False):
+        """`max_model_len`: the context wanted; with `fit_context` (none was asked for) it
+        shrinks to what a memory-sized KV pool holds. The context used: `self.max_model_len`."""
         self.device, self.dtype = device, dtype
-        self.model = model if model is not None else build_model(ckpt, dtype, device)
+        self.model = model if model is not None else build_model(ckpt, dtype, device,
+                                                                 quantization)
         self.cfg = self.model.cfg
         self.block_size = cache_config.block_size
         # a draft model's cache gets as many blocks: size both from one budget
         self.extra_bytes_per_block = extra_bytes_per_block
-        self.num_blocks = self._num_blocks(cache_config, max_model_len)
+        self.num_blocks, self.max_model_len = self._num_blocks(cache_config, max_model_len,
+                                                               fit_context)
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
         self.kv_caches = [torch.zeros((2, *shape), dtype=dtype, device=device)
@@ -72,8 +86,8 @@ class ModelRunner:
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
                 self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs,
-                                         max_model_len, self.block_size, device, max_spec_tokens,
-                                         self.staging, capture_queries=bool(
+                                         self.max_model_len, self.block_size, device,
+                                         max_spec_tokens, self.staging, capture_queries=bool(
                                              cache_config.resident_tokens) and
                                          cache_config.resident_policy == "keys")
                 self.graphs.capture()
@@ -82,27 +96,53 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
 
-    def _num_blocks(self, cc: CacheConfig, max_model_len: int) -> int:
-        if cc.num_blocks:
-            return cc.num_blocks
+    @property
+    def pool_bytes_per_block(self) -> int:
+        """One block in the target's cache and in a draft model's."""
+        return self.bytes_per_block + self.extra_bytes_per_block
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.pool_bytes_per_block
+
+    def _kv_budget(self, cc: CacheConfig, max_model_len: int, fit_context: bool) -> int:
         if cc.kv_cache_memory:
-            budget = cc.kv_cache_memory
-        elif self.device.type == "cuda":
+            return cc.kv_cache_memory
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free - torch.cuda.memory_allocated(self.device)
             # a fixed 1 GiB of headroom for activations and the CUDA-graph pool
-            budget = int(total * cc.gpu_memory_utilization) - used_by_others - \
+            return int(total * cc.gpu_memory_utilization) - used_by_others - \
                 torch.cuda.memory_allocated(self.device) - (1 << 30)
-        else:
-            budget = _CPU_DEFAULT_KV_BYTES
-        n = budget // (self.bytes_per_block + self.extra_bytes_per_block)
+        tokens = CPU_KV_TOKENS if fit_context else max(CPU_KV_TOKENS, max_model_len)
+        wanted = -(-tokens // self.block_size) * self.pool_bytes_per_block
+        return min(wanted, int(psutil.virtual_memory().available * CPU_KV_MAX_FRACTION))
+
+    def _num_blocks(self, cc: CacheConfig, max_model_len: int,
+                    fit_context: bool) -> tuple[int, int]:
+        """(blocks in the pool, the context it allows): see the module docstring."""
+        if cc.num_blocks:  # a fixed pool: requests that outgrow it are refused one by one
+            return cc.num_blocks, max_model_len
+        budget = self._kv_budget(cc, max_model_len, fit_context)
+        n = max(budget // self.pool_bytes_per_block, 0)
         longest = max_model_len if not cc.resident_tokens else min(max_model_len, cc.resident_tokens)
-        if n < -(-longest // self.block_size) + (2 if cc.resident_tokens else 0):
-            raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {n} blocks, "
-                             f"fewer than one {longest}-token sequence needs; lower "
-                             f"--max-model-len or raise --kv-cache-memory")
-        return int(n)
+        if n >= -(-longest // self.block_size) + (2 if cc.resident_tokens else 0):
+            return n, max_model_len
+        held = n * self.block_size
+        fit = fit_context and not cc.resident_tokens  # residency: the pool does not bound it
+        if fit and held >= MIN_FITTED_CONTEXT:
+            logger.info("context capped to %d tokens to fit the KV cache (%d blocks, %.1f MiB); "
+                        "pass --max-model-len / --kv-cache-memory to change", held, n,
+                        n * self.pool_bytes_per_block / 2**20)
+            return n, held
+        if fit:
+            raise ValueError(f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {n} blocks "
+                             f"({held} tokens), fewer than the shortest context served "
+                             f"({MIN_FITTED_CONTEXT} tokens); raise --kv-cache-memory")
+        raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {n} blocks, "
+                         f"fewer than one {longest}-token sequence needs; lower "
+                         f"--max-model-len or raise --kv-cache-memory")
 
     # batch building ----------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, kv) -> StepInputs:

@@ -5,6 +5,9 @@ import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# stop strings are matched on the event loop after every step: bound the work one request adds
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 
 
 class RequestOutputKind(enum.Enum):
@@ -48,6 +51,7 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
+        self._verify_stop_limits()
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0.0, "must be non-negative"),
@@ -72,6 +76,14 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    def _verify_stop_limits(self) -> None:
+        """Before the other checks: their message quotes the whole list."""
+        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
+        if len(self.stop) > MAX_STOP_STRINGS or longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_STRING_CHARS} characters each, got {len(self.stop)} "
+                             f"strings, the longest {longest} characters")
 
     @property
     def greedy(self) -> bool:

@@ -5,14 +5,20 @@ One process, one event loop (uvloop when it imports): uvicorn serves the Starlet
 uvicorn's graceful shutdown: in-flight requests are aborted at once (streams send their final
 chunk and `[DONE]`), open connections drain, the lifespan shuts the engine down, and the process
 exits 0. Options: `python -m luceio.serve --help` (server flags from `ServerArgs`, engine flags
-from `EngineArgs`)."""
+from `EngineArgs`).
+
+Startup checks the options, binds the port, and only then loads the model; SIGINT/SIGTERM stop
+the load. A mistake (bad option, port in use, unknown model, unwritable cache) is one line on
+stderr and exit status 1, an interrupted load one line and 128 + the signal number."""
 from __future__ import annotations
 
+import argparse
 import asyncio
-import dataclasses
+import contextlib
+import errno
 import logging
-import os
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -24,33 +30,116 @@ logger = logging.getLogger("luceio.server")
 
 
 def main(argv: list[str] | None = None) -> int:
-    server_args, engine_args = parse_args(make_parser().parse_args(argv))
+    return serve(make_parser().parse_args(argv))
+
+
+def serve(ns: argparse.Namespace) -> int:
+    """Parsed options → exit status (`python -m luceio.serve` and `luceio serve`)."""
+    try:
+        server_args, engine_args = parse_args(ns)
+    except ValueError as e:
+        return _fail(str(e))
     return run(server_args, engine_args)
 
 
 def run(server_args: ServerArgs, engine_args: EngineArgs) -> int:
+    """Binds the port, loads the model, serves until SIGINT/SIGTERM. A startup mistake (port in
+    use, unknown model, unwritable cache) is one line on stderr and exit status 1."""
     _setup_logging(server_args.log_level)
-    if server_args.api_key is None and os.environ.get("LUCEIO_API_KEY"):
-        server_args = dataclasses.replace(server_args, api_key=os.environ["LUCEIO_API_KEY"])
+    try:
+        sock = bind_socket(server_args.host, server_args.port)
+    except OSError as e:
+        hint = "; is another server running there? Pick another --port or stop it" \
+            if e.errno == errno.EADDRINUSE else ""
+        return _fail(f"cannot listen on {server_args.host}:{server_args.port} "
+                     f"({e.strerror or e}){hint}.")
+    with sock:
+        host, port = sock.getsockname()[:2]
+        logger.info("bound %s:%d; loading the model", host, port)
+        try:
+            with _interruptible():
+                engine = _load(engine_args)
+        except KeyboardInterrupt as e:
+            sig = e.args[0] if e.args else signal.SIGINT
+            print(f"luceio: interrupted ({signal.Signals(sig).name}) while loading the model",
+                  file=sys.stderr)
+            return 128 + sig
+        except _StartupError as e:
+            return _fail(str(e))
+        server = make_server(engine, server_args)
+        # uvicorn re-raises the signal that stopped it once it is done; it must not kill the
+        # process (exit status -15) or raise KeyboardInterrupt after a clean shutdown.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        server.run(sockets=[sock])
+    return 0
 
-    from .async_engine import AsyncEngine
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, so a busy port
+    fails at once; uvicorn listens on it once the engine is up."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(engine, server_args: ServerArgs) -> "_Server":
+    """uvicorn serving `build_app(engine, server_args)` with the connection limits of
+    `server_args`; `.run(sockets=[...])` serves."""
     from .server.app import build_app
     from .server.http import http_protocol
 
-    engine = AsyncEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, loop=_loop_name(), lifespan="on",
-        http=http_protocol(),
+        http=http_protocol(server_args), timeout_keep_alive=server_args.timeout_keep_alive,
         log_config=None, log_level=server_args.log_level, access_log=server_args.access_log,
         timeout_graceful_shutdown=server_args.timeout_graceful_shutdown)
-    server = _Server(config, app.state.server)
-    # uvicorn re-raises the signal that stopped it once it is done; it must not kill the process
-    # (exit status -15) or raise KeyboardInterrupt after a clean shutdown.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    server.run()
-    return 0
+    return _Server(config, app.state.server)
+
+
+class _StartupError(Exception):
+    """A mistake in the options or the environment, reported as one line."""
+
+
+def _load(engine_args: EngineArgs):
+    from .async_engine import AsyncEngine
+    from .loader.resolve import ModelResolveError
+
+    try:
+        return AsyncEngine.from_engine_args(engine_args)
+    except (ModelResolveError, OSError, ValueError) as e:
+        logger.debug("the engine failed to start", exc_info=True)
+        what = "" if isinstance(e, ModelResolveError) else \
+            f"cannot load the model {engine_args.model or 'default'!r}: "
+        raise _StartupError(f"{what}{e} (--log-level debug shows the traceback)") from None
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGINT/SIGTERM raise KeyboardInterrupt(signal number) while the model loads, even where
+    the parent left SIGINT ignored (a background job of a script)."""
+    def interrupt(sig, frame):
+        raise KeyboardInterrupt(sig)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _fail(message: str) -> int:
+    print("luceio: error: " + " ".join(message.split()), file=sys.stderr)
+    return 1
 
 
 def _loop_name() -> str:

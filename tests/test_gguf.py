@@ -377,10 +377,13 @@ def test_tokenizer_matches_llama_cpp_reference(llama_cpp_vocabs, vocab):
 
 # ---- a synthetic GGUF written with gguf's own writer (offline) -------------------------------
 
-def _write_gguf(path, arch: str) -> dict[str, np.ndarray]:
+def _write_gguf(path, arch: str, quant: dict | None = None) -> dict[str, np.ndarray]:
     """A 2-layer model with known HF-layout weights, stored the way llama.cpp's converter
     stores them (llama: Q/K rows permuted, tied embeddings; qwen2: q/k/v bias, untied output).
-    Returns the HF state dict that loading must give back."""
+    Returns the HF state dict that loading must give back. `quant` maps GGUF tensor kinds
+    (`attn_q`, `ffn_down`, `token_embd`, ...) to a GGMLQuantizationType to store them in
+    (quantized with gguf's own quantizer) instead of F16; the state dict returned is then the
+    unquantized one."""
     from gguf import GGUFWriter
 
     hidden, heads, kv_heads, ffn, vocab = 64, 4, 2, 96, 259
@@ -438,7 +441,12 @@ def _write_gguf(path, arch: str) -> dict[str, np.ndarray]:
             suffix = hf_name.rsplit(".", 1)[1]
             stored[f"blk.{i}.{gguf_part}.{suffix}"] = value
     for name, value in stored.items():
-        writer.add_tensor(name, value.astype(np.float16) if value.ndim == 2 else value)
+        kind = name.split(".")[-2]
+        if quant and value.ndim == 2 and kind in quant:
+            from gguf.quants import quantize
+            writer.add_tensor(name, quantize(value, quant[kind]), raw_dtype=quant[kind])
+        else:
+            writer.add_tensor(name, value.astype(np.float16) if value.ndim == 2 else value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -490,7 +498,8 @@ ENGINE_PROMPTS = [
 def real_llm(real):
     from luceio import LLM
     ckpt = real[0]
-    return LLM(ckpt.source, dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=2048)
+    return LLM(ckpt.source, dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=2048,
+               quantization="none")  # the exact comparison: transformers dequantizes too
 
 
 @pytest.mark.registry

@@ -333,13 +333,15 @@ def test_bad_inputs(server, client, llm):
         assert str(CONTEXT) in r.json()["error"]["message"]
         # body size: by Content-Length and by the streamed (chunked) body
         big = json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode()
-        _assert_error(http.post(C, content=big), 413)
+        _assert_error(http.post(C, content=big, headers={"Content-Type": "application/json"}),
+                      413)
 
         def chunks():
             for _ in range(10):
                 yield b" " * (MAX_BODY // 4)
             yield b'{"prompt": "hi"}'
-        _assert_error(http.post(C, content=chunks()), 413)
+        _assert_error(http.post(C, content=chunks(), headers={"Content-Type": "application/json"}),
+                      413)
         # routes and methods
         _assert_error(http.get("/v1/nothing"), 404)
         _assert_error(http.get(C), 405)

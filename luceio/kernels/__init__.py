@@ -55,3 +55,43 @@ silu_and_mul = _impl("silu_and_mul", silu_and_mul_ref)
 rotary = _impl("rotary", rotary_ref)
 write_kv = _impl("write_kv", write_kv_ref)
 paged_attention = _impl("paged_attention", paged_attention_ref)
+
+
+# linear layers: dense or quantized weights -----------------------------------------------------
+def prepare_weight(w, act_dtype: torch.dtype):
+    """A QuantWeight in the form the device's kernels read: the repacked layout itself on GPUs
+    (and for the torch reference, `LUCEIO_KERNELS=torch`), torch's packed CPU formats on the
+    CPU."""
+    if w.qs.device.type == "cpu" and os.environ.get("LUCEIO_KERNELS", "auto") == "auto":
+        from .quant_cpu import prepare_cpu_weight
+        return prepare_cpu_weight(w, act_dtype)
+    return w
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias for a dense weight, a QuantWeight or a CPU-packed weight."""
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w, bias)
+    from .quant import QuantWeight, quant_linear_ref
+    if isinstance(w, QuantWeight):
+        if use_triton(x):
+            from .quant_triton import quant_matmul
+            return quant_matmul(x, w, bias)
+        return quant_linear_ref(x, w, bias)
+    from .quant_cpu import cpu_quant_linear
+    return cpu_quant_linear(x, w, bias)
+
+
+def weight_nbytes(w) -> int:
+    """Bytes a dense, quantized or CPU-packed weight takes."""
+    from .quant import QuantWeight, nbytes
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return nbytes(w) if isinstance(w, QuantWeight) else w.nbytes
+
+
+def weight_kind(w) -> str:
+    """`bfloat16`, `q4_k`, ... (the file's type, whatever form the device reads it in)."""
+    if isinstance(w, torch.Tensor):
+        return str(w.dtype).removeprefix("torch.")
+    return w.qtype

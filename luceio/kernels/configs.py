@@ -40,6 +40,22 @@ class KernelConfig:
     prefill_num_stages: int = 2
     # shared memory one program may use (KiB); the launchers shrink tiles to fit it
     max_shared_kb: int = 96
+    # skinny quantized / dense GEMM (quant_triton.py): a program owns BLOCK_N output features of
+    # every row of x. 2..16 rows: tl.dot on tiles of BLOCK_K weights; 1 row: multiply + sum (gemv)
+    qgemm_block_n: int = 32
+    qgemm_block_k: int = 256             # powers of two >= 32 (whole 32-groups)
+    qgemm_num_warps: int = 4
+    gemv_block_n: int = 64
+    gemv_block_k: int = 256
+    gemv_num_warps: int = 4
+    qgemm_num_stages: int = 2
+    qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
+    qgemm_max_split_k: int = 16
+    qgemm_min_tiles_per_split: int = 2
+    skinny_max_m: int = 16               # larger batches: dequantize + torch GEMM (at most 16)
+    dequant_block_n: int = 16
+    dequant_block_k: int = 256
+    dequant_num_warps: int = 4
     source: str = NOT_MEASURED
 
 
@@ -47,27 +63,34 @@ TABLE: dict[str, KernelConfig] = {
     # Ampere GA102 (RTX 3090): 82 SMs, 100 KiB shared memory per SM (99 KiB per block)
     "sm_86": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=2,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
-                          prefill_num_stages=2, max_shared_kb=96),
+                          prefill_num_stages=2, max_shared_kb=96,
+                          qgemm_split_k_min_programs=164),
     # Ada AD102 (RTX 4090): 128 SMs, 100 KiB shared memory per SM
     "sm_89": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=3,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
-                          prefill_num_stages=2, max_shared_kb=96),
+                          prefill_num_stages=2, max_shared_kb=96,
+                          qgemm_num_stages=3, qgemm_split_k_min_programs=256),
     # Hopper (H100 / H200): 132 SMs, 228 KiB shared memory per SM, HBM3(e)
     "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=2, decode_num_stages=2,
                           decode_min_tokens_per_split=256, decode_max_splits=64,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220,
+                          qgemm_block_n=64, qgemm_num_stages=3,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
-                                 "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30"),
-    # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup
+                                 "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
+                                 "sweeps of bench/qgemm.py --quick around the defaults, same card"),
+    # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
+    # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
                             prefill_block_m=64, prefill_block_n=32, prefill_num_warps=4,
-                            prefill_num_stages=1, max_shared_kb=64),
+                            prefill_num_stages=1, max_shared_kb=64,
+                            qgemm_num_stages=1, qgemm_split_k_min_programs=128),
     # RDNA3.5 APU (Strix Halo): 40 CUs on LPDDR5X, 64 KiB LDS per workgroup
     "gfx1151": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
                             decode_min_tokens_per_split=1024, decode_max_splits=16,
                             prefill_block_m=64, prefill_block_n=32, prefill_num_warps=4,
-                            prefill_num_stages=1, max_shared_kb=64),
+                            prefill_num_stages=1, max_shared_kb=64,
+                            qgemm_block_n=16, qgemm_num_stages=1, qgemm_split_k_min_programs=80),
     "default": KernelConfig(),
 }
 

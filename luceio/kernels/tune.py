@@ -1,9 +1,13 @@
-"""Times launch configs of the paged-attention kernels on this GPU and saves the winner.
+"""Times launch configs of the paged-attention and skinny-GEMM kernels on this GPU and saves
+the winner.
 
     python -m luceio.kernels.tune [--dtype bf16|fp16] [--quick] [--dry-run]
+                                  [--only attention|qgemm]
 
 Decode (split-KV) and varlen prefill are tuned separately at a few representative shapes
-(Llama-8B-like 32/8 heads and Qwen-7B-like 28/4 heads, head_dim 128, pages of 16). A
+(Llama-8B-like 32/8 heads and Qwen-7B-like 28/4 heads, head_dim 128, pages of 16); the skinny
+quantized GEMM (q4_k) at Llama-8B's o_proj and gate_up and Qwen-0.5B's down_proj, M = 1, 4, 16,
+its launches cycling through weight copies that span 256 MiB so they read HBM, not L2. A
 candidate's score is the geometric mean over the shapes of its time relative to the current
 entry; a candidate whose output differs from the current entry's is rejected. The winning
 entry goes to `$LUCEIO_CACHE/kernel_configs/<arch>.json` (see configs.py), where it overrides
@@ -131,10 +135,86 @@ def _report(name, cfg, shapes, batches):
 _T0 = time.monotonic()
 
 
-def _search(name, candidates, batches, refs, base_times):
+def qgemm_cases(quick: bool, dtype):
+    """(x, weight copies, fp32 reference) per case; see the module docstring."""
+    from .quant import dequantize, nbytes
+    from .quant_triton import random_quant_weight
+    shapes = [(4096, 4096), (28672, 4096), (896, 4864)]
+    cases = []
+    for n, k in shapes[::2] if quick else shapes:
+        w = random_quant_weight("q4_k", n, k, device="cuda")
+        copies = [w] + [replace(w, **{a: t.clone() for a, t in w.tensors().items()})
+                        for _ in range(min(256, (256 << 20) // nbytes(w)))]
+        ref_w = dequantize(w)
+        for m in (1, 16) if quick else (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            cases.append((x, copies, x.float() @ ref_w.T))
+    return cases
+
+
+def _time_qgemm(cfg, cases, refs=None):
+    """Per-case median ms of the skinny kernel, or None (as `_time`)."""
+    from .quant_triton import quant_matmul_skinny
+    times = []
+    with configs.use_config(cfg):
+        for x, copies, ref in cases:
+            try:
+                out = quant_matmul_skinny(x, copies[0])
+                torch.cuda.synchronize()
+            except Exception as e:  # out of shared memory / registers for this tile size
+                print(f"    skip ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                return None
+            if not torch.allclose(out.float(), ref, atol=2e-2, rtol=1e-2):
+                print("    skip (wrong result)")
+                return None
+            cycle = itertools.cycle(copies)  # each captured launch reads the next copy
+            times.append(_bench(lambda: quant_matmul_skinny(x, next(cycle))))
+    return times
+
+
+def qgemm_candidates(base: configs.KernelConfig, quick: bool):
+    """Tiles (gemv for M = 1, dot for more rows, pipelining depth), then split-K settings."""
+    gemv = [(32, 256), (64, 256), (64, 512)] if not quick else [(64, 256)]
+    dot = [(32, 256), (64, 256), (64, 128)] if not quick else [(32, 256), (64, 256)]
+    tiles = [replace(base, gemv_block_n=gn, gemv_block_k=gk, qgemm_block_n=n, qgemm_block_k=k,
+                     qgemm_num_stages=s)
+             for (gn, gk), (n, k), s in itertools.product(gemv, dot, _stage_choices(quick))]
+
+    def splits(c, sms):
+        return [replace(c, qgemm_split_k_min_programs=p, qgemm_min_tiles_per_split=t)
+                for p, t in itertools.product([0, sms, 2 * sms, 4 * sms], [1, 2, 4])]
+    return tiles, splits
+
+
+def tune_qgemm(best, quick: bool, dtype, sms: int):
+    """The qgemm_* and gemv_* fields of `best`: tiles first, then split-K."""
+    from .quant import nbytes
+    cases = qgemm_cases(quick, dtype)
+    base_times = _time_qgemm(best, cases)
+    if base_times is None:
+        print("the current qgemm entry does not run here; tuning from the defaults")
+        best = replace(best, **{k: v for k, v in configs.config_to_dict(
+            configs.TABLE["default"]).items() if k.startswith(("qgemm", "gemv"))})
+        base_times = _time_qgemm(best, cases)
+    tiles, splits = qgemm_candidates(best, quick)
+    cand, score = _search("qgemm", tiles, cases, None, base_times, _time_qgemm)
+    if cand is not None and score < 1.0:
+        best = cand
+    cand, score2 = _search("qgemm", splits(best, sms), cases, None, base_times, _time_qgemm)
+    if cand is not None and score2 < min(score, 1.0):
+        best = cand
+    print("qgemm, chosen entry:")
+    for (x, copies, _), ms in zip(cases, _time_qgemm(best, cases)):
+        moved = nbytes(copies[0]) + x.numel() * x.element_size()
+        print(f"  q4_k [{copies[0].shape[0]}, {x.shape[1]}] M={x.shape[0]:2d}: "
+              f"{ms * 1e3:8.1f} us, {moved / ms / 1e6:6.0f} GB/s")
+    return best
+
+
+def _search(name, candidates, batches, refs, base_times, time_fn=_time):
     best, best_score = None, math.inf
     for cfg in candidates:
-        times = _time(cfg, batches, refs)
+        times = time_fn(cfg, batches, refs)
         if times is None:
             continue
         score = math.exp(sum(math.log(t / b) for t, b in zip(times, base_times)) / len(times))
@@ -156,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and candidates")
     ap.add_argument("--dry-run", action="store_true", help="print the entry, write nothing")
+    ap.add_argument("--only", choices=["attention", "qgemm"], help="tune only these kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("luceio.kernels.tune: no GPU (torch.cuda.is_available() is False); tuning times "
@@ -176,8 +257,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     best = base
     from .attention import paged_attention_ref
-    for name, shapes in (("decode", decode_shapes(args.quick)),
-                         ("prefill", prefill_shapes(args.quick))):
+    sections = [] if args.only == "qgemm" else [("decode", decode_shapes(args.quick)),
+                                                ("prefill", prefill_shapes(args.quick))]
+    for name, shapes in sections:
         batches = [_batch(q, c, h, kv, 128, dtype) for q, c, h, kv in shapes]
         refs = [paged_attention_ref(*b) for b in batches]
         base_times = _time(best, batches, refs)
@@ -202,6 +284,9 @@ def main(argv=None) -> int:
         _report(name, best, shapes, batches)
         del batches, refs
         torch.cuda.empty_cache()
+
+    if args.only != "attention":
+        best = tune_qgemm(best, args.quick, dtype, configs.num_sms(dev))
 
     import triton
     best = replace(best, source=(

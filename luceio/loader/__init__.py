@@ -14,8 +14,10 @@ import torch
 class Checkpoint:
     config: dict
     """HF `config.json` contents (architectures, hidden_size, rope parameters, ...)."""
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    """Yields (HF tensor name, tensor) pairs; called once at load."""
+    weights: Callable[..., Iterator[tuple[str, object]]]
+    """`weights(keep_quantized=False)` yields (HF tensor name, tensor) pairs; called once at
+    load. With `keep_quantized`, a GGUF's quantized tensors come as `kernels.quant.QuantWeight`
+    (repacked, not dequantized) and only the others as dense tensors."""
     tokenizer: object | None = None
     """A `tokenizers.Tokenizer`, a sentencepiece processor path, or None (token ids only)."""
     tokenizer_config: dict = field(default_factory=dict)

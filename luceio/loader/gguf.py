@@ -2,7 +2,10 @@
 the vocabulary becomes a `tokenizers.Tokenizer`.
 
 The `gguf` package reads and dequantizes; it is imported inside functions so that luceio imports
-on machines without it. Tensors come out as fp32, the way transformers dequantizes a GGUF.
+on machines without it. Tensors come out as fp32, the way transformers dequantizes a GGUF, or,
+with `weights(keep_quantized=True)`, quantized tensors are repacked losslessly into
+`QuantWeight`s (`kernels/quant.py`) and only F32/F16/BF16 (and types without a repacked layout)
+are dense.
 """
 from __future__ import annotations
 
@@ -79,21 +82,35 @@ def load_gguf(path: str) -> Checkpoint:
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     logger.info("read GGUF metadata of %s in %.1f s", path, time.perf_counter() - started)
 
-    def weights():
+    def weights(keep_quantized: bool = False):
         from gguf.quants import dequantize
 
+        from ..kernels.quant import ggml_to_qtype, permute_rows, repack_gguf
+
         t0 = time.perf_counter()
+        kept = 0
         for tensor in reader.tensors:
-            array = dequantize(tensor.data, tensor.tensor_type).reshape(shapes[tensor.name])
             part = tensor.name.split(".")[-2]
+            heads = None
             if arch == "llama" and part in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+            shape = shapes[tensor.name]
+            if keep_quantized and len(shape) == 2 and ggml_to_qtype(tensor.tensor_type):
+                w = repack_gguf(tensor.data, tensor.tensor_type, shape)
+                if heads is not None:
+                    order = unpermute_rotary_rows(np.arange(shape[0]), heads)
+                    w = permute_rows(w, torch.from_numpy(order))
+                kept += 1
+                yield names[tensor.name], w
+                continue
+            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            if heads is not None:
                 array = unpermute_rotary_rows(array, heads)
             if not array.flags.writeable:  # an F32 tensor is a view into the read-only mmap
                 array = array.copy()
             yield names[tensor.name], torch.from_numpy(array)
-        logger.info("dequantized %d GGUF tensors in %.1f s", len(reader.tensors),
-                    time.perf_counter() - t0)
+        logger.info("read %d GGUF tensors (%d kept quantized) in %.1f s", len(reader.tensors),
+                    kept, time.perf_counter() - t0)
 
     eos_ids = _eos_token_ids(meta)
     generation_config = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),

@@ -32,7 +32,7 @@ def load_hf_folder(folder: str) -> Checkpoint:
         raise FileNotFoundError(f"{folder} has no config.json")
     files = _safetensors_files(folder)
 
-    def weights():
+    def weights(keep_quantized: bool = False):  # safetensors here hold dense tensors only
         from safetensors import safe_open
         for path in files:
             with safe_open(path, framework="pt") as f:

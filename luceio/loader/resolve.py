@@ -100,9 +100,14 @@ def fetch_short_name(short: str) -> str:
         print(f"luceio: cached {target} is damaged (sha256 mismatch); fetching it again",
               file=sys.stderr)
         _remove(target)
-    os.makedirs(folder, exist_ok=True)
-    _remove_stale_fetches(folder)
-    work = tempfile.mkdtemp(prefix=".fetch-", dir=folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _remove_stale_fetches(folder)
+        work = tempfile.mkdtemp(prefix=".fetch-", dir=folder)
+    except OSError as error:
+        raise ModelResolveError(
+            f"Cannot write the model cache folder {folder} ({error}); set LUCEIO_CACHE to a "
+            f"writable folder, or pass --model a local .gguf file or HF folder.") from error
     try:
         joined = _fetch_into(short, entry, work)
         os.replace(joined, target)

@@ -16,7 +16,11 @@ _ARCHS = {
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model"]
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                quantization: str = "auto") -> LlamaForCausalLM:
+    """Builds the model on the meta device and loads each tensor straight onto `device`.
+    `quantization`: auto (a GGUF keeps its quantized types, other checkpoints stay dense),
+    none (everything dense in `dtype`), int8 / int4 (dense checkpoints quantized at load)."""
     arch = (ckpt.config.get("architectures") or ["?"])[0]
     if arch not in _ARCHS:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_ARCHS)}")
@@ -24,11 +28,13 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> L
     bias = _ARCHS[arch] or bool(ckpt.config.get("attention_bias", False))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, bias=bias)
-    model = model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(ckpt.weights())
-    model = model.to(device=device, dtype=dtype)
+    quantize = quantization if quantization in ("int8", "int4") else None
+    if quantize and ckpt.source.endswith(".gguf"):
+        raise ValueError(f"--quantization {quantization}: {ckpt.source} is a GGUF file, which "
+                         "keeps its own quantized types (--quantization auto) or is "
+                         "dequantized (--quantization none)")
+    model.load_weights(ckpt.weights(keep_quantized=quantization == "auto"), dtype, device,
+                       quantize)
     model.cos_sin = _rope_cache(cfg).to(device)  # stays fp32 whatever the model dtype
     return model
 

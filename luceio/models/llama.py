@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels.rotary import build_cos_sin_cache
+from .linear import Embedding, Linear
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -110,8 +111,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -140,10 +141,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, bias: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, bias) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", build_cos_sin_cache(
@@ -172,39 +173,64 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # loading -----------------------------------------------------------------------------------
-    def load_weights(self, weights) -> None:
-        """Loads HF-named tensors, fusing q/k/v and gate/up into the stacked projections."""
+    def load_weights(self, weights, dtype: torch.dtype | None = None,
+                     device: torch.device | str = "cpu", quantize: str | None = None) -> None:
+        """Loads HF-named tensors (dense tensors or QuantWeights), fusing q/k/v and gate/up into
+        the stacked projections. Each tensor goes to `device` in `dtype` (default: the model's)
+        as it arrives, so the host never holds a dense copy of a quantized model. `quantize`
+        (int8|int4) quantizes the dense weights of the decoder layers' projections."""
+        dtype = dtype or self.embed_tokens.weight.dtype
+        device = torch.device(device)
         params = dict(self.named_parameters())
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        seen = set()
+        tied = self.cfg.tie_word_embeddings
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or (name == "lm_head.weight" and tied):
                 continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            for part, (fused, shard) in stacked.items():
-                if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    self._load_shard(params[target], tensor, fused, shard)
+            module, _, leaf = name.rpartition(".")
+            shard = 0
+            for part, (fused, i) in stacked.items():
+                if module.endswith("." + part):
+                    module, shard = module[:-len(part)] + fused, i
                     break
+            if module in linears and leaf == "weight":
+                linears[module].load_shard(shard, tensor, dtype, device,
+                                           quantize if module.startswith("layers.") else None)
+            elif module in linears and leaf == "bias":
+                self._load_bias_shard(linears[module], shard, tensor, dtype, device)
+            elif name == "embed_tokens.weight":
+                self.embed_tokens.load(tensor, dtype, device, tied)
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(params[name].shape)}")
+                owner = self.get_submodule(module)
+                setattr(owner, leaf, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
             else:
-                target = name
-                if target not in params:
-                    raise KeyError(f"unexpected weight {name!r} in checkpoint")
-                params[target].copy_(tensor)
-            seen.add(target)
-        missing = set(params) - seen - ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+                raise KeyError(f"unexpected weight {name!r} in checkpoint")
+        for module, lin in linears.items():
+            if not (module == "lm_head" and tied):
+                lin.finalize()
+        if tied:
+            self.lm_head.share_parts(self.embed_tokens)
+        missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             raise KeyError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
 
-    def _load_shard(self, param, tensor, fused: str, shard: int) -> None:
-        cfg = self.cfg
-        if fused == "qkv_proj":
-            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                     cfg.num_kv_heads * cfg.head_dim]
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        param.narrow(0, start, sizes[shard]).copy_(tensor)
+    def _load_bias_shard(self, lin: Linear, shard: int, tensor, dtype, device) -> None:
+        start = sum(lin.out_sizes[:shard])
+        if lin.bias.is_meta:
+            lin.bias = nn.Parameter(torch.zeros(lin.out_features, dtype=dtype, device=device),
+                                    requires_grad=False)
+        lin.bias.data.narrow(0, start, lin.out_sizes[shard]).copy_(tensor)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on their device (quantized parts at their packed size)."""
+        layers = [m for m in self.modules() if isinstance(m, (Linear, Embedding))
+                  and not (m is self.lm_head and self.cfg.tie_word_embeddings)]
+        owned = {id(m.weight) for m in layers if m.weight is not None}
+        rest = sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in owned)
+        return sum(m.weight_bytes() for m in layers) + rest

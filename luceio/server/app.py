@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -85,6 +86,13 @@ def _dumps(obj) -> str:
 
 
 async def _read_json(request: Request, limit: int) -> dict:
+    # a cross-origin page may POST text/plain or a form without asking (no CORS preflight):
+    # demanding JSON keeps such requests from starting generations on a local server
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, "the request body must be JSON sent with `Content-Type: "
+                       f"application/json`, got {repr(media) if media else 'none'}",
+                       code="unsupported_media_type")
     cl = request.headers.get("content-length")
     if cl is not None:
         if not (cl.isascii() and cl.isdigit()):
@@ -268,6 +276,9 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
     ]
     middleware = [Middleware(_BearerAuth, api_key=args.api_key, state=state)] \
         if args.api_key else []
+    if args.origins:  # outermost: preflights carry no API key
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=args.origins,
+                                        allow_methods=["GET", "POST"], allow_headers=["*"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = state

@@ -3,6 +3,7 @@ to `EngineArgs`' own (one source of truth for `python -m luceio.serve` and `luce
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from ..config import CliArgs, EngineArgs, _opt
@@ -24,7 +25,37 @@ class ServerArgs(CliArgs):
     access_log: bool = _opt(True, "log one line per HTTP request (uvicorn's access log)")
     timeout_graceful_shutdown: int = _opt(30, "seconds to wait for open connections on "
                                           "SIGINT/SIGTERM before cancelling them")
+    timeout_headers: float = _opt(15.0, "seconds a connection has to send a request's complete "
+                                  "headers, counted from the connection's start or, between "
+                                  "requests, from the request's first byte (408 and close after; "
+                                  "default %(default)s)")
+    timeout_body: float = _opt(30.0, "seconds a request body may go without new bytes before the "
+                               "server answers 408 and closes the connection (default %(default)s)")
+    timeout_keep_alive: float = _opt(5.0, "seconds an idle keep-alive connection stays open "
+                                     "between requests (default %(default)s)")
+    limit_concurrency: int = _opt(512, "most open client connections; one more is answered 503 "
+                                  "and closed at once (keep it under the open-file limit, "
+                                  "`ulimit -n`; default %(default)s)")
+    allowed_origins: str = _opt("", "comma-separated browser origins whose cross-origin requests "
+                                "are allowed (CORS), e.g. http://localhost:3000; `*` for any; "
+                                "default none")
 
+    def __post_init__(self):
+        if self.api_key is not None and (not self.api_key.strip() or
+                                         self.api_key != self.api_key.strip()):
+            raise ValueError("--api-key (or LUCEIO_API_KEY) is empty or starts or ends with "
+                             "whitespace; give a real key, or leave both unset to serve "
+                             "without authentication")
+        for name in ("timeout_headers", "timeout_body", "timeout_keep_alive",
+                     "limit_concurrency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+
+    @property
+    def origins(self) -> list[str]:
+        """--allowed-origins as a list."""
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
 
 def make_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -39,6 +70,19 @@ def make_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argum
 
 
 def parse_args(ns: argparse.Namespace) -> tuple[ServerArgs, EngineArgs]:
+    """The options; raises ValueError for a combination the server refuses to start with."""
     if ns.model_tag is not None:
         ns.model = ns.model_tag
-    return ServerArgs.from_cli_args(ns), EngineArgs.from_cli_args(ns)
+    if ns.api_key is None:
+        ns.api_key = os.environ.get("LUCEIO_API_KEY")
+    engine_args = EngineArgs.from_cli_args(ns)
+    if engine_args.draft_model and not _uses_draft_model(engine_args):
+        raise ValueError("--draft-model is given but nothing would use it: add "
+                         "--speculative-method draft (or --spec-prefill-keep, or "
+                         "--kv-resident-policy spec with --kv-resident-tokens)")
+    return ServerArgs.from_cli_args(ns), engine_args
+
+
+def _uses_draft_model(args: EngineArgs) -> bool:
+    return args.speculative_method == "draft" or args.spec_prefill_keep is not None or \
+        (args.kv_resident_policy == "spec" and bool(args.kv_resident_tokens))

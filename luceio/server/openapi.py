@@ -62,7 +62,8 @@ def _sampling(vocab: int) -> dict:
         "presence_penalty": _num(-2.0, 2.0),
         "frequency_penalty": _num(-2.0, 2.0),
         "repetition_penalty": _num(0.0, exclusive_lo=True),
-        "seed": _int(_INT64_MIN, _INT64_MAX),
+        "seed": _int(_INT64_MIN, _INT64_MAX, description="the same seed draws the same samples; "
+                     "seeds outside [0, 2**63 - 128) are taken modulo 2**63 - 128"),
         "stop": _any_null({"type": "string", "minLength": 1},
                           {"type": "array", "items": {"type": "string", "minLength": 1}},
                           description="stop strings; the text ends before the first one"),
@@ -175,6 +176,7 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
         **auth,
         "404": err("unknown model"),
         "413": err("request body over --max-request-bytes"),
+        "415": err("Content-Type is not application/json"),
         "503": err("queue full (Retry-After) or shutting down"),
     }
 

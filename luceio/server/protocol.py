@@ -16,6 +16,8 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 
 MAX_N = 128
 _INT64 = 2 ** 63 - 1
+# the engine's seeds: sample i of a request draws from seed + i, kept below 2**63
+_SEED_RANGE = 2 ** 63 - MAX_N
 
 
 class APIError(Exception):
@@ -101,6 +103,13 @@ def _integer(body: dict, name: str, default):
     if not -_INT64 - 1 <= v <= _INT64:
         raise bad(name, f"'{name}' is out of range, got {_show(v)}")
     return v
+
+
+def _seed(body: dict) -> int | None:
+    """Any int64 (OpenAI's range): negative and very large seeds wrap onto the engine's range, so
+    a given seed always draws the same samples; smaller non-negative ones are used as they are."""
+    seed = _integer(body, "seed", None)
+    return None if seed is None else seed % _SEED_RANGE
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -194,7 +203,7 @@ def _sampling_kwargs(body: dict) -> dict:
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        seed=_integer(body, "seed", None),
+        seed=_seed(body),
         stop=_stop(body),
         stop_token_ids=_int_list(body, "stop_token_ids"),
         ignore_eos=_boolean(body, "ignore_eos", False),

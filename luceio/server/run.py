@@ -45,38 +45,55 @@ class Run:
         self.client_gone = False
 
     async def start(self) -> None:
-        st, prompt_field = self.state, "messages" if self.req.chat else "prompt"
+        """Admits every prompt at once (each generator adds its request to the engine when it
+        starts), then waits for all first outputs. A refused prompt fails the call with its
+        status; the others are aborted."""
+        st = self.state
+        if self.client_gone:
+            raise ClientDisconnect()
+        if st.draining:
+            raise APIError(503, "the server is shutting down", "server_error",
+                           code="shutting_down")
+        for rid, prompt, params in zip(self.ids, self.req.prompts, self.req.params):
+            self.gens[rid] = st.engine.generate(prompt, params, rid)
+            self.live[rid] = _Track(time.monotonic())
+            st.inflight.add(rid)
+        firsts = [asyncio.ensure_future(self._first(rid)) for rid in self.ids]
         try:
-            for rid, prompt, params in zip(self.ids, self.req.prompts, self.req.params):
-                if self.client_gone:  # hung up while an earlier prompt was being admitted
-                    raise ClientDisconnect()
-                if st.draining:
-                    raise APIError(503, "the server is shutting down", "server_error",
-                                   code="shutting_down")
-                agen = st.engine.generate(prompt, params, rid)
-                self.gens[rid] = agen
-                self.live[rid] = _Track(time.monotonic())
-                st.inflight.add(rid)
-                try:
-                    first = await agen.__anext__()
-                except QueueFullError as e:
-                    raise APIError(503, f"the server is overloaded ({e}); retry later",
-                                   "server_error", code="queue_full",
-                                   headers={"Retry-After": "1"}) from None
-                except ValueError as e:
-                    raise bad(prompt_field, str(e)) from None
-                except RuntimeError:
-                    if st.draining or getattr(st.engine, "_closed", False):
-                        raise APIError(503, "the server is shutting down", "server_error",
-                                       code="shutting_down") from None
-                    raise
-                self.firsts.append(self._seen(rid, first))
+            outs = await asyncio.gather(*firsts)
+            if self.client_gone:  # hung up while the prompts were being admitted
+                raise ClientDisconnect()
         except BaseException:
-            for rid in self.ids[len(self.firsts):]:
-                self.live.pop(rid, None)
-                st.inflight.discard(rid)
+            for task in firsts:
+                task.cancel()  # its generator's cleanup aborts the request
+            await asyncio.gather(*firsts, return_exceptions=True)
             await self.close()
             raise
+        self.firsts = [self._seen(rid, first) for rid, first in zip(self.ids, outs)]
+
+    async def _first(self, rid: str):
+        """The first output of one prompt; a refusal (never admitted) leaves the call's books."""
+        try:
+            return await self.gens[rid].__anext__()
+        except Exception as e:
+            self.live.pop(rid, None)
+            self.state.inflight.discard(rid)
+            refusal = self._refusal(e)
+            if refusal is None:
+                raise
+            raise refusal from None
+
+    def _refusal(self, e: Exception) -> APIError | None:
+        st = self.state
+        if isinstance(e, QueueFullError):
+            return APIError(503, f"the server is overloaded ({e}); retry later", "server_error",
+                            code="queue_full", headers={"Retry-After": "1"})
+        if isinstance(e, ValueError):
+            return bad("messages" if self.req.chat else "prompt", str(e))
+        if isinstance(e, RuntimeError) and (st.draining or st.engine.closed):
+            return APIError(503, "the server is shutting down", "server_error",
+                            code="shutting_down")
+        return None
 
     async def outputs(self):
         """(prompt index, RequestOutput) until every engine request finished."""

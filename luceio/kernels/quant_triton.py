@@ -1,0 +1,423 @@
+"""Triton matmuls that read the repacked quantized layout of `quant.py` (read its docstring).
+
+* `quant_matmul_skinny(x, w)`: y = x @ W^T for M <= 16 rows of x (decode, speculative verify,
+  small batches). Grid (cdiv(N, BLOCK_N), SPLIT_K): a program owns BLOCK_N output features for
+  every row of x and walks its share of K in BLOCK_K tiles, dequantizing each weight tile in fp32
+  and accumulating in fp32. With SPLIT_K > 1 (short N: too few programs to fill the GPU) the
+  programs write fp32 partials [SPLIT_K, M, N] that `_reduce_kernel` sums in a fixed order
+  (deterministic, no atomics), adding the bias there.
+* `dense_matmul_skinny(x, weight)`: the same kernel for a dense fp16/bf16/fp32 [N, K] weight.
+* `dequantize_triton(w, dtype)`: the whole weight as a dense [N, K] tensor.
+* `quant_matmul(x, w)`: the skinny kernel up to `KernelConfig.skinny_max_m` rows, else
+  `dequantize_triton` into a scratch weight and torch's GEMM (cuBLAS / rocBLAS): at prefill
+  sizes the GEMM is compute-bound, and the scratch is freed after the call.
+
+Two inner products: one row of x (decode) runs as a GEMV, multiply + add in fp32 with per-lane
+partial sums reduced once after the K loop, and each group's scale applied once to its sum
+(scale * sum(code * x) - offset * sum(x)); 2..16 rows run `tl.dot` on the dequantized tile
+(the reference's per-weight formula, cast to x's dtype) with M padded to 16. Under
+TRITON_INTERPRET=1 bf16 dot operands go as fp32 (the interpreter's bf16 dot is wrong); fp32
+activations always dot in IEEE fp32 (no TF32). bench/qgemm.py measures both against cuBLAS.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .configs import KernelConfig, get_config
+from .quant import LAYOUT, QuantWeight
+
+DENSE = "dense"
+
+# Largest |code| x |sub-scale| of each qtype, for `random_quant_weight`'s scale choice.
+_CODE_RANGE = {"q4_0": 8, "q4_1": 15, "q5_0": 16, "q5_1": 31, "q8_0": 127,
+               "q4_k": 15 * 63, "q5_k": 31 * 63, "q6_k": 32 * 127}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# A quantized tile is [BLOCK_N, G, 16] with G = BLOCK_K / 32 groups: byte j of a group's codes
+# holds element j (low nibble, the "lo" half) and element j + 16 (high nibble, "hi"), so both
+# halves come from one plain, vectorised load of 16 bytes, and each lane holds whole groups
+# (per-group scales are one load per group, sums over a group stay inside a lane). The 5-bit
+# high bits are one int32 per group (bit e = element e), q6_k's two (bits 2e, 2e + 1 of the
+# first word for e < 16, of the second for the rest). Codes become floats by the exponent
+# trick: (q | 0x4B000000) read as fp32 is exactly 2^23 + q for 0 <= q < 2^23, one integer op
+# where a conversion instruction runs at a quarter of the rate.
+_MAGIC = tl.constexpr(8388608.0)  # 2^23
+
+
+@triton.jit
+def _as_float(q, zero: tl.constexpr):
+    """int32 codes 0 <= q < 2^23 -> fp32 q - zero, exactly."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (_MAGIC + zero)
+
+
+@triton.jit
+def _quant_tile(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG,
+                s_qs, s_qh, s_d, s_sc, QTYPE: tl.constexpr, G: tl.constexpr):
+    """Groups g0 .. g0+G-1 of `row` ([BLOCK_N, 1] int64): (lo, hi), fp32 [BLOCK_N, G, 16] codes
+    minus the zero point, and (scale_lo, scale_hi, offset), fp32 [BLOCK_N, G]: a weight is
+    scale * code - offset, scale_hi for the hi half (differs from scale_lo only for q6_k).
+    Rows >= N and groups >= KG read as 0."""
+    grp = g0 + tl.arange(0, G)[None, :]                                   # [1, G]
+    j = tl.arange(0, 16)[None, None, :]
+    gmask = nmask[:, None] & (grp < KG)                                   # [BLOCK_N, G]
+    mask = gmask[:, :, None]
+    if QTYPE == "q8_0":
+        off = (row * s_qs + grp * 32)[:, :, None] + j
+        lo = _as_float(tl.load(qs_ptr + off, mask=mask, other=0).to(tl.int32) + 128, 128.0)
+        hi = _as_float(tl.load(qs_ptr + off + 16, mask=mask, other=0).to(tl.int32) + 128, 128.0)
+    else:
+        byte = tl.load(qs_ptr + (row * s_qs + grp * 16)[:, :, None] + j, mask=mask, other=0)
+        byte = byte.to(tl.int32)
+        q_lo = byte & 15
+        q_hi = byte >> 4
+        if QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k":
+            word = tl.load(qh_ptr + row * s_qh + grp, mask=gmask, other=0)[:, :, None]
+            q_lo |= ((word >> j) & 1) << 4
+            q_hi |= ((word >> (j + 16)) & 1) << 4
+        if QTYPE == "q6_k":
+            w_lo = tl.load(qh_ptr + row * s_qh + 2 * grp, mask=gmask, other=0)[:, :, None]
+            w_hi = tl.load(qh_ptr + row * s_qh + 2 * grp + 1, mask=gmask, other=0)[:, :, None]
+            q_lo |= ((w_lo >> (2 * j)) & 3) << 4
+            q_hi |= ((w_hi >> (2 * j)) & 3) << 4
+        if QTYPE == "q4_0":
+            lo, hi = _as_float(q_lo, 8.0), _as_float(q_hi, 8.0)
+        elif QTYPE == "q5_0":
+            lo, hi = _as_float(q_lo, 16.0), _as_float(q_hi, 16.0)
+        elif QTYPE == "q6_k":
+            lo, hi = _as_float(q_lo, 32.0), _as_float(q_hi, 32.0)
+        else:
+            lo, hi = _as_float(q_lo, 0.0), _as_float(q_hi, 0.0)
+
+    if QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k":  # d (and dmin) per 8 groups
+        d = tl.load(d_ptr + row * s_d + grp // 8, mask=gmask, other=0.0).to(tl.float32)
+    else:
+        d = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
+    scale_lo = d
+    scale_hi = d
+    offset = tl.zeros_like(d)
+    if QTYPE == "q4_1" or QTYPE == "q5_1":                 # d * q + m
+        offset = -tl.load(m_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
+    if QTYPE == "q4_k" or QTYPE == "q5_k":                 # (d * sc) * q - dmin * mn
+        sc = tl.load(sc_ptr + row * s_sc + grp, mask=gmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + row * s_sc + grp, mask=gmask, other=0).to(tl.float32)
+        dmin = tl.load(m_ptr + row * s_d + grp // 8, mask=gmask, other=0.0).to(tl.float32)
+        scale_lo = d * sc
+        scale_hi = scale_lo
+        offset = dmin * mn
+    if QTYPE == "q6_k":                                    # (d * sc) * (q - 32), sc per 16
+        sc_lo = tl.load(sc_ptr + row * s_sc + 2 * grp, mask=gmask, other=0)
+        sc_hi = tl.load(sc_ptr + row * s_sc + 2 * grp + 1, mask=gmask, other=0)
+        scale_lo = d * sc_lo.to(tl.float32)
+        scale_hi = d * sc_hi.to(tl.float32)
+    return lo, hi, scale_lo, scale_hi, offset
+
+
+@triton.jit
+def _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE: tl.constexpr):
+    """fp32 weights of both halves, in the reference's order of operations."""
+    if QTYPE == "q8_0":
+        return lo * scale_lo[:, :, None], hi * scale_hi[:, :, None]
+    elif QTYPE == "q4_0" or QTYPE == "q5_0" or QTYPE == "q6_k":
+        return scale_lo[:, :, None] * lo, scale_hi[:, :, None] * hi
+    else:  # q4_1, q5_1: d * q + m (offset = -m); q4_k, q5_k: (d * sc) * q - dmin * mn
+        return (scale_lo[:, :, None] * lo - offset[:, :, None],
+                scale_hi[:, :, None] * hi - offset[:, :, None])
+
+
+@triton.jit
+def _dot_acc(acc, x, w, DOT_IEEE: tl.constexpr):
+    """acc + x @ w^T; x [BLOCK_M, k], w [BLOCK_N, k], both already in the dot dtype."""
+    if DOT_IEEE:
+        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
+                   part_ptr, M, N, K, KG, tiles_per_split, s_xm, s_om,
+                   s_qs, s_qh, s_d, s_sc,
+                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                   DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    G: tl.constexpr = BLOCK_K // 32
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rows < N
+    row = rows.to(tl.int64)[:, None]
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < M
+    if DOT_F32:
+        dt = tl.float32
+    else:
+        dt = x_ptr.dtype.element_ty
+    # x columns of a tile: dense [BLOCK_K]; quantized lo halves [HALF] (dot) / [G, 16] (gemv)
+    kk = tl.arange(0, BLOCK_K)
+    b = tl.arange(0, HALF)
+    lo_cols = (b // 16) * 32 + b % 16
+    lo_cols3 = (tl.arange(0, G) * 32)[:, None] + tl.arange(0, 16)[None, :]
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    elif QTYPE == "dense":  # one row of x: per-lane partial sums, reduced once after the loop
+        acc_w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_N, G], tl.float32)
+    t_end = tl.minimum((split + 1) * tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for t in range(split * tiles_per_split, t_end):
+        k0 = t * BLOCK_K
+        if QTYPE == "dense":
+            cols = k0 + kk
+            w = tl.load(qs_ptr + row * s_qs + cols[None, :],
+                        mask=nmask[:, None] & (cols < K)[None, :], other=0.0)
+            if USE_DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * s_xm + cols[None, :],
+                            mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
+                acc = _dot_acc(acc, x.to(dt), w.to(dt), DOT_IEEE)
+            else:
+                x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                acc_w += w.to(tl.float32) * x[None, :]
+        else:
+            lo, hi, scale_lo, scale_hi, offset = _quant_tile(
+                qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
+                s_qs, s_qh, s_d, s_sc, QTYPE, G)
+            if USE_DOT:
+                w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
+                cols = k0 + lo_cols
+                xp = x_ptr + offs_m[:, None] * s_xm + cols[None, :]
+                x_lo = tl.load(xp, mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
+                x_hi = tl.load(xp + 16, mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
+                acc = _dot_acc(acc, x_lo.to(dt), tl.reshape(w_lo, [BLOCK_N, HALF]).to(dt),
+                               DOT_IEEE)
+                acc = _dot_acc(acc, x_hi.to(dt), tl.reshape(w_hi, [BLOCK_N, HALF]).to(dt),
+                               DOT_IEEE)
+            else:
+                # per group: scale * sum(code * x) - offset * sum(x), the scale applied once
+                cols = k0 + lo_cols3
+                x_lo = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_ptr + cols + 16, mask=cols < K, other=0.0).to(tl.float32)
+                p_lo = tl.sum(lo * x_lo[None, :, :], 2)
+                p_hi = tl.sum(hi * x_hi[None, :, :], 2)
+                if QTYPE == "q4_0" or QTYPE == "q5_0" or QTYPE == "q8_0":
+                    acc_g += scale_lo * (p_lo + p_hi)
+                elif QTYPE == "q6_k":
+                    acc_g += scale_lo * p_lo + scale_hi * p_hi
+                else:
+                    x_sum = tl.sum(x_lo, 1) + tl.sum(x_hi, 1)
+                    acc_g += scale_lo * (p_lo + p_hi) - offset * x_sum[None, :]
+
+    if not USE_DOT:
+        if QTYPE == "dense":
+            acc = tl.sum(acc_w, 1)[None, :]
+        else:
+            acc = tl.sum(acc_g, 1)[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:
+        p = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + rows[None, :]
+        tl.store(p, acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * s_om + rows[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
+                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[m, n] = sum over splits (in order) of part[s, m, n] + bias[n]."""
+    mi = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(part_ptr + (s * M + mi).to(tl.int64) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + mi * s_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, KG,
+                    s_qs, s_qh, s_d, s_sc, s_o,
+                    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    G: tl.constexpr = BLOCK_K // 32
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rows < N
+    row = rows.to(tl.int64)[:, None]
+    g0 = tl.program_id(1) * G
+    lo, hi, scale_lo, scale_hi, offset = _quant_tile(
+        qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG,
+        s_qs, s_qh, s_d, s_sc, QTYPE, G)
+    w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
+    grp = g0 + tl.arange(0, G)[None, :]
+    off = (row * s_o + grp * 32)[:, :, None] + tl.arange(0, 16)[None, None, :]
+    mask = (nmask[:, None] & (grp < KG))[:, :, None]
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + off, w_lo.to(dt), mask=mask)
+    tl.store(out_ptr + off + 16, w_hi.to(dt), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, B] (B % 4 == 0) as int32 [N, B / 4]: one little-endian word per 4 bytes."""
+    t = t.contiguous()
+    if t.storage_offset() % 4:
+        t = t.clone()
+    return t.view(torch.int32)
+
+
+def _weight_args(w: QuantWeight) -> tuple:
+    """(pointers qs, qh, d, m, sc, mn; row strides s_qs, s_qh, s_d, s_sc), qh as int32 words;
+    absent arrays are replaced by qs (never read: the QTYPE branches skip them)."""
+    qs = w.qs.contiguous()
+    qh = _words(w.qh) if w.qh is not None else qs
+    d = w.d.contiguous()
+    m = w.m.contiguous() if w.m is not None else d
+    sc = w.sc.contiguous() if w.sc is not None else qs
+    mn = w.mn.contiguous() if w.mn is not None else qs
+    return (qs, qh, d, m, sc, mn), (qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0))
+
+
+def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int) -> tuple[int, int]:
+    """(split_k, k tiles per split) for `n_programs` programs along N over `k_tiles` K tiles.
+    Split only when N alone leaves fewer than `qgemm_split_k_min_programs` programs, and never
+    into splits of fewer than `qgemm_min_tiles_per_split` tiles; no split is left empty."""
+    split = 1
+    if n_programs < cfg.qgemm_split_k_min_programs:
+        split = triton.cdiv(cfg.qgemm_split_k_min_programs, n_programs)
+        split = min(split, cfg.qgemm_max_split_k, k_tiles // cfg.qgemm_min_tiles_per_split)
+    split = max(split, 1)
+    tiles = triton.cdiv(k_tiles, split)
+    return triton.cdiv(k_tiles, tiles), tiles
+
+
+def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int, k: int,
+            bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    num_m = x2.shape[0]
+    if num_m > 16:
+        raise ValueError(f"the skinny kernels take at most 16 rows of x, got {num_m}")
+    if out is None:
+        out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, n)
+    if out2.stride(-1) != 1 or out2.shape[0] != num_m:
+        raise ValueError(f"out must be a [{num_m}, {n}] view with a contiguous last dim")
+    if num_m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
+    cfg = get_config(x.device)
+    interp = _interpreting()
+    use_dot = num_m > 1
+    if use_dot:  # M padded to 16 rows; a dot takes K >= 16 (BLOCK_K / 2 per half)
+        block_m, block_n, num_warps = 16, max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
+        block_k = max(cfg.qgemm_block_k, 32 if interp else 64)
+    else:
+        block_m, block_n, num_warps = 1, cfg.gemv_block_n, cfg.gemv_num_warps
+        block_k = cfg.gemv_block_k
+    n_programs = triton.cdiv(n, block_n)
+    split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))
+    part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
+        if split > 1 else out2
+    has_bias = bias is not None
+    bias_arg = bias.contiguous() if has_bias else out2
+    _skinny_kernel[(n_programs, split)](
+        x2, *weights, bias_arg, out2, part, num_m, n, k, triton.cdiv(k, 32), tiles,
+        x2.stride(0), out2.stride(0), *strides, QTYPE=qtype, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        DOT_F32=interp and x.dtype == torch.bfloat16, DOT_IEEE=x.dtype == torch.float32,
+        SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=num_warps,
+        num_stages=cfg.qgemm_num_stages)
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _reduce_kernel[(num_m, triton.cdiv(n, block))](
+            part, bias_arg, out2, num_m, n, split, out2.stride(0), BLOCK=block,
+            HAS_BIAS=has_bias, num_warps=4)
+    return out
+
+
+def quant_matmul_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (at most 16 rows; fp16, bf16 or fp32) @ w^T + bias -> [..., N] in x's dtype,
+    into `out` when given (a [..., N] tensor with a contiguous last dim)."""
+    n, k = w.shape
+    weights, strides = _weight_args(w)
+    return _skinny(x, weights, strides, w.qtype, n, k, bias, out)
+
+
+def dense_matmul_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias, with the skinny kernel (any K, any float weight)."""
+    n, k = weight.shape
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return _skinny(x, (weight,) * 6, (weight.stride(0), 0, 0, 0), DENSE, n, k, bias, out)
+
+
+def dequantize_triton(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`: fp32 values equal to `quant.dequantize`, rounded
+    once to `dtype` (on GPUs a d * q + m may fuse into one FMA: at most 1 fp32 ulp off)."""
+    n, k = w.shape
+    out = torch.empty((n, k), dtype=dtype, device=w.qs.device)
+    if n == 0 or k == 0:
+        return out
+    cfg = get_config(w.qs.device)
+    weights, strides = _weight_args(w)
+    block_n, block_k = cfg.dequant_block_n, cfg.dequant_block_k
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        *weights, out, n, k // 32, *strides, out.stride(0), QTYPE=w.qtype, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=cfg.dequant_num_warps)
+    return out
+
+
+def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_max_m` rows,
+    else a dequantized scratch copy of w and torch's GEMM."""
+    num_m = x.numel() // max(x.shape[-1], 1)
+    if num_m <= min(get_config(x.device).skinny_max_m, 16):
+        return quant_matmul_skinny(x, w, bias, out)
+    y = F.linear(x, dequantize_triton(w, x.dtype), bias)
+    return y if out is None else out.copy_(y)
+
+
+def random_quant_weight(qtype: str, n: int, k: int, device="cpu",
+                        generator: torch.Generator | None = None) -> QuantWeight:
+    """Random codes and scales in every array of `qtype`'s layout (tests, tuning, benchmarks):
+    weights of about 0.05 in magnitude, so y = x @ W^T stays O(1) in fp16 for x ~ N(0, 1)."""
+    arrays = {}
+    scale = 0.05 / _CODE_RANGE[qtype]
+    for name, (dtype, per) in LAYOUT[qtype].items():
+        shape = (n, k // per)
+        if dtype == torch.float16:
+            t = (torch.rand(shape, generator=generator) + 0.5) * scale
+            if name == "m" and qtype in ("q4_1", "q5_1"):  # a group minimum: centre the codes
+                t = t * -_CODE_RANGE[qtype] / 2
+            arrays[name] = t.half()
+        else:
+            info = torch.iinfo(dtype)
+            top = 64 if name in ("sc", "mn") and dtype == torch.uint8 else info.max + 1
+            arrays[name] = torch.randint(info.min, top, shape, generator=generator, dtype=dtype)
+    return QuantWeight(qtype, (n, k), **{a: t.to(device) for a, t in arrays.items()})
+
+
+__all__ = ["quant_matmul", "quant_matmul_skinny", "dense_matmul_skinny", "dequantize_triton",
+           "skinny_split_k", "random_quant_weight"]

@@ -1,0 +1,157 @@
+"""Linear and embedding layers whose weights are dense or quantized.
+
+A `Linear` is loaded shard by shard (fused projections: q/k/v, gate/up), then `finalize`d into
+one or more row segments ("parts"), each a dense tensor in the model dtype or a `QuantWeight`
+kept in its file's quantized type. Consecutive shards of one type are concatenated into one
+part (one kernel); a fused projection whose shards differ in type (a Q4_K_M file stores some
+`attn_v` in Q6_K and `attn_q`/`attn_k` in Q4_K) runs one kernel per part and concatenates the
+outputs. Quantized parts are never cast: `Module.to(dtype)` would turn their fp16 scales into
+bf16, so `finalize` places them on the device itself and the model's `to()` sees no quantized
+tensor (they are plain attributes, not parameters or buffers).
+
+An `Embedding` with a quantized table gathers the rows of the tokens in the batch and
+dequantizes only those.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..kernels.quant import QuantWeight
+
+
+def _is_dense(w) -> bool:
+    return isinstance(w, torch.Tensor)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_sizes: list[int] | int, bias: bool = False):
+        super().__init__()
+        self.out_sizes = [out_sizes] if isinstance(out_sizes, int) else list(out_sizes)
+        self.in_features, self.out_features = in_features, sum(self.out_sizes)
+        # dense until a quantized shard is loaded (built directly, e.g. random benchmark models)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) \
+            if bias else None
+        self.parts: list = []  # quantized: [QuantWeight | dense tensor | backend-packed form]
+        self._shards: dict[int, object] = {}
+
+    # loading -----------------------------------------------------------------------------------
+    def load_shard(self, shard: int, value, dtype: torch.dtype, device: torch.device,
+                   quantize: str | None = None) -> None:
+        """Shard `shard` of `out_sizes`: a dense [rows, in] tensor or a QuantWeight. It moves
+        to `device` at once (a model never sits whole in host memory); the parts are built when
+        the last shard arrives. `quantize` (int8|int4) quantizes a dense shard whose input size
+        allows it (a multiple of 32)."""
+        from ..kernels import quant
+        rows = self.out_sizes[shard]
+        shape = tuple(value.shape)
+        if shape != (rows, self.in_features):
+            raise ValueError(f"shard {shard} has shape {shape}, expected {(rows, self.in_features)}")
+        if not _is_dense(value):
+            value = value.to(device)
+        elif quantize and self.in_features % 32 == 0:
+            value = quant.quantize_rtn(value.to(device), quantize)
+        else:
+            value = value.to(device, dtype)
+        self._shards[shard] = value
+        if len(self._shards) == len(self.out_sizes):
+            self._build(dtype)
+
+    def finalize(self) -> None:
+        """Checks that every shard arrived."""
+        if self._shards or (self.weight is not None and self.weight.is_meta):
+            missing = [i for i in range(len(self.out_sizes)) if i not in self._shards]
+            raise KeyError(f"shards {missing} of a {self.out_sizes} projection were never loaded")
+
+    def _build(self, dtype: torch.dtype) -> None:
+        from ..kernels import quant
+        shards = [self._shards[i] for i in range(len(self.out_sizes))]
+        self._shards = {}
+        if all(_is_dense(s) for s in shards):
+            self.weight = nn.Parameter(torch.cat(shards) if len(shards) > 1 else shards[0],
+                                       requires_grad=False)
+            self.parts = []
+            return
+        groups: list[list] = []
+        for s in shards:  # runs of one type become one part
+            if groups and _same_kind(groups[-1][-1], s):
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        self.parts = [torch.cat(g) if _is_dense(g[0]) else
+                      kernels.prepare_weight(quant.cat_rows(g) if len(g) > 1 else g[0], dtype)
+                      for g in groups]
+        self.weight = None
+
+    def share_parts(self, other: "Linear | Embedding") -> None:
+        """Tied weights: use another layer's weight (dense parameter or quantized parts)."""
+        if isinstance(other, Embedding) and other.qweight is not None:
+            self.weight = None
+            self.parts = [other.head_part]
+        else:
+            self.weight = other.weight
+            self.parts = []
+
+    # forward -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.parts:
+            return kernels.linear(x, self.weight, self.bias)
+        if len(self.parts) == 1:
+            return kernels.linear(x, self.parts[0], self.bias)
+        out = torch.cat([kernels.linear(x, p) for p in self.parts], dim=-1)
+        return out + self.bias if self.bias is not None else out
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.parts)
+
+    def weight_bytes(self) -> int:
+        if not self.parts:
+            return self.weight.numel() * self.weight.element_size()
+        return sum(kernels.weight_nbytes(p) for p in self.parts)
+
+    def extra_repr(self) -> str:
+        kinds = [kernels.weight_kind(p) for p in self.parts] or [str(self.weight.dtype)]
+        return f"in={self.in_features}, out={self.out_sizes}, weights={'+'.join(kinds)}"
+
+
+def _same_kind(a, b) -> bool:
+    if _is_dense(a) or _is_dense(b):
+        return _is_dense(a) and _is_dense(b)
+    return a.qtype == b.qtype
+
+
+class Embedding(nn.Module):
+    """Token embeddings: a dense table, or a quantized one whose rows are dequantized on use."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        self.qweight: QuantWeight | None = None
+        self.head_part = None  # the tied LM head's form of the quantized table
+        self.out_dtype = torch.float32
+
+    def load(self, value, dtype: torch.dtype, device: torch.device, tied: bool) -> None:
+        if _is_dense(value):
+            self.weight = nn.Parameter(value.to(device, dtype), requires_grad=False)
+            return
+        self.qweight, self.out_dtype, self.weight = value.to(device), dtype, None
+        if tied:
+            self.head_part = kernels.prepare_weight(self.qweight, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return nn.functional.embedding(ids, self.weight)
+        from ..kernels.quant import dequantize, permute_rows
+        return dequantize(permute_rows(self.qweight, ids)).to(self.out_dtype)
+
+    def weight_bytes(self) -> int:
+        if self.qweight is None:
+            return self.weight.numel() * self.weight.element_size()
+        from ..kernels.quant import nbytes
+        head = self.head_part
+        extra = kernels.weight_nbytes(head) if head is not None and head is not self.qweight else 0
+        return nbytes(self.qweight) + extra

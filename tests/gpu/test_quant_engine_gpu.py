@@ -1,0 +1,41 @@
+"""The engine on quantized weights on the GPU: CUDA graphs equal eager, and the Triton kernels
+equal the torch reference end to end (tiny checkpoint quantized at load with int8 / int4)."""
+import pytest
+import torch
+
+from conftest import engine_kwargs
+from luceio import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)
+
+
+def prompts(n):
+    g = torch.Generator().manual_seed(1)
+    return [{"prompt_token_ids": torch.randint(3, 384, (4 + 7 * i,), generator=g).tolist()}
+            for i in range(n)]
+
+
+def run(path, **kw):
+    llm = LLM(path, **engine_kwargs(device="cuda", **kw))
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.quantized
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(10), GREEDY)], llm.engine
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_cuda_graphs_equal_eager(tiny_llama, mode, dtype):
+    eager, _ = run(tiny_llama, quantization=mode, dtype=dtype, enforce_eager=True)
+    graphs, eng = run(tiny_llama, quantization=mode, dtype=dtype)
+    assert eng.runner.graphs is not None and eng.runner.graphs.graphs
+    assert graphs == eager
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_quantized_triton_equals_torch_reference_fp32(tiny_llama, monkeypatch):
+    triton_out, _ = run(tiny_llama, quantization="int8", enforce_eager=True)
+    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
+    ref_out, _ = run(tiny_llama, quantization="int8", enforce_eager=True)
+    assert triton_out == ref_out

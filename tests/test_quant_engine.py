@@ -1,0 +1,82 @@
+"""The engine on quantized weights. A GGUF's quantized tensors stay quantized (`--quantization
+auto`): fused projections whose shards differ in type, llama's permuted Q/K rows and a tied
+quantized embedding included, and the logits equal those of the same file dequantized at load
+(`--quantization none`) up to the kernels' rounding. `--quantization int8|int4` quantizes an HF
+checkpoint's layer weights at load."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import engine_kwargs
+from luceio import LLM, SamplingParams
+from luceio.kernels import weight_kind
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+MIXED = {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q8_0, "attn_output": T.Q5_0,
+         "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q5_1, "token_embd": T.Q8_0,
+         "output": T.Q8_0}
+PROMPT = list(range(40, 90, 2)) + [7, 300 % 259, 12]
+
+
+def _prompt_logprobs(llm: LLM, ids: list[int]) -> list[dict[int, float]]:
+    """Teacher-forced top-20 log-probabilities of every next token."""
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20))[0]
+    return [{t: lp.logprob for t, lp in d.items() if lp.rank <= 20} for d in out.prompt_logprobs[1:]]
+
+
+def _compare(got: list[dict], want: list[dict]) -> tuple[bool, float]:
+    """(top-1 identical everywhere, largest |difference| over the tokens both report)."""
+    same = all(max(g, key=g.get) == max(w, key=w.get) for g, w in zip(got, want))
+    err = max(abs(g[t] - w[t]) for g, w in zip(got, want) for t in g.keys() & w.keys())
+    return same, err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_quantized_tensors_stay_quantized_and_match_the_dequantized_model(tmp_path, arch,
+                                                                             monkeypatch):
+    """Loading is exact: with the torch reference kernels (dequantize, then the fp32 matmul)
+    the quantized model's logprobs equal the dequantized model's. The CPU's packed kernel is
+    measured against the same reference in test_quant_cpu.py and on real weights in
+    test_quant_quality.py (this model's N(0, 1) weights make its logits too sharp for bf16)."""
+    from test_gguf import _write_gguf
+    path = tmp_path / "q.gguf"
+    _write_gguf(path, arch, MIXED)
+    kw = engine_kwargs(max_model_len=256)
+    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
+    quant, exact = LLM(str(path), quantization="auto", **kw), LLM(str(path), quantization="none", **kw)
+    model = quant.engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert [weight_kind(p) for p in qkv.parts] == ["q4_0", "q8_0"]  # q+k, then v
+    assert model.layers[1].mlp.down_proj.quantized and model.embed_tokens.qweight is not None
+    assert model.lm_head.quantized  # tied (llama) or its own Q8_0 output (qwen2)
+    assert not exact.engine.runner.model.layers[0].mlp.down_proj.quantized
+    assert model.weight_bytes() < 0.5 * exact.engine.runner.model.weight_bytes()
+
+    same, err = _compare(_prompt_logprobs(quant, PROMPT), _prompt_logprobs(exact, PROMPT))
+    assert same and err < 1e-4
+
+
+@pytest.mark.parametrize("mode, tol, agree", [("int8", 0.05, 1.0), ("int4", 2.0, 0.6)])
+def test_hf_checkpoint_quantized_at_load(tiny_llama, mode, tol, agree):
+    """int8 (0.5% RMS weight error) keeps the tiny model's logprobs within 0.05; int4 (7.8%)
+    moves them visibly, and still keeps most top-1 tokens."""
+    kw = engine_kwargs(max_model_len=256)
+    quant, dense = LLM(tiny_llama, quantization=mode, **kw), LLM(tiny_llama, **kw)
+    model = quant.engine.runner.model
+    assert all(layer.mlp.gate_up_proj.quantized and layer.self_attn.o_proj.quantized
+               for layer in model.layers)
+    assert not model.lm_head.quantized  # the LM head and the embedding stay dense
+    got, want = _prompt_logprobs(quant, PROMPT), _prompt_logprobs(dense, PROMPT)
+    _, err = _compare(got, want)
+    top1 = sum(max(g, key=g.get) == max(w, key=w.get) for g, w in zip(got, want)) / len(got)
+    assert 0 < err < tol and top1 >= agree  # quantized (not silently dense), and close
+
+
+def test_gguf_refuses_requantization(tmp_path):
+    from test_gguf import _write_gguf
+    path = tmp_path / "f16.gguf"
+    _write_gguf(path, "qwen2")
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(str(path), quantization="int8", **engine_kwargs(max_model_len=256))

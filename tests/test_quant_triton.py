@@ -1,0 +1,181 @@
+"""Quantized and dense skinny GEMMs (kernels/quant_triton.py) vs the torch reference
+(`quant.quant_linear_ref`, `quant.dequantize`), on CPU under TRITON_INTERPRET=1 (CI).
+
+Ragged shapes on small tiles (BLOCK_N 16, BLOCK_K 64): N = 7 and 33 (a partial row tile),
+K = 96 and 160 for the 32-element types (a partial K tile), K = 512 for the k-quants (tiles
+inside 256-blocks), M = 1 (the multiply + sum path), 3 and 16 (the tl.dot path), split-K on
+and off. Inputs are fresh random each run; the seed is in every message
+(LUCEIO_TEST_SEED=<seed> replays one).
+
+Tolerances (kernel vs the reference in the same dtype; both accumulate in fp32, the kernel
+in another order, and on the multiply + sum path with the weight unrounded):
+  fp32: atol 1e-4, rtol 1e-4      fp16: atol 2e-3, rtol 2e-3 (about 2 fp16 ulps at |y| ~ 1)
+  bf16 (one case, for the interpreter's fp32 stand-in for bf16 dots): atol 2e-2, rtol 2e-2
+`dequantize_triton` must equal `dequantize` bit for bit (the interpreter does not fuse FMAs).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+triton = pytest.importorskip("triton")
+
+from luceio.kernels import configs, quant_triton as qt  # noqa: E402
+from luceio.kernels.configs import KernelConfig  # noqa: E402
+from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
+
+INTERPRETED = type(qt._skinny_kernel).__name__ == "InterpretedFunction"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("the Triton kernels were defined without TRITON_INTERPRET=1 and there is no GPU: "
+                "set TRITON_INTERPRET=1 before anything imports triton", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# small tiles so the small shapes cross row, K-tile, 256-block and split boundaries
+SMALL = KernelConfig(qgemm_block_n=16, qgemm_block_k=64, gemv_block_n=16, gemv_block_k=64,
+                     qgemm_split_k_min_programs=0,
+                     qgemm_max_split_k=4, qgemm_min_tiles_per_split=1, dequant_block_n=8,
+                     dequant_block_k=64, source="test")
+SPLIT = KernelConfig(**{**SMALL.__dict__, "qgemm_split_k_min_programs": 1000})
+
+
+class Rng:
+    def __init__(self):
+        self.seed_value = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+        self.g = torch.Generator().manual_seed(self.seed_value)
+
+    def randn(self, *shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=self.g).to(dtype).to(DEVICE)
+
+
+@pytest.fixture
+def gen():
+    return Rng()
+
+
+def check(out, ref, tol, g, what):
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = (out - ref).abs().max().item() if out.numel() else 0.0
+    assert torch.allclose(out, ref, **tol), f"{what}: max abs err {err:.3g} (seed {g.seed_value})"
+
+
+def weight(g, qtype, n, k):
+    return qt.random_quant_weight(qtype, n, k, generator=g.g).to(DEVICE)
+
+
+# (M, activation dtype, split-K, bias): every M with both dtypes and both split settings
+CASES = [(1, torch.float32, False, True), (1, torch.float16, True, False),
+         (3, torch.float16, False, True), (3, torch.float32, True, True),
+         (16, torch.float32, False, False), (16, torch.float16, True, True)]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quant_skinny_matches_reference(gen, qtype):
+    shapes = [(33, 512), (7, 256)] if qtype.endswith("_k") else [(33, 160), (7, 96)]
+    for n, k in shapes:
+        w = weight(gen, qtype, n, k)
+        bias = gen.randn(n)
+        for m, dtype, split, with_bias in CASES:
+            x = gen.randn(m, k, dtype=dtype)
+            b = bias.to(dtype) if with_bias else None
+            with configs.use_config(SPLIT if split else SMALL):
+                out = qt.quant_matmul_skinny(x, w, b)
+            check(out, quant_linear_ref(x, w, b), TOL[dtype], gen,
+                  f"{qtype} [{n}, {k}] M={m} {dtype} split={split} bias={with_bias}")
+            assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_skinny_matches_linear(gen, dtype):
+    n, k = 33, 100  # K not a multiple of 32: masked elements inside the last group
+    w = gen.randn(n, k, dtype=dtype) * 0.1
+    bias = gen.randn(n, dtype=dtype)
+    for m, _, split, with_bias in CASES:
+        x = gen.randn(m, k, dtype=dtype)
+        b = bias if with_bias else None
+        with configs.use_config(SPLIT if split else SMALL):
+            out = qt.dense_matmul_skinny(x, w, b)
+        check(out, torch.nn.functional.linear(x, w, b), TOL[dtype], gen,
+              f"dense M={m} split={split}")
+
+
+def test_bf16_activations(gen):
+    """bf16 dots run as fp32 in the interpreter; the multiply + sum path runs as on GPUs."""
+    w = weight(gen, "q4_k", 7, 256)
+    for m in (1, 3):
+        x = gen.randn(m, 256, dtype=torch.bfloat16)
+        with configs.use_config(SMALL):
+            out = qt.quant_matmul_skinny(x, w)
+        check(out, quant_linear_ref(x, w), TOL[torch.bfloat16], gen, f"bf16 q4_k M={m}")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_triton_is_exact(gen, qtype):
+    k = 512 if qtype.endswith("_k") else 160
+    w = weight(gen, qtype, 11, k)
+    ref = dequantize(w)
+    with configs.use_config(SMALL):
+        assert torch.equal(qt.dequantize_triton(w), ref), f"{qtype} fp32 (seed {gen.seed_value})"
+        assert torch.equal(qt.dequantize_triton(w, torch.float16), ref.half()), \
+            f"{qtype} fp16 (seed {gen.seed_value})"
+
+
+def test_quant_matmul_routes_by_rows(gen, monkeypatch):
+    """Up to skinny_max_m rows: the skinny kernel; more: dequantize + torch GEMM. Leading dims
+    and `out=` are kept on both paths."""
+    w = weight(gen, "q5_1", 7, 96)
+    bias = gen.randn(7)
+    calls = []
+    skinny = qt.quant_matmul_skinny
+    monkeypatch.setattr(qt, "quant_matmul_skinny", lambda *a: calls.append(1) or skinny(*a))
+    cfg = KernelConfig(**{**SMALL.__dict__, "skinny_max_m": 4})
+    for lead, expect_skinny in (((2, 2), True), ((5,), False), ((3, 7), False)):
+        x = gen.randn(*lead, 96)
+        out = torch.empty(*lead, 7, device=DEVICE)
+        calls.clear()
+        with configs.use_config(cfg):
+            got = qt.quant_matmul(x, w, bias, out=out)
+        assert got is out and bool(calls) == expect_skinny, f"{lead}: skinny={bool(calls)}"
+        check(out, quant_linear_ref(x, w, bias), TOL[torch.float32], gen, f"x {list(lead)}")
+
+
+def test_linear_dispatch_goes_to_triton(gen, monkeypatch):
+    import luceio.kernels as K
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    called = []
+    orig = qt.quant_matmul
+    monkeypatch.setattr(qt, "quant_matmul", lambda *a: called.append(1) or orig(*a))
+    w = weight(gen, "q8_0", 7, 64)
+    x = gen.randn(2, 64)
+    with configs.use_config(SMALL):
+        check(K.linear(x, w), quant_linear_ref(x, w), TOL[torch.float32], gen, "dispatch")
+    assert called
+
+
+def test_split_k_choice():
+    cfg = KernelConfig(qgemm_split_k_min_programs=264, qgemm_max_split_k=16,
+                       qgemm_min_tiles_per_split=2)
+    split = qt.skinny_split_k
+    assert split(cfg, 128, 16) == (3, 6)        # 4096 features / 32: ~2 waves on 132 SMs
+    assert split(cfg, 300, 16) == (1, 16)       # N alone fills the GPU
+    assert split(cfg, 28, 19) == (7, 3)         # 896 features: at least 2 tiles a split
+    assert split(cfg, 1, 1000) == (16, 63)      # capped by qgemm_max_split_k
+    assert split(cfg, 1, 1) == (1, 1)
+    for n_prog, tiles in ((28, 19), (5, 7), (1, 1000), (3, 33)):
+        s, t = split(cfg, n_prog, tiles)
+        assert (s - 1) * t < tiles <= s * t     # every split has work, all tiles covered
+
+
+def test_config_table_qgemm_fields():
+    for arch, cfg in configs.TABLE.items():
+        assert cfg.qgemm_block_k >= 32 and cfg.qgemm_block_k & (cfg.qgemm_block_k - 1) == 0, arch
+        assert cfg.dequant_block_k >= 32 and cfg.dequant_block_k & (cfg.dequant_block_k - 1) == 0
+        assert cfg.gemv_block_k >= 32 and cfg.gemv_block_k & (cfg.gemv_block_k - 1) == 0, arch
+        assert 1 <= cfg.skinny_max_m <= 16, arch
