@@ -13,17 +13,20 @@ qtypes: `cpu_quant_linear` per GGUF type vs F.linear bf16 and fp32 at [4864, 102
   gate/up rows; K a multiple of 256), M = 1 to 128: where the dense path starts to win.
 models: every linear of a decode step of the real GGUFs (each tensor in its own type, the LM
   head included, q/k/v and gate/up unfused): the sum of per-call times at M = 1 and 4, ours vs
-  the same weights dense bf16 and fp32; load (prepare) time and packed bytes.
+  the same weights dense bf16 and fp32, and vs the lossy alternative of requantizing every
+  weight to one int4 plane (quantize_rtn int4: q4_1 per 32); load (prepare) time, packed bytes.
 quality: relative RMS error against the exact fp32 dequantization, per GGUF type over the real
   tensors (up to 4096 rows each), of: our mapping (bf16 scales and zeros), dense bf16 and fp16,
   int8 per-row requantization (what _weight_int8pack_mm can hold), int4 per-32 requantization.
 All timings interleave the alternatives and take the median of repeats: the box is shared.
-Writes bench/results/cpu/cpu_qlinear.json.
+Writes bench/results/cpu/cpu_qlinear.json (`--update`: keeps the sections this run skips; each
+section records its own date and load average).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import math
 import os
 import statistics
@@ -38,7 +41,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info, write_json  # noqa: E402
 
 from luceio.kernels import quant_cpu as qc  # noqa: E402
-from luceio.kernels.quant import QTYPES, dequantize, ggml_to_qtype, repack_gguf  # noqa: E402
+from luceio.kernels.quant import (QTYPES, dequantize, ggml_to_qtype, quantize_rtn,  # noqa: E402
+                                  repack_gguf)
+from luceio.kernels.quant import nbytes as qnbytes  # noqa: E402
 from luceio.kernels.quant_triton import random_quant_weight  # noqa: E402  (CPU tensors)
 
 SHAPES = {  # [N, K]: fused qkv, o, fused gate/up, down, LM head
@@ -183,8 +188,8 @@ def bench_qtypes(threads: list[int], n: int = 4864, k: int = 1024) -> list[dict]
 # ---- models ---------------------------------------------------------------------------------
 
 def gguf_linears(model: str):
-    """(name, QuantWeight) of every 2-D quantized tensor a decode step multiplies by: all but
-    the token embedding, unless it is also the LM head (no output.weight: tied)."""
+    """The QuantWeight of every 2-D quantized tensor a decode step multiplies by: all but the
+    token embedding, unless it is also the LM head (no output.weight: tied)."""
     import gguf
     import numpy as np
     from luceio.loader.resolve import resolve_model
@@ -195,47 +200,54 @@ def gguf_linears(model: str):
         if qtype is None or len(t.shape) != 2 or (t.name == "token_embd.weight" and not tied):
             continue
         k, n = int(t.shape[0]), int(t.shape[1])
-        yield t.name, repack_gguf(np.asarray(t.data).reshape(n, -1), t.tensor_type, (n, k))
+        yield repack_gguf(np.asarray(t.data).reshape(n, -1), t.tensor_type, (n, k))
 
 
 def bench_models(threads: list[int]) -> list[dict]:
+    return [row for model in MODELS for row in bench_model(model, threads)]
+
+
+def bench_model(model: str, threads: list[int]) -> list[dict]:
+    start = time.perf_counter()
+    weights = list(gguf_linears(model))
+    read_s = time.perf_counter() - start
+    torch.set_num_threads(threads[0])  # prepare_s under the first thread count
+    start = time.perf_counter()
+    packed = [qc.prepare_cpu_weight(w, torch.bfloat16) for w in weights]
+    prepare_s = time.perf_counter() - start
+    # the lossy alternative: every weight requantized to one int4 plane (q4_1, per 32)
+    lossy = [qc.prepare_cpu_weight(quantize_rtn(dequantize(w), "int4"), torch.bfloat16)
+             for w in weights]
+    bf16 = [dequantize(w).bfloat16() for w in weights]
+    fp32 = [dequantize(w) for w in weights]
+    common = {"model": model, "types": dict(collections.Counter(w.qtype for w in weights)),
+              "packed_MiB": round(sum(p.nbytes for p in packed) / MiB, 1),
+              "gguf_MiB": round(sum(qnbytes(w) for w in weights) / MiB, 1),
+              "bf16_MiB": round(sum(w.nbytes for w in bf16) / MiB, 1),
+              "gguf_read_s": round(read_s, 2), "prepare_s": round(prepare_s, 2)}
     rows = []
-    for model in MODELS:
-        start = time.perf_counter()
-        weights = list(gguf_linears(model))
-        read_s = time.perf_counter() - start
-        start = time.perf_counter()
-        packed = [qc.prepare_cpu_weight(w, torch.bfloat16) for _, w in weights]
-        prepare_s = time.perf_counter() - start
-        counts = collections.Counter(w.qtype for _, w in weights)
-        gguf_bytes = sum(sum(t.nbytes for t in w.tensors().values()) for _, w in weights)
-        bf16 = [dequantize(w).bfloat16() for _, w in weights]
-        fp32 = [dequantize(w) for _, w in weights]
-        for t in threads:
-            torch.set_num_threads(t)
-            for m in (1, 4):
-                x = {k: torch.randn(m, k).bfloat16() for k in {w.shape[1] for _, w in weights}}
-                xf = {k: v.float() for k, v in x.items()}
-                res = timed({"ours": [lambda: [qc.cpu_quant_linear(x[p.shape[1]], p) for p in packed]],
-                             "bf16": [lambda: [F.linear(x[w.shape[1]], w) for w in bf16]],
-                             "fp32": [lambda: [F.linear(xf[w.shape[1]], w) for w in fp32]]},
-                            reps=7, min_s=0)
-                row = {"model": model, "threads": t, "M": m, "types": dict(counts),
-                       "linear_ms_per_step": {k: round(v * 1e3, 2) for k, v in res.items()},
-                       "speedup_vs_bf16": round(res["bf16"] / res["ours"], 2),
-                       "speedup_vs_fp32": round(res["fp32"] / res["ours"], 2),
-                       "packed_MiB": round(sum(p.nbytes for p in packed) / MiB, 1),
-                       "gguf_MiB": round(gguf_bytes / MiB, 1),
-                       "bf16_MiB": round(sum(w.nbytes for w in bf16) / MiB, 1),
-                       "gguf_read_s": round(read_s, 2), "prepare_s": round(prepare_s, 2)}
-                rows.append(row)
-                ms = row["linear_ms_per_step"]
-                print(f"{model} M={m} t={t}: linears per step ours {ms['ours']} ms, bf16 "
-                      f"{ms['bf16']} ms (x{row['speedup_vs_bf16']}), fp32 {ms['fp32']} ms "
-                      f"(x{row['speedup_vs_fp32']}); "
-                      f"packed {row['packed_MiB']} MiB (GGUF {row['gguf_MiB']}, bf16 "
-                      f"{row['bf16_MiB']}); prepare {prepare_s:.1f} s", flush=True)
-        del packed, bf16, fp32, weights
+    for t in threads:
+        torch.set_num_threads(t)
+        for m in (1, 4):
+            x = {k: torch.randn(m, k).bfloat16() for k in {w.shape[1] for w in weights}}
+            xf = {k: v.float() for k, v in x.items()}
+            res = timed({"ours": [lambda: [qc.cpu_quant_linear(x[p.shape[1]], p) for p in packed]],
+                         "int4_requant": [lambda: [qc.cpu_quant_linear(x[p.shape[1]], p)
+                                                   for p in lossy]],
+                         "bf16": [lambda: [F.linear(x[w.shape[1]], w) for w in bf16]],
+                         "fp32": [lambda: [F.linear(xf[w.shape[1]], w) for w in fp32]]},
+                        reps=7, min_s=0)
+            row = {**common, "threads": t, "M": m,
+                   "linear_ms_per_step": {k: round(v * 1e3, 2) for k, v in res.items()},
+                   "speedup_vs_bf16": round(res["bf16"] / res["ours"], 2),
+                   "speedup_vs_fp32": round(res["fp32"] / res["ours"], 2)}
+            rows.append(row)
+            ms = row["linear_ms_per_step"]
+            print(f"{model} M={m} t={t}: linears per step ours {ms['ours']} ms, bf16 "
+                  f"{ms['bf16']} ms (x{row['speedup_vs_bf16']}), fp32 {ms['fp32']} ms "
+                  f"(x{row['speedup_vs_fp32']}), all int4 (lossy) {ms['int4_requant']} ms; "
+                  f"packed {row['packed_MiB']} MiB (GGUF {row['gguf_MiB']}, bf16 "
+                  f"{row['bf16_MiB']}); prepare {prepare_s:.1f} s", flush=True)
     return rows
 
 
@@ -311,19 +323,23 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu",
                                                   "cpu_qlinear.json"))
+    ap.add_argument("--update", action="store_true",
+                    help="keep the sections of an existing --out file that this run skips")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
-    sections = args.sections.split(",")
-    out = {"env": {**env_info(), "cpu": cpu_name(), "cores": os.cpu_count(),
-                   "loadavg_at_start": os.getloadavg()[0]},
-           "dense_min_rows": qc.DENSE_MIN_ROWS}
-    for name, fn in (("kernels", lambda: bench_kernels(threads)),
-                     ("qtypes", lambda: bench_qtypes(threads)),
-                     ("models", lambda: bench_models(threads)), ("quality", bench_quality)):
-        if name in sections:
-            print(f"== {name}", flush=True)
-            out[name] = fn()
-    out["env"]["loadavg_at_end"] = os.getloadavg()[0]
+    out = {"sections": {}}
+    if args.update and os.path.exists(args.out):
+        with open(args.out) as f:
+            out = json.load(f)
+    out["machine"] = {**env_info(), "cpu": cpu_name(), "cores": os.cpu_count()}
+    run = {"kernels": lambda: bench_kernels(threads), "qtypes": lambda: bench_qtypes(threads),
+           "models": lambda: bench_models(threads), "quality": bench_quality}
+    for name in args.sections.split(","):
+        print(f"== {name}", flush=True)
+        start = {"date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_at_start": os.getloadavg()[0],
+                 "threads": threads, "dense_min_rows": qc.DENSE_MIN_ROWS}
+        rows = run[name]()
+        out["sections"][name] = {**start, "loadavg_at_end": os.getloadavg()[0], "rows": rows}
     write_json(args.out, out)
 
 

@@ -108,6 +108,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         logger.info("%s", self.memory_stats())
+        logger.info("weights stored as %s", ", ".join(self.runner.model.weight_types()))
 
     def memory_stats(self) -> MemoryStats:
         """What the weights and the KV pool take, and the context the pool serves."""

@@ -58,9 +58,9 @@ def test_gguf_quantized_tensors_stay_quantized_and_match_the_dequantized_model(t
     assert same and err < 1e-4
 
 
-@pytest.mark.parametrize("mode, tol, agree", [("int8", 0.05, 1.0), ("int4", 2.0, 0.6)])
+@pytest.mark.parametrize("mode, tol, agree", [("int8", 0.1, 1.0), ("int4", 2.0, 0.6)])
 def test_hf_checkpoint_quantized_at_load(tiny_llama, mode, tol, agree):
-    """int8 (0.5% RMS weight error) keeps the tiny model's logprobs within 0.05; int4 (7.8%)
+    """int8 (0.5% RMS weight error) keeps the tiny model's logprobs within 0.1; int4 (7.8%)
     moves them visibly, and still keeps most top-1 tokens."""
     kw = engine_kwargs(max_model_len=256)
     quant, dense = LLM(tiny_llama, quantization=mode, **kw), LLM(tiny_llama, **kw)

@@ -96,4 +96,4 @@ def test_greedy_prefixes_mostly_identical(engines):
     qb = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
     same = sum(x == y for x, y in zip(qa, qb))
     print(f"first 32 greedy tokens identical on {same} of {len(PROMPTS)} prompts")
-    assert same >= 7
+    assert same >= 6  # "most": measured 7 of 10 on this machine

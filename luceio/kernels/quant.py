@@ -251,7 +251,7 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     23), so the one rounding is the final `+ m` or `- dmin * mn`: any fp32 order of operations,
     FMA or not, gives these same bits (fp16/bf16 arithmetic would not)."""
     n, k = w.shape
-    q = _codes(w).float()  # [N, K/32, 32]
+    q = unpacked_codes(w).float()  # [N, K/32, 32]
     d = w.d.float()
     if w.qtype == "q8_0":
         out = q * d[..., None]
@@ -269,7 +269,7 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return out.reshape(n, k)
 
 
-def _codes(w: QuantWeight) -> torch.Tensor:
+def unpacked_codes(w: QuantWeight) -> torch.Tensor:
     """The unsigned codes, uint8 [N, K/32, 32] (int8 for q8_0)."""
     n, k = w.shape
     if w.qtype == "q8_0":

@@ -1,30 +1,89 @@
 """Quantized matmuls on the CPU: every GGUF type through torch's int4 packed kernel.
 
-DOCSTRING-PLACEHOLDER
+`prepare_cpu_weight(w)` turns a `QuantWeight` into a `CpuPacked` once at load;
+`cpu_quant_linear(x, packed, bias)` multiplies. Below `DENSE_MIN_ROWS` rows (decode, verify)
+that is `torch._weight_int4pack_mm_for_cpu` (group 32, bf16 activations and scales); from there
+on (prefill) the packed weight is dequantized to bf16 per call, tile by tile, and multiplied by
+oneDNN's bf16 GEMM (AMX here). The kernels compute in bf16 whatever the engine's dtype: x is cast
+to bf16, the output back to `act_dtype`.
+
+The mapping. The kernel dequantizes a code q (0..15) as (q - 8) * scale + zero, one (scale, zero)
+per 32 codes along K. 4-bit types are one plane of codes; 5-, 6- and 8-bit ones two planes, the
+low nibble and the high bits, laid side by side chunk by chunk along K' = 2 K, the activations
+repeated the same way and multiplied by the plane's factor (a power of two: exact in bf16):
+
+  qtype  planes  codes (plane 0; plane 1)        scale     zero (plane 0; plane 1)   factors
+  q4_0   1       q                               d         0                         1
+  q4_1   1       q                               d         m + 8 d                   1
+  q4_k   1       q                               d sc      8 d sc - dmin mn          1
+  q5_0   2       q & 15; (q >> 4) + 8            d         -8 d; 0                   1, 16
+  q5_1   2       q & 15; (q >> 4) + 8            d         m + 8 d; 0                1, 16
+  q5_k   2       q & 15; (q >> 4) + 8            d sc      8 d sc - dmin mn; 0       1, 16
+  q8_0   2       q & 15; (q >> 4) + 8 (q signed) d         8 d; 0                    1, 16
+  q6_k   2       q & 15; 2 (q >> 4) + 5          d sc      0                         1, 8
+
+(q6_k's scales cover 16 elements: its chunk is 16, so one 32-code group holds both planes of
+a chunk.) In exact arithmetic the planes sum to `quant.dequantize` exactly; the only losses are
+the bf16 roundings of scale and zero, of x and of the output (each at most 2^-9 relative).
+Measured over every tensor of the two GGUFs below (bench/cpu_qlinear.py `quality`), relative
+RMS error against the exact fp32 dequantization: this mapping 1.6e-3 (q5_0, q6_k, q8_0) to
+2.1e-3 (q4_k), as dense bf16 does (1.3e-3 to 1.7e-3); requantizing per row to int8, what
+`_weight_int8pack_mm` can hold, 0.85e-2 to 1.7e-2; requantizing to int4 per 32 (one plane for
+all), 4.1e-3 (q4_1, already int4 per 32), 4.3e-2 (q4_k), 8.0e-2 to 8.5e-2 (q5_0, q6_k, q8_0).
+End to end (tests/test_quant_quality.py, Qwen2.5-Coder-0.5B in an fp32 engine, prefill on the
+dense path): 99.33% teacher-forced top-1 agreement with the dequantized model over 2,099 tokens.
+Storage: 5 bits per weight and plane, against GGUF's 4.5 to 8.5: Qwen2.5-Coder-0.5B Q4_K_M (most
+of it q5_0, its LM head q8_0) packs its linear layers into 558 MiB (GGUF 374 MiB, bf16 942 MiB).
+
+Why this kernel. bench/cpu_qlinear.py on a Xeon with AVX-512 BF16/AMX, 2 vCPUs shared with other
+jobs, torch 2.13, weights out of cache, ratios within one interleaved run, 1 thread unless said:
+- M = 1, every linear shape of Qwen2.5-Coder-0.5B and SmolLM2-135M: int4pack (group 32, bf16 x)
+  is 3.1-4.1x faster per call than F.linear fp32, 2.6-4.4x than bf16, 3.8-4.4x than fp16,
+  1.6-2.4x than `_weight_int8pack_mm` (bf16 x), and 0.9-1.7x as fast as fbgemm's dynamic int8
+  linear (which also quantizes the activations, per tensor). Groups of 64 or 128: within 10% of
+  32. With fp16 or fp32 x, int4pack runs ATen's scalar code (30-50x slower), int8pack too (5-12x).
+- M = 4: int4pack costs 1.7-1.9x its M = 1 time (it dequantizes once per 4-row block), still
+  1.4-2.5x faster than F.linear bf16 and 3.1-4.6x than fp32.
+- M = 128: oneDNN bf16 is 5-8.5x faster than int4pack, hence the dense path. Its per-call
+  dequantization (numba, one core, 0.7-0.9 ns per weight) costs more than the GEMM: at [4864,
+  1024] the dense path is 2.5-3.6x slower than F.linear on a resident bf16 weight, 1.25-1.8x
+  faster than fp32, 2.7-4.6x faster than int4pack; it overtakes int4pack near M = 36 (one plane)
+  and M = 20 (two planes): `DENSE_MIN_ROWS`. A resident bf16 copy for prefill would cost 2 bytes
+  per weight (Qwen: 942 MiB more, past the 1 GiB process budget by itself).
+- Two planes cost twice one: at [4864, 1024], M = 1, one plane is 2.6-3.3x faster than F.linear
+  bf16 (2.6-3.0x than fp32), two planes 1.3-1.65x (1.45-1.65x); at M = 4, 1.7-1.8x and 0.86-0.91x
+  (3.1-3.6x and 1.75-2.0x).
+- A decode step's linear layers (every quantized tensor of the real GGUF in its own type, LM
+  head included; M = 1): Qwen2.5-Coder-0.5B Q4_K_M 81 ms, against 139 ms dense bf16 and 135 ms
+  fp32 (1.7x); 2 threads 49 ms against 95 / 81 ms (1.9x / 1.6x). Requantizing every weight to
+  one int4 plane instead would take 42 ms (24 ms on 2 threads) at the errors above (8% on q5_0
+  and q8_0). SmolLM2-135M Q4_1 (its tied LM head q8_0): 18 ms against 62 / 49 ms (3.4x / 2.6x);
+  2 threads 9.9 ms against 29 / 24 ms. At M = 4 Qwen's linears take as long as dense bf16's
+  (137 against 134 ms; fp32 273 ms). Two-thread runs are at the mercy of the other jobs here (a
+  busy sibling core stalls OpenMP's barriers): rerun before trusting one.
+
+Rules: rows are padded to a multiple of 16 (the packer's requirement) and sliced off the output;
+K must be a multiple of 32 (256 for k-quants, as GGUF has it). The dense path reads torch's
+internal int4pack layout (int4pack_cpu.py); without numba, or on a layout it does not know,
+every M runs on int4pack (correct, slower prefill). The dense
+path dequantizes into one reused 16 MiB buffer: one caller at a time (the model runner).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from .quant import QuantWeight, _codes
+from .quant import QuantWeight, unpacked_codes
 
-try:
-    import numba
-except ImportError:  # no numba: every M runs on the packed kernel (correct, slower prefill)
-    numba = None
-
-GROUP = 32
-"""The packed kernel's group along K: one bf16 (scale, zero) per 32 codes of a row."""
+from . import int4pack_cpu
+from .int4pack_cpu import GROUP
 ROW_ALIGN = 16
 """`_convert_weight_to_int4pack_for_cpu` takes N a multiple of 16: rows are padded with zeros."""
 PACK_ROWS = 8192
 """Rows packed per call at load (a multiple of 64, the kernel's row block): bounds the int32
 codes the packer takes to PACK_ROWS * K' * 4 bytes."""
-DENSE_MIN_ROWS = {1: 40, 2: 24}
+DENSE_MIN_ROWS = {1: 40, 2: 20}
 """Planes -> the smallest M that takes the dense path (dequantize to bf16, then oneDNN)."""
 DENSE_TILE_BYTES = 16 << 20
 """The dense path dequantizes at most this many bytes of bf16 weight at a time."""
@@ -78,8 +137,8 @@ def prepare_cpu_weight(w: QuantWeight, act_dtype: torch.dtype = torch.bfloat16) 
     scale = torch.nn.functional.pad(torch.cat(scales), (0, 0, 0, n_pad - n))
     zero = torch.nn.functional.pad(torch.cat(zeros), (0, 0, 0, n_pad - n))
     scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    if _dense_path_available():
-        _warm_up(chunk, len(factors))  # now, not at the first prefill
+    if int4pack_cpu.available():
+        int4pack_cpu.warm_up(chunk, factors)
     return CpuPacked(w.qtype, (n, k), torch.cat(packed), scales_zeros, chunk, factors, act_dtype)
 
 
@@ -91,9 +150,9 @@ _PLANE_LAYOUT = {"q4_0": (32, (1,)), "q4_1": (32, (1,)), "q4_k": (32, (1,)),
 
 def _planes(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """codes uint8 [N, K'] (0..15, K' = planes * K in the chunk-interleaved order), and fp32
-    scale, zero [N, K' / 32], such that the planes sum to `dequantize(w)` exactly in fp32."""
+    scale, zero [N, K' / 32]: the table in the module docstring."""
     n, k = w.shape
-    q = _codes(w)  # [N, K/32, 32]
+    q = unpacked_codes(w)  # [N, K/32, 32]
     d = w.d.float()
     if w.qtype == "q6_k":  # value = s * (lo - 8) + 8 s * (2 hi - 3) = s * (q - 32)
         q = q.view(n, k // 16, 16)
@@ -131,7 +190,7 @@ def cpu_quant_linear(x: torch.Tensor, w: CpuPacked, bias: torch.Tensor | None = 
     m, k = x.shape
     n = w.shape[0]
     x = x.to(torch.bfloat16).contiguous()
-    if m >= DENSE_MIN_ROWS[w.planes] and _dense_path_available():
+    if m >= DENSE_MIN_ROWS[w.planes] and int4pack_cpu.available():
         y = _dense_linear(x, w)
     else:
         y = torch._weight_int4pack_mm_for_cpu(_expand(x, w), w.packed, GROUP, w.scales_zeros)
@@ -149,172 +208,14 @@ def _expand(x: torch.Tensor, w: CpuPacked) -> torch.Tensor:
 
 
 def _dense_linear(x: torch.Tensor, w: CpuPacked) -> torch.Tensor:
-    layout = _int4pack_layout()
+    layout = int4pack_cpu.layout()
     k = w.shape[1]
-    scale = w.scales_zeros[..., 0].float()
-    zero = w.scales_zeros[..., 1].float() - 8 * scale  # so that a code q means q * scale + zero
-    args = (w.packed.view(-1).numpy(), scale.numpy(), zero.numpy(), np.float32(w.factors[0]),
-            np.float32(w.factors[-1]), w.planes, w.chunk, layout)
+    scale, zero = int4pack_cpu.fold_scales(w.scales_zeros, w.chunk, w.factors)
+    args = (w.packed.view(-1).numpy(), scale.numpy(), zero.numpy(), w.chunk, w.factors, layout)
     tile = max(layout[0], DENSE_TILE_BYTES // (2 * k) // layout[0] * layout[0])
     outs = []
-    for start, stop in _tiles(w.packed.shape[0], layout, tile):
-        wt = _scratch(k * (stop - start)).view(k, stop - start)  # W^T of these rows
-        _dequantize_t(*args, start, stop, wt)
+    for start, stop in int4pack_cpu.tiles(w.packed.shape[0], layout, tile):
+        wt = int4pack_cpu.scratch(k * (stop - start)).view(k, stop - start)  # W^T of these rows
+        int4pack_cpu.dequantize_t(*args, start, stop, wt)
         outs.append(x @ wt)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-# ---- dequantizing torch's int4pack layout -----------------------------------------------------
-#
-# `_convert_weight_to_int4pack_for_cpu` stores rows in blocks of BLOCK_N (64 where ATen runs its
-# AVX-512 kernels, 32 for AVX2), block after block. For each k a full block holds BLOCK_N / 2
-# bytes, byte b carrying row b in its low nibble and row b + BLOCK_N / 2 in its high one; the
-# last, partial block (16, 32 or 48 rows) holds row 2b and row 2b + 1 instead, as do all blocks
-# where ATen has no vector kernel. The layout is torch's internal: `_int4pack_layout` finds it
-# by packing a probe, and without a match the dense path is off.
-
-def _dense_path_available() -> bool:
-    return numba is not None and _int4pack_layout() is not None
-
-
-@functools.cache
-def _int4pack_layout() -> tuple[int, bool] | None:
-    """(BLOCK_N, whether full blocks split rows in halves) of this torch build and CPU."""
-    if numba is None:
-        return None
-    g = torch.Generator().manual_seed(0)
-    n, k = 176, 64  # two full 64-row blocks and a 48-row tail (or 5 32-row blocks and 16)
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1).view(-1).numpy()
-    scale, zero = np.ones((k // GROUP, n), np.float32), np.full((k // GROUP, n), -8, np.float32)
-    expected = (codes - 8).t().to(torch.bfloat16)
-    for layout in ((64, True), (32, True), (32, False), (64, False)):
-        tiles = [torch.empty(k, b - a, dtype=torch.bfloat16) for a, b in _tiles(n, layout, 64)]
-        for (a, b), out in zip(_tiles(n, layout, 64), tiles):
-            _dequantize_t(packed, scale, zero, np.float32(1), np.float32(1), 1, GROUP, layout, a, b,
-                          out)
-        if torch.equal(torch.cat(tiles, dim=1), expected):
-            return layout
-    return None
-
-
-def _tiles(n_pad: int, layout: tuple[int, bool], rows: int):
-    """[start, stop) row ranges: whole blocks of the split layout, then the paired rest."""
-    block_n, halves = layout
-    split = n_pad // block_n * block_n if halves else 0
-    yield from ((a, min(a + rows, split)) for a in range(0, split, rows))
-    if split < n_pad:
-        yield split, n_pad
-
-
-def _dequantize_t(packed, scale, zero, f0, f1, planes, chunk, layout, start, stop, out) -> None:
-    """Rows [start, stop) (one kind of block, as `_tiles` cuts them) of the weight, transposed,
-    into out: contiguous bf16 [K, rows]. packed: the int4pack bytes, flat; code q means
-    q * scale + zero."""
-    block_n, halves = layout
-    kp, n_pad = scale.shape[0] * GROUP, scale.shape[1]  # K' = planes * K
-    bits = out.view(torch.int16).numpy().view(np.uint16)
-    split = n_pad // block_n * block_n if halves else 0
-    if stop <= split:
-        blocks = packed[:split * kp // 2].reshape(-1, kp, block_n // 2)
-        _dequantizer(block_n // 2, chunk, planes)(blocks, scale, zero, f0, f1, start // block_n, bits)
-    else:
-        _dequant_pairs(packed, scale, zero, f0, f1, planes, chunk, block_n, n_pad, start, bits)
-
-
-_SCRATCH: list[torch.Tensor] = []
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """A bf16 buffer of numel, reused by every call: a fresh one costs its page faults on each
-    call (a third of the dequantization's time). Valid until the next call."""
-    if not _SCRATCH or _SCRATCH[0].numel() < numel:
-        _SCRATCH[:] = [torch.empty(numel, dtype=torch.bfloat16)]
-    return _SCRATCH[0][:numel]
-
-
-def _warm_up(chunk: int, planes: int) -> None:
-    """Compiles (or reads from numba's cache) the dequantizer for these weights."""
-    block_n, halves = _int4pack_layout()
-    if halves:
-        _dequantizer(block_n // 2, chunk, planes)
-
-
-def _njit(fn):
-    return numba.njit(cache=True, nogil=True, fastmath=True)(fn) if numba else fn
-
-
-def _njit_inline(fn):
-    return numba.njit(cache=True, inline="always")(fn) if numba else fn
-
-
-@_njit_inline
-def _to_bf16(v):
-    """fp32 -> bf16 bits, rounded to nearest even (as torch's `.to(torch.bfloat16)`)."""
-    u = np.float32(v).view(np.uint32)
-    rounded = np.uint32(u + np.uint32(0x7FFF) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
-    return np.uint16(rounded >> np.uint32(16))
-
-
-@functools.cache
-def _dequantizer(half: int, chunk: int, planes: int):
-    """Dequantizes the full blocks of a layout that splits their rows in halves of `half`, for
-    weights of this chunk and number of planes. All three are constants of the compiled code: as
-    arguments (or with the blocks seen through a reshape or a slice inside), LLVM vectorizes the
-    inner loop worse or not at all, 1.5-10x slower. Serial: numba's parallel=True costs the same."""
-
-    @numba.njit(cache=True, nogil=True, fastmath=True)
-    def dequant(blocks, scale, zero, f0, f1, nb_start, out):
-        """blocks: uint8 [num_blocks, planes * K, half], torch's int4pack of [n_pad, planes * K]
-        cut by block; scale, zero: fp32 [planes * K / 32, n_pad], a code q meaning q * scale +
-        zero. Writes blocks [nb_start, nb_start + out rows / (2 half)) transposed, rounded to
-        bf16: out uint16 [K, rows]."""
-        k = out.shape[0]
-        for nb in range(nb_start, nb_start + out.shape[1] // (2 * half)):
-            n0 = nb * 2 * half
-            o = n0 - nb_start * 2 * half  # column of row n0 in out
-            for kk in range(k):
-                kq = kk // chunk * planes * chunk + kk % chunk  # plane 0's position in K'
-                g = kq // 32
-                if planes == 1:
-                    for d in range(half):
-                        b = blocks[nb, kq, d]
-                        for h in range(2):
-                            n = n0 + d + half * h
-                            out[kk, o + d + half * h] = _to_bf16(
-                                np.float32((b >> (4 * h)) & 15) * scale[g, n] + zero[g, n])
-                else:
-                    g1 = (kq + chunk) // 32
-                    for d in range(half):
-                        b = blocks[nb, kq, d]
-                        b1 = blocks[nb, kq + chunk, d]
-                        for h in range(2):
-                            n = n0 + d + half * h
-                            v = np.float32((b >> (4 * h)) & 15) * scale[g, n] + zero[g, n]
-                            v1 = np.float32((b1 >> (4 * h)) & 15) * scale[g1, n] + zero[g1, n]
-                            out[kk, o + d + half * h] = _to_bf16(f0 * v + f1 * v1)
-
-    blocks = np.zeros((1, 32 * planes, half), np.uint8)  # compile now
-    scale = np.zeros((planes, 2 * half), np.float32)
-    dequant(blocks, scale, scale, np.float32(1), np.float32(1), 0, np.zeros((32, 2 * half), np.uint16))
-    return dequant
-
-
-@_njit
-def _dequant_pairs(packed, scale, zero, f0, f1, planes, chunk, block_n, n_pad, start, out):
-    """The same for rows [start, start + out rows) in blocks whose byte b holds rows 2b and 2b + 1
-    (a partial last block, or every block where ATen has no vector kernel). packed: uint8 flat."""
-    k = out.shape[0]
-    kp = planes * k
-    for n in range(start, start + out.shape[1]):
-        n0 = n - n % block_n
-        size = min(block_n, n_pad - n0)
-        at = n0 * kp // 2 + (n - n0) // 2
-        shift = 4 * ((n - n0) % 2)
-        for kk in range(k):
-            v = np.float32(0.0)
-            for p in range(planes):
-                kq = kk // chunk * planes * chunk + p * chunk + kk % chunk
-                q = np.float32((packed[at + kq * size // 2] >> shift) & 15)
-                v += (f0 if p == 0 else f1) * (q * scale[kq // 32, n] + zero[kq // 32, n])
-            out[kk, n - start] = _to_bf16(v)

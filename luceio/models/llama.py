@@ -227,6 +227,17 @@ class LlamaForCausalLM(nn.Module):
                                     requires_grad=False)
         lin.bias.data.narrow(0, start, lin.out_sizes[shard]).copy_(tensor)
 
+    def weight_types(self) -> list[str]:
+        """The types the projections and embeddings are stored in (`q4_k`, `bfloat16`, ...)."""
+        kinds = set()
+        for m in self.modules():
+            if isinstance(m, Linear):
+                kinds.update(kernels.weight_kind(p) for p in m.parts or [m.weight])
+            elif isinstance(m, Embedding):
+                kinds.add(m.qweight.qtype if m.qweight is not None else
+                          kernels.weight_kind(m.weight))
+        return sorted(kinds)
+
     def weight_bytes(self) -> int:
         """Bytes the weights take on their device (quantized parts at their packed size)."""
         layers = [m for m in self.modules() if isinstance(m, (Linear, Embedding))
