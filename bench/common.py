@@ -96,3 +96,18 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(f"wrote {path}")
+
+
+def run_sections(todo: list, results: dict, path: str) -> None:
+    """Runs (name, fn) sections in order: a failing section is recorded in `results["errors"]`
+    and the others still run; the JSON is rewritten after each."""
+    import traceback
+    for name, fn in todo:
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            results.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
+            traceback.print_exc()
+        results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
+        write_json(path, results)

@@ -44,7 +44,7 @@ from luceio.kernels import quant_cpu as qc  # noqa: E402
 from luceio.kernels.quant import (QTYPES, dequantize, ggml_to_qtype, quantize_rtn,  # noqa: E402
                                   repack_gguf)
 from luceio.kernels.quant import nbytes as qnbytes  # noqa: E402
-from luceio.kernels.quant_triton import random_quant_weight  # noqa: E402  (CPU tensors)
+from luceio.kernels.quant import random_quant_weight  # noqa: E402
 
 SHAPES = {  # [N, K]: fused qkv, o, fused gate/up, down, LM head
     "qwen-qkv": (1152, 896), "qwen-o": (896, 896), "qwen-gate_up": (9728, 896),

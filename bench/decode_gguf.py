@@ -19,12 +19,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth, env_info, kv_bytes_per_token, weight_bytes_per_token, write_json  # noqa: E402
+from common import (copy_bandwidth, env_info, kv_bytes_per_token, run_sections,  # noqa: E402
+                    weight_bytes_per_token)
 from gpu_bench import luceio_decode_tps  # noqa: E402
 
 from luceio import EngineArgs, LLMEngine  # noqa: E402
@@ -250,15 +250,8 @@ def main() -> None:
     first = ("random", section_random) if a.random else ("files", section_files)
     todo = ([] if a.only32b else [first]) + \
         ([("32b", section_32b)] if a.big32b or a.only32b else [])
-    for name, fn in todo:
-        t = time.perf_counter()
-        try:
-            fn(bw, a)
-        except Exception:
-            RESULTS.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
-            traceback.print_exc()
-        RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
-        write_json(os.path.join(a.out, a.json_name), RESULTS)
+    run_sections([(name, lambda fn=fn: fn(bw, a)) for name, fn in todo], RESULTS,
+                 os.path.join(a.out, a.json_name))
 
 
 if __name__ == "__main__":

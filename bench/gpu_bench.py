@@ -12,13 +12,12 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (SHAPES, copy_bandwidth, env_info, kv_bytes_per_token, random_model,  # noqa: E402
-                    weight_bytes_per_token, write_json)
+                    run_sections, weight_bytes_per_token)
 
 from luceio import AsyncEngine, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from luceio.sampling_params import RequestOutputKind  # noqa: E402
@@ -321,15 +320,7 @@ def main() -> None:
             ("kernels", lambda: section_kernels(bw)), ("spec", lambda: section_spec(a.quick)),
             ("forced", lambda: section_forced_acceptance(a.quick))]
     todo = sorted((t for t in todo if t[0] in sections), key=lambda t: sections.index(t[0]))
-    for name, fn in todo:
-        t = time.perf_counter()
-        try:
-            fn()
-        except Exception:
-            RESULTS.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
-            traceback.print_exc()
-        RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
-        write_json(os.path.join(a.out, a.json_name), RESULTS)
+    run_sections(todo, RESULTS, os.path.join(a.out, a.json_name))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, env_info, write_json  # noqa: E402
 
 from luceio.kernels import configs  # noqa: E402
-from luceio.kernels.quant import dequantize, nbytes  # noqa: E402
+from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
 from luceio.kernels.quant_triton import (dense_matmul_skinny, dequantize_triton,  # noqa: E402
-                                         quant_matmul_skinny, random_quant_weight)
+                                         quant_matmul_skinny)
 
 MODELS = {
     "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

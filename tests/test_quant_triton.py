@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 triton = pytest.importorskip("triton")
 
-from luceio.kernels import configs, quant_triton as qt  # noqa: E402
+from luceio.kernels import configs, quant, quant_triton as qt  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
 
@@ -67,7 +67,7 @@ def check(out, ref, tol, g, what):
 
 
 def weight(g, qtype, n, k):
-    return qt.random_quant_weight(qtype, n, k, generator=g.g).to(DEVICE)
+    return quant.random_quant_weight(qtype, n, k, generator=g.g).to(DEVICE)
 
 
 # (M, activation dtype, split-K, bias): every M with both dtypes and both split settings

@@ -358,3 +358,28 @@ def permute_rows(w: QuantWeight, index) -> QuantWeight:
     index = torch.as_tensor(index, dtype=torch.long, device=w.qs.device)
     arrays = {name: t.index_select(0, index) for name, t in w.tensors().items()}
     return QuantWeight(w.qtype, (len(index), w.shape[1]), **arrays)
+
+
+# Largest |code| x |sub-scale| of each qtype, for `random_quant_weight`'s scale choice.
+_CODE_RANGE = {"q4_0": 8, "q4_1": 15, "q5_0": 16, "q5_1": 31, "q8_0": 127,
+               "q4_k": 15 * 63, "q5_k": 31 * 63, "q6_k": 32 * 127}
+
+
+def random_quant_weight(qtype: str, n: int, k: int, device="cpu",
+                        generator: torch.Generator | None = None) -> QuantWeight:
+    """Random codes and scales in every array of `qtype`'s layout (tests, tuning, benchmarks):
+    weights of about 0.05 in magnitude, so y = x @ W^T stays O(1) in fp16 for x ~ N(0, 1)."""
+    arrays = {}
+    scale = 0.05 / _CODE_RANGE[qtype]
+    for name, (dtype, per) in LAYOUT[qtype].items():
+        shape = (n, k // per)
+        if dtype == torch.float16:
+            t = (torch.rand(shape, generator=generator) + 0.5) * scale
+            if name == "m" and qtype in ("q4_1", "q5_1"):  # a group minimum: centre the codes
+                t = t * -_CODE_RANGE[qtype] / 2
+            arrays[name] = t.half()
+        else:
+            info = torch.iinfo(dtype)
+            top = 64 if name in ("sc", "mn") and dtype == torch.uint8 else info.max + 1
+            arrays[name] = torch.randint(info.min, top, shape, generator=generator, dtype=dtype)
+    return QuantWeight(qtype, (n, k), **{a: t.to(device) for a, t in arrays.items()})

@@ -138,7 +138,7 @@ _T0 = time.monotonic()
 def qgemm_cases(quick: bool, dtype):
     """(x, weight copies, fp32 reference) per case; see the module docstring."""
     from .quant import dequantize, nbytes
-    from .quant_triton import random_quant_weight
+    from .quant import random_quant_weight
     shapes = [(4096, 4096), (28672, 4096), (896, 4864)]
     cases = []
     for n, k in shapes[::2] if quick else shapes:

@@ -28,7 +28,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from luceio.kernels import quant_triton as qt  # noqa: E402
+from luceio.kernels import quant, quant_triton as qt  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
 
 DEV = "cuda"
@@ -54,7 +54,7 @@ def check(out, ref, seed, what):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_quant_matmul_bf16(seed, qtype, shape):
     n, k = shape
-    w = qt.random_quant_weight(qtype, n, k, device=DEV)
+    w = quant.random_quant_weight(qtype, n, k, device=DEV)
     w32 = dequantize(w)
     bias = torch.randn(n, device=DEV).to(torch.bfloat16)
     for m in ROWS:
@@ -80,7 +80,7 @@ def test_dense_skinny_bf16(seed, shape):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_triton(seed, qtype):
-    w = qt.random_quant_weight(qtype, 1024, 4096, device=DEV)
+    w = quant.random_quant_weight(qtype, 1024, 4096, device=DEV)
     ref = dequantize(w)
     got = qt.dequantize_triton(w)
     atol = 1e-6 * ref.abs().max().item()
@@ -91,7 +91,7 @@ def test_dequantize_triton(seed, qtype):
 
 def test_skinny_in_cuda_graph(seed):
     """Split-K allocates its partial buffer inside the capture; replay reads the new x."""
-    w = qt.random_quant_weight("q4_k", 896, 4864, device=DEV)
+    w = quant.random_quant_weight("q4_k", 896, 4864, device=DEV)
     x = torch.randn(4, 4864, device=DEV).to(torch.bfloat16)
     qt.quant_matmul(x, w)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
