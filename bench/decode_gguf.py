@@ -165,8 +165,12 @@ def section_random(bw: float, a) -> None:
     from gpu_bench import make_engine
     rows = RESULTS.setdefault("decode_batch1_random", [])
     contexts = list(map(int, a.contexts.split(",")))
+    kinds = ["bf16" if k in ("F16", "BF16") else k for k in a.types.split(",")]
+    unknown = set(kinds) - {"bf16", "Q8_0", "Q4_K_M"}
+    if unknown:
+        raise SystemExit(f"--random takes --types from bf16, Q8_0, Q4_K_M; got {sorted(unknown)}")
     for shape in a.shapes.split(","):
-        for kind in a.types.split(","):
+        for kind in kinds:
             t = time.perf_counter()
             model = random_model(shape, kind, max(contexts) + 512)
             load_s = time.perf_counter() - t

@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 from luceio.kernels import configs, quant, quant_triton as qt  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
+from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
 
 INTERPRETED = type(qt._skinny_kernel).__name__ == "InterpretedFunction"
 if not INTERPRETED and not torch.cuda.is_available():
@@ -39,6 +40,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 # small tiles so the small shapes cross row, K-tile, 256-block and split boundaries
 SMALL = KernelConfig(qgemm_block_n=16, qgemm_block_k=64, gemv_block_n=16, gemv_block_k=64,
+                     dense_gemv_block_n=16, dense_gemv_block_k=64,
                      qgemm_split_k_min_programs=0,
                      qgemm_max_split_k=4, qgemm_min_tiles_per_split=1, dequant_block_n=8,
                      dequant_block_k=64, source="test")
@@ -87,7 +89,7 @@ def test_quant_skinny_matches_reference(gen, qtype):
             b = bias.to(dtype) if with_bias else None
             with configs.use_config(SPLIT if split else SMALL):
                 out = qt.quant_matmul_skinny(x, w, b)
-            check(out, quant_linear_ref(x, w, b), TOL[dtype], gen,
+            check(out, quant_linear_ref(gemv_input(x), w, b), TOL[dtype], gen,
                   f"{qtype} [{n}, {k}] M={m} {dtype} split={split} bias={with_bias}")
             assert out.dtype == dtype
 
@@ -113,7 +115,29 @@ def test_bf16_activations(gen):
         x = gen.randn(m, 256, dtype=torch.bfloat16)
         with configs.use_config(SMALL):
             out = qt.quant_matmul_skinny(x, w)
-        check(out, quant_linear_ref(x, w), TOL[torch.bfloat16], gen, f"bf16 q4_k M={m}")
+        check(out, quant_linear_ref(gemv_input(x), w), TOL[torch.bfloat16], gen,
+              f"bf16 q4_k M={m}")
+
+
+def gemv_input(x):
+    """What the kernel multiplies: one row goes through the int8 GEMV (x quantized per group)."""
+    return quantize_x_ref(x) if x.shape[0] == 1 else x
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_k", "q6_k", "q8_0"])
+def test_gemv_error_within_the_int8_bound(gen, qtype):
+    """The one-row GEMV's only error beyond fp32 rounding is x's int8 rounding: at most half a
+    step (max |x| of the group / 254) per element, so |y - y_exact| <= sum_k |w_k| * step_k / 2."""
+    n, k = 9, 512
+    w = weight(gen, qtype, n, k)
+    x = gen.randn(1, k)
+    with configs.use_config(SMALL):
+        out = qt.quant_matmul_skinny(x, w).cpu()
+    step = (x.cpu().reshape(-1, 32).abs().amax(1) / 127.0).repeat_interleave(32)
+    bound = (dequantize(w).cpu().abs() * step / 2).sum(1) * (1 + 1e-5) + 1e-6
+    err = (out - quant_linear_ref(x, w).cpu()).abs()[0]
+    assert bool((err <= bound).all()), f"{qtype}: error {err.max():.3g} over bound (seed {gen.seed_value})"
+    assert err.max() > 0  # x really went through int8 (a check that can fail on a float path)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -41,13 +41,18 @@ class KernelConfig:
     # shared memory one program may use (KiB); the launchers shrink tiles to fit it
     max_shared_kb: int = 96
     # skinny quantized / dense GEMM (quant_triton.py): a program owns BLOCK_N output features of
-    # every row of x. 2..16 rows: tl.dot on tiles of BLOCK_K weights; 1 row: multiply + sum (gemv)
+    # every row of x. 2..16 rows: tl.dot on tiles of BLOCK_K weights; 1 row of a quantized weight:
+    # the int8 dp4a GEMV (quant_gemv.py), 1 row of a dense weight: multiply + sum
     qgemm_block_n: int = 32
     qgemm_block_k: int = 256             # powers of two >= 32 (whole 32-groups)
     qgemm_num_warps: int = 4
     gemv_block_n: int = 64
     gemv_block_k: int = 256
     gemv_num_warps: int = 4
+    gemv_prefetch: bool = False          # load the next tile's code words before computing this one
+    dense_gemv_block_n: int = 64         # 1 row of a dense weight (dense_matmul_skinny)
+    dense_gemv_block_k: int = 256
+    dense_gemv_num_warps: int = 4
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16
@@ -76,9 +81,12 @@ TABLE: dict[str, KernelConfig] = {
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220,
                           qgemm_block_n=64, qgemm_num_stages=3,
+                          gemv_block_n=8, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
-                                 "sweeps of bench/qgemm.py --quick around the defaults, same card"),
+                                 "sweeps of bench/qgemm.py --quick around the defaults, same card; "
+                                 "gemv_*: bench/gemv_sweep.py (best geometric mean over q4_k, "
+                                 "q6_k; results/h200/gemv_sweep.json), 2026-12-01"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,

@@ -327,8 +327,15 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         block_m, block_n, num_warps = 16, max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
         block_k = max(cfg.qgemm_block_k, 32 if interp else 64)
     else:
-        block_m, block_n, num_warps = 1, cfg.gemv_block_n, cfg.gemv_num_warps
-        block_k = cfg.gemv_block_k
+        block_m, block_n, num_warps = 1, cfg.dense_gemv_block_n, cfg.dense_gemv_num_warps
+        block_k = cfg.dense_gemv_block_k
+    if not use_dot and qtype != DENSE:
+        from .quant_gemv import gemv
+        qs, *rest = weights
+        gemv(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,
+             bias.contiguous() if bias is not None else None, out2, cfg, skinny_split_k,
+             use_asm=x.is_cuda and torch.version.hip is None and not interp)
+        return out
     n_programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))
     part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \

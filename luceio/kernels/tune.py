@@ -174,11 +174,13 @@ def _time_qgemm(cfg, cases, refs=None):
 
 def qgemm_candidates(base: configs.KernelConfig, quick: bool):
     """Tiles (gemv for M = 1, dot for more rows, pipelining depth), then split-K settings."""
-    gemv = [(32, 256), (64, 256), (64, 512)] if not quick else [(64, 256)]
+    # gemv: (block_n, block_k, num_warps, prefetch); bench/gemv_sweep.py sweeps more of them
+    gemv = [(8, 1024, 1, True), (8, 1024, 2, False), (16, 512, 2, True), (64, 256, 4, False)] \
+        if not quick else [(8, 1024, 1, True), (64, 256, 4, False)]
     dot = [(32, 256), (64, 256), (64, 128)] if not quick else [(32, 256), (64, 256)]
-    tiles = [replace(base, gemv_block_n=gn, gemv_block_k=gk, qgemm_block_n=n, qgemm_block_k=k,
-                     qgemm_num_stages=s)
-             for (gn, gk), (n, k), s in itertools.product(gemv, dot, _stage_choices(quick))]
+    tiles = [replace(base, gemv_block_n=gn, gemv_block_k=gk, gemv_num_warps=gw, gemv_prefetch=gp,
+                     qgemm_block_n=n, qgemm_block_k=k, qgemm_num_stages=s)
+             for (gn, gk, gw, gp), (n, k), s in itertools.product(gemv, dot, _stage_choices(quick))]
 
     def splits(c, sms):
         return [replace(c, qgemm_split_k_min_programs=p, qgemm_min_tiles_per_split=t)

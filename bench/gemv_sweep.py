@@ -1,0 +1,122 @@
+"""Launch-config sweep of the one-row int8 quantized GEMV (kernels/quant_gemv.py) on the GPU.
+
+    python bench/gemv_sweep.py [--out DIR] [--repeats N]
+
+For each qtype: every tile config in GRID (block_n, block_k, num_warps, prefetch) is timed at
+M = 1 on the MATRICES shapes (bench/qgemm.py's timing: CUDA graph over weight copies spanning
+256 MiB, so every call reads from HBM); the config with the best geometric-mean bandwidth is
+then swept over the split-K target. Bandwidth is reported as % of a device copy measured in the
+same run. Writes DIR/gemv_sweep.json (default bench/results/h200); the winners go into the
+arch's row of kernels/configs.py by hand (one config serves all qtypes: the script prints the
+best overall too).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copy_bandwidth, env_info, write_json  # noqa: E402
+from qgemm import time_per_call, verify, weight_copies  # noqa: E402
+
+from luceio.kernels import configs  # noqa: E402
+from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
+from luceio.kernels.quant_triton import quant_matmul_skinny  # noqa: E402
+
+MATRICES = [("llama-3.1-8b qkv", 6144, 4096), ("llama-3.1-8b gate_up", 28672, 4096),
+            ("llama-3.1-8b down", 4096, 14336), ("9728x1024 (0.5B gate_up, K rounded up to 256s)", 9728, 1024),
+            ("qwen2.5-0.5b down", 896, 4864)]
+QTYPES = ["q4_k", "q6_k", "q5_0", "q8_0"]
+if os.environ.get("GEMV_SWEEP_QTYPES"):
+    QTYPES = os.environ["GEMV_SWEEP_QTYPES"].split(",")
+GRID = [(bn, bk, nw, pf) for bn, bk, nw in
+        [(8, 1024, 2), (8, 2048, 4), (16, 1024, 2), (32, 1024, 2), (8, 1024, 1), (16, 2048, 2),
+         (16, 512, 1), (32, 512, 2)] for pf in (0, 1)]
+SPLITS = [264, 528, 1056]
+
+
+def run_config(cfg, cases, repeats, copy_bps) -> list[float]:
+    pct = []
+    for name, w, wcopies, x, out, exact, w_bytes in cases:
+        with configs.use_config(cfg):
+            ok, err = verify(quant_matmul_skinny(x, w), exact)
+            if not ok:
+                raise AssertionError(f"{name} {w.qtype}: max error {err}")
+            t = time_per_call([lambda w=wc: quant_matmul_skinny(x, w, out=out)
+                               for wc in wcopies], repeats)
+        pct.append(100 * (w_bytes + 2 * (x.numel() + out.numel())) / t / copy_bps)
+    return pct
+
+
+def gmean(v: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in v) / len(v))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    copy_bps = copy_bandwidth(dev)
+    base = configs.get_config(dev)
+    print(f"{torch.cuda.get_device_name(dev)}: copy {copy_bps / 1e9:.0f} GB/s", flush=True)
+    results = {}
+    for qtype in QTYPES:
+        cases = []
+        for name, n, k in MATRICES:
+            if qtype.endswith("_k") and k % 256:
+                continue
+            w = random_quant_weight(qtype, n, k, device=dev)
+            x = torch.randn(1, k, device=dev).to(torch.bfloat16)
+            exact = x.float() @ dequantize(w).T
+            cases.append((name, w, weight_copies(w, nbytes(w)), x,
+                          torch.empty(1, n, device=dev, dtype=torch.bfloat16), exact, nbytes(w)))
+        rows = []
+        for bn, bk, nw, pf in GRID:
+            cfg = replace(base, gemv_block_n=bn, gemv_block_k=bk, gemv_num_warps=nw,
+                          gemv_prefetch=bool(pf))
+            pct = run_config(cfg, cases, args.repeats, copy_bps)
+            rows.append(dict(block_n=bn, block_k=bk, num_warps=nw, prefetch=pf,
+                             split_min_programs=base.qgemm_split_k_min_programs,
+                             pct_copy=pct, gmean=gmean(pct)))
+            print(f"{qtype} bn={bn:3d} bk={bk} w={nw} pf={pf}: "
+                  + " ".join(f"{p:5.1f}" for p in pct) + f"  gmean {gmean(pct):5.1f}%",
+                  flush=True)
+        best = max(rows, key=lambda r: r["gmean"])
+        for sp in SPLITS:
+            cfg = replace(base, gemv_block_n=best["block_n"], gemv_block_k=best["block_k"],
+                          gemv_num_warps=best["num_warps"], gemv_prefetch=bool(best["prefetch"]),
+                          qgemm_split_k_min_programs=sp)
+            pct = run_config(cfg, cases, args.repeats, copy_bps)
+            rows.append(dict(best, split_min_programs=sp, pct_copy=pct, gmean=gmean(pct)))
+            print(f"{qtype} best tile, split target {sp}: "
+                  + " ".join(f"{p:5.1f}" for p in pct) + f"  gmean {gmean(pct):5.1f}%",
+                  flush=True)
+        results[qtype] = dict(matrices=[c[0] for c in cases], rows=rows)
+        del cases
+        torch.cuda.empty_cache()
+    # one config for all qtypes: best geometric mean over every qtype's tile rows
+    keys = [(r["block_n"], r["block_k"], r["num_warps"], r["prefetch"]) for r in
+            results[QTYPES[0]]["rows"][:len(GRID)]]
+    overall = {key: gmean([results[q]["rows"][i]["gmean"] for q in QTYPES])
+               for i, key in enumerate(keys)}
+    best_key = max(overall, key=overall.get)
+    print(f"best tile over all qtypes (block_n, block_k, warps, prefetch): {best_key}, "
+          f"gmean {overall[best_key]:.1f}% of copy")
+    write_json(os.path.join(args.out, "gemv_sweep.json"),
+               dict(env=env_info(), copy_GBps=copy_bps / 1e9, config=configs.config_to_dict(base),
+                    results=results, overall={str(k): v for k, v in overall.items()},
+                    best_overall=best_key))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
