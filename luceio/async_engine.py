@@ -5,7 +5,10 @@ touches engine state. Each request gets a stream fed by the step task.
 Rules: the loop that first calls `generate` owns the engine until it closes; a call from another
 loop or thread raises RuntimeError. A request id names one request at a time: reusing it while
 that request runs raises ValueError; once it has finished the id is free again, and the old
-consumer's cleanup touches only its own stream."""
+consumer's cleanup touches only its own stream.
+
+`AsyncLLM` (also `AsyncLLMEngine`) is this engine under vLLM v1's names, whose `shutdown()` is
+synchronous; here `shutdown()` is a coroutine and `close()` its synchronous part."""
 from __future__ import annotations
 
 import asyncio
@@ -162,9 +165,14 @@ class AsyncEngine:
                 queue.put_nowait(RuntimeError(f"engine step failed: {error}"))
 
     # lifecycle ---------------------------------------------------------------------------------
-    async def shutdown(self) -> None:
-        """Aborts what is in flight, stops the step task and the worker thread."""
-        self._check_loop()
+    def close(self) -> None:
+        """Refuses new requests, aborts those in flight (their streams end with finish_reason
+        "abort"), cancels the step task and waits for a forward in progress. Call it on the
+        owning loop's thread, or once no loop runs the engine."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and _running_loop() is not loop:
+            raise RuntimeError(f"close this AsyncEngine on its event loop {loop!r} (thread "
+                               f"{self._loop_thread!r})")
         self._closed = True
         ids = list(self.engine.states)
         if ids:
@@ -174,8 +182,32 @@ class AsyncEngine:
             self._wakeup.set()
         if self._task is not None:
             self._task.cancel()
+        self._executor.shutdown(wait=True)
+
+    async def shutdown(self) -> None:
+        """close(), then waits for the step task to end."""
+        self._check_loop()
+        self.close()
+        if self._task is not None:
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._executor.shutdown(wait=True)
+
+
+class AsyncLLM(AsyncEngine):
+    """vLLM v1's AsyncLLM: `AsyncLLM.from_engine_args(AsyncEngineArgs(...))`, `generate(prompt,
+    sampling_params, request_id)`, `abort(request_id)`, and a synchronous `shutdown()`."""
+
+    def shutdown(self) -> None:  # vLLM's is synchronous, called from sync and async code alike
+        self.close()
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM v1: `vllm.engine.async_llm_engine.AsyncLLMEngine = AsyncLLM`
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

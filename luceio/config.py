@@ -163,6 +163,9 @@ class EngineArgs(CliArgs):
                                  self.num_speculative_tokens)
 
 
+AsyncEngineArgs = EngineArgs  # vLLM's name for the async engine's arguments: one set serves both
+
+
 def add_field_arg(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     """One `--flag` from a dataclass field: its type, default, choices and help."""
     flag = "--" + f.name.replace("_", "-")

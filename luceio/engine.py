@@ -17,6 +17,7 @@ import torch
 
 from .cache import KVCacheManager
 from .config import EngineArgs
+from .inputs import PromptType, split_prompt
 from .loader import load_checkpoint
 from .output_processor import RequestState
 from .outputs import RequestOutput
@@ -30,8 +31,6 @@ from .spec import build_spec_decoder, build_spec_prefill
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("luceio")
-
-PromptType = str | list[int] | dict
 
 
 @dataclass
@@ -73,6 +72,7 @@ class LLMEngine:
             torch.set_num_threads(args.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         ckpt = load_checkpoint(_resolve(args.model)) if model is None else None
         self.model_config = ckpt.config if ckpt else {}
+        self.generation_config = ckpt.generation_config if ckpt else {}
         if tokenizer is None and ckpt is not None and ckpt.tokenizer is not None:
             tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config,
                                   ckpt.config)
@@ -141,12 +141,7 @@ class LLMEngine:
 
     # requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        text = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
-            else:
-                prompt = prompt["prompt"]
+        text, prompt = split_prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids")
@@ -175,6 +170,8 @@ class LLMEngine:
         """Raises ValueError for a request that could never run or would break a step."""
         self.scheduler.check_fits(len(ids), params.max_tokens)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias token ids", list(params.logit_bias or ()))
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.seed is not None and not 0 <= params.seed < 2**63 - params.n:
             raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
         if params.prompt_logprobs is not None and \

@@ -111,6 +111,7 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        tokenizer = tokenizer if params.detokenize else None  # ids only: no text, no token strings
         stops = StopStrings(params.stop) if params.stop else None
         self.samples = [SampleState(r, tokenizer, stops) for r in samples]
         self.tokenizer = tokenizer

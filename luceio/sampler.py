@@ -1,8 +1,10 @@
 """Logits → tokens for one step, batched over requests.
 
-Order (as vLLM): min_tokens masking, repetition/frequency/presence penalties on the raw logits,
-then temperature, min-p, top-k, top-p, then one draw. Greedy rows take the argmax of the
-penalised logits. A draw is `argmax(probs / E)` with `E ~ Exp(1)` — an exact sample from
+Order (as vLLM): allowed_token_ids (every other token to -inf), logit_bias (added) and
+min_tokens masking, repetition/frequency/presence penalties, then temperature, min-p, top-k,
+top-p, then one draw. allowed_token_ids and logit_bias become index tensors for one masked fill
+and one scatter-add over the whole batch. Greedy rows take the argmax of the penalised logits.
+A draw is `argmax(probs / E)` with `E ~ Exp(1)` — an exact sample from
 `probs` — where seeded requests draw E from their own generator, so their output does not
 depend on the batch. Logprobs are of the raw model distribution (before any processing)."""
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Sampler:
         """Penalties, min_tokens, temperature and truncation; returns processed logits
         (greedy rows keep temperature 1 and no truncation)."""
         logits = logits.clone()
+        self._restrict_and_bias(logits, reqs)
         self._mask_min_tokens(logits, reqs)
         if any(_has_penalty(r) for r in reqs):
             self._apply_penalties(logits, reqs)
@@ -56,6 +59,26 @@ class Sampler:
             top_p = [1.0 if x.greedy else x.top_p for x in p]
             logits = _top_k_top_p(logits, top_k, top_p)
         return logits
+
+    @staticmethod
+    def _restrict_and_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+        dev = logits.device
+        limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(reqs)
+                   if r.params.allowed_token_ids]
+        if limited:
+            banned = torch.zeros_like(logits, dtype=torch.bool)
+            banned[torch.tensor([i for i, _ in limited], device=dev)] = True
+            rows = torch.tensor([i for i, ids in limited for _ in ids], device=dev)
+            cols = torch.tensor([t for _, ids in limited for t in ids], device=dev)
+            banned[rows, cols] = False
+            logits.masked_fill_(banned, float("-inf"))
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            rows = torch.tensor([i for i, bias in biased for _ in bias], device=dev)
+            cols = torch.tensor([t for _, bias in biased for t in bias], device=dev)
+            values = torch.tensor([v for _, bias in biased for v in bias.values()],
+                                  dtype=logits.dtype, device=dev)
+            logits.index_put_((rows, cols), values, accumulate=True)
 
     def _mask_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         for i, r in enumerate(reqs):

@@ -1,13 +1,26 @@
-"""SamplingParams with vLLM's field names and defaults."""
+"""SamplingParams with vLLM's field names and defaults.
+
+Rules: every field is honoured or refused at construction with a ValueError naming it, never
+dropped. `logit_bias` (clamped to [-100, 100], as vLLM and OpenAI do) and `allowed_token_ids` are
+applied by the sampler to the logits before any penalty; `detokenize=False` leaves output text
+empty (so stop strings need it True); `bad_words` is refused for now. `structured_outputs` /
+`guided_decoding` take vLLM's parameter classes below, but luceio has no grammar-constrained
+decoding yet, so setting either raises ValueError rather than returning unconstrained text."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 # stop strings are matched on the event loop after every step: bound the work one request adds
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+LOGIT_BIAS_LIMIT = 100.0
+# HF generation_config.json keys that set sampling defaults (vLLM's generation_config="auto")
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                           "max_new_tokens": "max_tokens"}
 
 
 class RequestOutputKind(enum.Enum):
@@ -39,6 +52,12 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     use_speculation: bool = True  # per-request opt-out of speculative decoding
     spec_prefill_keep: float | None = None  # per-request speculative-prefill keep ratio
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None
+    detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None  # vLLM's older name of the same
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -48,7 +67,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self._verify()
+        self._refuse_unsupported()
 
     def _verify(self) -> None:
         self._verify_stop_limits()
@@ -72,6 +95,10 @@ class SamplingParams:
              0.0 < self.spec_prefill_keep <= 1.0, "must be in (0, 1]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "must be non-empty strings"),
+            ("allowed_token_ids", self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "must not be empty (None allows every token)"),
+            ("stop", self.detokenize or not self.stop, "needs detokenize=True (stop strings are "
+             "matched on the output text)"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -85,6 +112,24 @@ class SamplingParams:
                              f"{MAX_STOP_STRING_CHARS} characters each, got {len(self.stop)} "
                              f"strings, the longest {longest} characters")
 
+    def _refuse_unsupported(self) -> None:
+        if self.bad_words:
+            raise ValueError("bad_words is not supported yet; allowed_token_ids or logit_bias "
+                             "(-100) can ban single tokens")
+        for name in ("structured_outputs", "guided_decoding"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported yet: luceio has no grammar-constrained "
+                                 "decoding, and it will not return unconstrained text in its place")
+
+    @classmethod
+    def from_generation_config(cls, config: dict, **changes) -> "SamplingParams":
+        """The defaults a model ships in its generation_config.json (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens), as vLLM's default
+        generation_config="auto" reads them; fields it does not set keep SamplingParams'."""
+        kw = {ours: config[key] for key, ours in _GENERATION_CONFIG_KEYS.items()
+              if config.get(key) is not None}
+        return cls(**{**kw, **changes})
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -93,3 +138,49 @@ class SamplingParams:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d.update(changes)
         return SamplingParams(**d)
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """Token ids as ints (JSON keys arrive as strings), values clamped to +-100 as vLLM does."""
+    if not bias:
+        return None
+    out = {}
+    for token, value in bias.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for {token!r}")
+        try:
+            token_id = int(token)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+        out[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return out
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint: one of json (a JSON schema, dict or text), regex,
+    choice, grammar (EBNF), json_object or structural_tag, plus vLLM's options. luceio cannot
+    enforce any of them yet: a SamplingParams given one raises ValueError."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"give one kind of structured-output constraint, got {kinds}")
+
+
+@dataclass
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's name for StructuredOutputsParams before 0.11, with its `backend` choice; refused
+    by SamplingParams like it."""
+    backend: str | None = None

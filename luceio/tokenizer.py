@@ -52,6 +52,12 @@ class Tokenizer:
         i = self._sp.piece_to_id(token)
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
 
+    def vocab(self) -> dict[str, int]:
+        """Token text → id, added tokens included."""
+        if self._hf is not None:
+            return self._hf.get_vocab(with_added_tokens=True)
+        return {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
+
     @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size() if self._hf is not None else self._sp.get_piece_size()
@@ -78,12 +84,52 @@ class Tokenizer:
     # chat --------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None, **kwargs) -> str:
+        """Renders OpenAI-shaped `messages` (assistant `tool_calls`, `tool` results) and `tools`
+        (the OpenAI list, passed to the template as is) through the model's template; `kwargs`
+        reach the template too (`enable_thinking=False` for Qwen3)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API")
         template = _compile_template(self.chat_template)
         special = {k: v for k, v in self.special_tokens.items() if v is not None}
-        return template.render(messages=messages, tools=tools,
+        return template.render(messages=[_template_message(m) for m in messages], tools=tools,
                                add_generation_prompt=add_generation_prompt, **special, **kwargs)
+
+
+class _JsonArguments(dict):
+    """A call's arguments, which OpenAI sends as JSON text: templates that write them with
+    `tojson` (Qwen2.5, Llama 3.1) or test `is mapping` need the object, templates that print
+    them as they are (or test `is string` and then print) need the text. This is both: the
+    object, printing as the client's text."""
+
+    def __init__(self, text: str, value: dict):
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _template_message(message: dict) -> dict:
+    """`message` as chat templates expect it: tool-call arguments as `_JsonArguments`, and a
+    null `content` (as OpenAI sends beside `tool_calls`) as an empty string."""
+    if message.get("content", "") is None:
+        message = {**message, "content": ""}
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [_template_call(c) for c in message["tool_calls"]]}
+    return message
+
+
+def _template_call(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        value = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the client's text
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": _JsonArguments(function["arguments"], value)}}
 
 
 class TemplateError(ValueError):

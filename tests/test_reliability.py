@@ -354,7 +354,9 @@ def test_openapi_document(main_server):
     assert r.status_code == 200
     doc = r.json()
     assert doc["openapi"].startswith("3.")
-    assert set(doc["paths"]) == {"/health", "/v1/models", C, CH, "/metrics", "/openapi.json"}
+    assert set(doc["paths"]) == {"/health", "/v1/models", C, CH, "/metrics", "/openapi.json",
+                                 "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"}
+    # (/infill is documented only for a model with fill-in-the-middle tokens)
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert props["prompt"]["anyOf"][2]["items"]["maximum"] == VOCAB - 1
     assert doc["paths"]["/health"]["get"]["security"] == [] and doc["security"]
@@ -387,7 +389,8 @@ def test_security_basics(main_server, tmp_path):
     paths = list(doc["paths"]) + ["/", "/v1/nothing", "/docs", "/health/", "//health"]
     wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
              {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"},
-             {"Authorization": "Bearer"}, {"X-API-Key": API_KEY}]
+             {"Authorization": "Bearer"}, {"X-API-Key": f"{API_KEY}x"}, {"X-API-Key": ""},
+             {"Authorization": API_KEY, "X-API-Key": "wrong"}]
     with httpx.Client(base_url=s.url, timeout=30) as http:
         for path in paths:
             for method in ("GET", "POST", "PUT", "DELETE", "OPTIONS"):
@@ -397,10 +400,14 @@ def test_security_basics(main_server, tmp_path):
                         assert r.status_code in (200, 405), (method, r.status_code)
                         continue
                     assert r.status_code == 401, (path, method, headers, r.status_code)
+                    if path.startswith("/v1/messages"):  # Anthropic's error shape there
+                        assert r.json()["error"]["type"] == "authentication_error"
+                        continue
                     assert soak.check_error_object(r.json()) == []
                     assert r.json()["error"]["code"] == "invalid_api_key"
         assert http.get("/health").status_code == 200
         assert http.get("/v1/models", headers=AUTH).status_code == 200
+        assert http.get("/v1/models", headers={"X-API-Key": API_KEY}).status_code == 200
         # body cap, by Content-Length and by a chunked body without one
         r = http.post(C, headers=AUTH_JSON, content=json.dumps({"prompt": "x" * MAX_BODY}).encode())
         assert r.status_code == 413 and soak.check_error_object(r.json()) == []

@@ -306,7 +306,7 @@ BAD = [  # (path, body, status, param or None, substring of the message)
     (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     (CH, {"messages": MSG, "temperature": None, "top_k": 1.5}, 400, "top_k", "integer"),
     (CH, {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
-    (CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    (CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0]", "function"),
     (CH, {"messages": MSG, "model": 3}, 400, "model", "model"),
     (CH, {"messages": MSG, "model": "nope"}, 404, "model", "nope"),
 ]

@@ -16,17 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import engine_kwargs, make_tiny_model
-from luceio.async_engine import AsyncEngine
-from luceio.config import EngineArgs
-from luceio.serve import bind_socket, main, make_server
-from luceio.server.args import ServerArgs
+from conftest import make_tiny_model, running, wait_for
+from luceio.serve import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 2.0  # --timeout-headers / --timeout-body / --timeout-keep-alive of the `hard` server
@@ -42,26 +38,6 @@ def model(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("hardening") / "llama"), "llama")
 
 
-@contextlib.contextmanager
-def running(model: str, **server_options):
-    """A real uvicorn server on a thread of this process; yields its port."""
-    args = ServerArgs(port=0, access_log=False, log_level="warning", **server_options)
-    engine = AsyncEngine.from_engine_args(EngineArgs(model=model, cpu_threads=1,
-                                                     **engine_kwargs()))
-    server = make_server(engine, args)
-    sock = bind_socket("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        _wait_for(lambda: server.started or not thread.is_alive(), 60, "the server to start")
-        assert server.started
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def hard(model):
     with running(model, timeout_headers=TIMEOUT_S, timeout_body=TIMEOUT_S,
@@ -73,15 +49,6 @@ def hard(model):
 def capped(model):
     with running(model, limit_concurrency=4, timeout_headers=600) as port:
         yield port
-
-
-def _wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _url(port: int) -> str:
@@ -200,7 +167,7 @@ def test_connection_cap(capped):
             with contextlib.suppress(httpx.HTTPError):
                 return httpx.get(_url(capped) + "/health", timeout=10).status_code == 200
             return False
-        _wait_for(healthy, SLACK_S, "a connection slot to free up")
+        wait_for(healthy, SLACK_S, "a connection slot to free up")
     finally:
         for s in held:
             s.close()

@@ -1,23 +1,22 @@
-"""The Starlette app: OpenAI routes over one AsyncEngine on the server's event loop.
+"""The Starlette app: OpenAI routes, and the editor-assistant routes of `routes_assist.py`
+(Anthropic Messages, OpenAI Responses, llama.cpp /infill), over one AsyncEngine on the server's
+event loop.
 
 `build_app(engine, server_args)` is the factory (tests run it in-process too). Every failure is
-answered as OpenAI's error object; a request is validated and admitted to the engine (its first
-output awaited) before any response starts, so refusals are real HTTP statuses, not mid-stream
-errors. A client that goes away aborts its engine requests."""
+answered as OpenAI's error object, on the Anthropic routes as Anthropic's; `driver.py` runs each
+request (admission before any response starts, abort when the client goes away). The tool-call
+and reasoning parsers and the fill-in-the-middle format are chosen once, at startup, from the
+flags and the model's chat template and vocabulary."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 
-import anyio
-from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -25,17 +24,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .anthropic import to_anthropic
 from .args import ServerArgs
+from .driver import generate, read_json
+from .fim import FimFormat
 from .metrics import ServerMetrics
 from .openapi import openapi_schema
-from .protocol import (APIError, ModelContext, ParsedRequest, bad, error_body, parse_chat,
-                       parse_completion)
-from .responses import ResponseBuilder
-from .run import Run
+from .protocol import APIError, ModelContext, parse_chat, parse_completion
+from .reasoning import get_reasoning_parser
+from .routes_assist import assist_routes, is_anthropic
+from .tool_parsers import get_tool_parser
 
 logger = logging.getLogger("luceio.server")
-
-SHUTDOWN_GRACE_S = 5.0  # a stream's time to send its final (aborted) chunk and [DONE]
 
 
 def _default_model_name() -> str:
@@ -53,9 +53,15 @@ class ServerState:
         le = engine.engine
         name = args.served_model_name or le.args.model or _default_model_name()
         names = [name] + ([le.args.model] if le.args.model and le.args.model != name else [])
-        self.ctx = ModelContext(names, le.tokenizer, le.runner.cfg.vocab_size, le.max_model_len,
+        tok = le.tokenizer
+        template = tok.chat_template if tok is not None else None
+        self.ctx = ModelContext(names, tok, le.runner.cfg.vocab_size, le.max_model_len,
                                 le.kv.pool.num_blocks * le.kv.block_size, le.scheduler.check_fits,
-                                args.max_tokens_cap)
+                                args.max_tokens_cap,
+                                get_tool_parser(args.tool_parser, template,
+                                                tok.vocab() if tok is not None else None),
+                                get_reasoning_parser(args.reasoning_parser, template),
+                                FimFormat.detect(tok) if tok is not None else None)
         self.inflight: set[str] = set()
         self.metrics = ServerMetrics(engine, inflight=lambda: len(self.inflight))
         self.draining = False
@@ -68,126 +74,23 @@ class ServerState:
         for rid in list(self.inflight):
             await self.engine.abort(rid)
 
-    def error(self, e: APIError) -> JSONResponse:
+    def error(self, e: APIError, path: str = "") -> JSONResponse:
+        """`e` as a response; in Anthropic's shape on the Anthropic routes."""
+        if is_anthropic(path):
+            e = to_anthropic(e)
         self.metrics.http_errors.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-
-# handlers ----------------------------------------------------------------------------------------
-# Characters str.splitlines() breaks lines at that JSON leaves unescaped (it escapes the C0
-# controls): an SSE client that splits its lines that way (httpx's iter_lines does) would cut a
-# `data:` line in two. They can only occur inside JSON strings, so the escapes mean the same.
-_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
-def _dumps(obj) -> str:
-    """One SSE `data:` payload: compact JSON on one line for every line splitter."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
-
-
-async def _read_json(request: Request, limit: int) -> dict:
-    # a cross-origin page may POST text/plain or a form without asking (no CORS preflight):
-    # demanding JSON keeps such requests from starting generations on a local server
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media != "application/json":
-        raise APIError(415, "the request body must be JSON sent with `Content-Type: "
-                       f"application/json`, got {repr(media) if media else 'none'}",
-                       code="unsupported_media_type")
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        if not (cl.isascii() and cl.isdigit()):
-            raise bad(None, f"invalid Content-Length {cl!r}")
-        if int(cl) > limit:
-            raise APIError(413, f"the request body is {int(cl)} bytes; the limit is {limit} "
-                           "bytes", code="request_too_large")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad(None, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    if not raw.isascii() or b"\\u" in raw:
-        # JSON lets `\ud800` (and json.loads lets CESU-8 bytes) through as a lone surrogate, which
-        # is not text: the tokenizer and every UTF-8 encoder downstream would fail on it
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad(None, "the request body contains invalid Unicode (a lone UTF-16 "
-                      "surrogate)") from None
-        except RecursionError:
-            raise bad(None, "the request body is nested too deeply") from None
-    return body
-
-
-async def _generate(request: Request, state: ServerState, req: ParsedRequest) -> Response:
-    if state.draining:
-        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-    run = Run(state, req)
-    builder = ResponseBuilder(req, state.ctx.tokenizer)
-    # until the response streams (sse-starlette watches the connection from then on), a client
-    # that goes away aborts its requests from here
-    watcher = asyncio.ensure_future(_abort_on_disconnect(request, run))
-    try:
-        await run.start()
-        if req.stream:
-            shutdown = anyio.Event()
-            return EventSourceResponse(
-                _sse(run, builder, state, shutdown), sep="\n", shutdown_event=shutdown,
-                shutdown_grace_period=min(SHUTDOWN_GRACE_S, state.args.timeout_graceful_shutdown),
-                background=BackgroundTask(run.close))  # also if the stream never started
-        try:
-            async for i, o in run.outputs():
-                builder.absorb(i, o)
-        finally:
-            await run.close()
-        return JSONResponse(builder.response())
-    finally:
-        watcher.cancel()
-
-
-async def _abort_on_disconnect(request: Request, run: Run) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            await run.abort()
-            return
-
-
-async def _abort_on_shutdown(event: anyio.Event, state: ServerState) -> None:
-    await event.wait()
-    await state.drain()
-
-
-async def _sse(run: Run, builder: ResponseBuilder, state: ServerState, shutdown: anyio.Event):
-    watcher = asyncio.ensure_future(_abort_on_shutdown(shutdown, state))
-    outputs = run.outputs()
-    try:
-        for chunk in builder.first_chunks():
-            yield _dumps(chunk)
-        try:
-            async for i, o in outputs:
-                for chunk in builder.chunks(i, o):
-                    yield _dumps(chunk)
-        except Exception as e:  # noqa: BLE001  an engine failure ends the stream with an error
-            logger.exception("request %s failed mid-stream", builder.req.id)
-            yield _dumps(error_body(f"generation failed: {e}", "server_error"))
-        else:
-            if builder.req.include_usage:
-                yield _dumps(builder.usage_chunk())
-        yield "[DONE]"
-    finally:  # runs when the client went away too (no awaits that could be cancelled)
-        watcher.cancel()
-        with contextlib.suppress(RuntimeError):
-            await outputs.aclose()
-        await run.close()
+    def describe(self) -> str:
+        """The startup log line on how model output is read."""
+        ctx = self.ctx
+        fim = f"{ctx.fim.name} fill-in-the-middle" if ctx.fim is not None else \
+            "no fill-in-the-middle tokens (suffix and /infill answer 400)"
+        tools = ctx.tool_parser.__name__ if ctx.tool_parser is not None else \
+            "no tool-call parser (tools answer 400)"
+        reasoning = ctx.reasoning_parser.__name__ if ctx.reasoning_parser is not None else \
+            "no reasoning parser"
+        return f"{tools}; {reasoning}; {fim}"
 
 
 def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
@@ -197,16 +100,17 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
 
     def endpoint(fn):
         async def wrapped(request: Request) -> Response:
+            path = request.url.path
             try:
                 return await fn(request)
             except APIError as e:
-                return state.error(e)
+                return state.error(e, path)
             except ClientDisconnect:
                 return Response(status_code=499)
             except Exception:  # noqa: BLE001  never crash the server on one request
-                logger.exception("unhandled error on %s", request.url.path)
+                logger.exception("unhandled error on %s", path)
                 return state.error(APIError(500, "internal server error", "server_error",
-                                            code="internal_error"))
+                                            code="internal_error"), path)
         return wrapped
 
     @endpoint
@@ -225,20 +129,21 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
 
     @endpoint
     async def completions(request: Request) -> Response:
-        body = await _read_json(request, args.max_request_bytes)
-        return await _generate(request, state, parse_completion(body, state.ctx))
+        body = await read_json(request, args.max_request_bytes)
+        return await generate(request, state, parse_completion(body, state.ctx))
 
     @endpoint
     async def chat(request: Request) -> Response:
-        body = await _read_json(request, args.max_request_bytes)
-        return await _generate(request, state, parse_chat(body, state.ctx))
+        body = await read_json(request, args.max_request_bytes)
+        return await generate(request, state, parse_chat(body, state.ctx))
 
     @endpoint
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    spec = openapi_schema(state.ctx.names, state.ctx.vocab_size, state.ctx.max_model_len,
-                          bool(args.api_key))
+    ctx = state.ctx
+    spec = openapi_schema(ctx.names, ctx.vocab_size, ctx.max_model_len, bool(args.api_key),
+                          ctx.tool_parser is not None, ctx.fim is not None)
 
     @endpoint
     async def openapi(request: Request) -> Response:
@@ -247,13 +152,14 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
-        return state.error(APIError(exc.status_code, msg, code=code, headers=exc.headers))
+        return state.error(APIError(exc.status_code, msg, code=code, headers=exc.headers),
+                           request.url.path)
 
     async def server_error(request: Request, exc: Exception) -> Response:
         # Starlette's last resort (an error outside the endpoints): JSON, not its plain text
         logger.error("unhandled error on %s", request.url.path, exc_info=exc)
         return state.error(APIError(500, "internal server error", "server_error",
-                                    code="internal_error"))
+                                    code="internal_error"), request.url.path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -262,6 +168,7 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
         logger.info("serving %s (context %d tokens, %d KV blocks) on %s.%s", state.ctx.names[0],
                     state.ctx.max_model_len, engine.engine.kv.pool.num_blocks, loop.__module__,
                     loop.__name__)
+        logger.info("%s", state.describe())
         yield
         await state.drain()
         await engine.shutdown()
@@ -273,6 +180,7 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *assist_routes(state, endpoint),
     ]
     middleware = [Middleware(_BearerAuth, api_key=args.api_key, state=state)] \
         if args.api_key else []
@@ -286,19 +194,31 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
 
 
 class _BearerAuth:
-    """`Authorization: Bearer KEY` on every route but /health (constant-time comparison)."""
+    """`Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's header) on every route but
+    /health (constant-time comparison)."""
 
     def __init__(self, app, api_key: str, state: ServerState):
         self.app, self.key, self.state = app, api_key.encode(), state
 
+    def _allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, value = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    continue
+            elif name != b"x-api-key":
+                continue
+            if hmac.compare_digest(value.strip(), self.key):
+                return True
+        return False
+
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = auth.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                resp = self.state.error(APIError(
-                    401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-                await resp(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] != "/health" and \
+                not self._allowed(scope["headers"]):
+            resp = self.state.error(APIError(
+                401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or "
+                "`x-api-key: <key>`.", code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"}), scope["path"])
+            await resp(scope, receive, send)
+            return
         await self.app(scope, receive, send)

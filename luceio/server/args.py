@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 
 from ..config import CliArgs, EngineArgs, _opt
+from .reasoning import REASONING_PARSER_CHOICES
+from .tool_parsers import TOOL_PARSER_CHOICES
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,14 @@ class ServerArgs(CliArgs):
     allowed_origins: str = _opt("", "comma-separated browser origins whose cross-origin requests "
                                 "are allowed (CORS), e.g. http://localhost:3000; `*` for any; "
                                 "default none")
+    tool_parser: str = _opt("auto", "how tool calls are read from the model's text: auto (from "
+                            "the chat template and vocabulary), a format, or none (requests "
+                            "with tools answer 400); default %(default)s",
+                            choices=list(TOOL_PARSER_CHOICES))
+    reasoning_parser: str = _opt("auto", "how `<think>` reasoning is split from the answer into "
+                                 "reasoning_content: auto (when the chat template writes "
+                                 "`<think>`), a format, or none; default %(default)s",
+                                 choices=list(REASONING_PARSER_CHOICES))
 
     def __post_init__(self):
         if self.api_key is not None and (not self.api_key.strip() or

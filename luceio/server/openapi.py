@@ -75,18 +75,146 @@ def _sampling(vocab: int) -> dict:
         "stream": _BOOL,
         "stream_options": _null({"type": "object", "properties": {"include_usage": _BOOL},
                                  "description": "only with stream: true"}),
-        "logit_bias": _null({"type": "object", "maxProperties": 0,
-                             "description": "not supported: only {} or null"}),
-        "tools": _null({"type": "array", "maxItems": 0,
-                        "description": "not supported: only [] or null"}),
+        "logit_bias": _null({"type": "object",
+                             "additionalProperties": {"type": "number", "minimum": -100,
+                                                      "maximum": 100},
+                             "description": "token id (as a string key) -> added to its logit"}),
+        "allowed_token_ids": _null({"type": "array", "minItems": 1, "items": token,
+                                    "description": "sample only among these tokens"}),
         "response_format": _null({"type": "object", "required": ["type"],
-                                  "properties": {"type": {"type": "string", "enum": ["text"]}}}),
+                                  "properties": {"type": {"type": "string", "enum": ["text"]}},
+                                  "description": "json_object and json_schema are refused: "
+                                                 "no grammar-constrained decoding yet"}),
         "user": _null({"type": "string"}),
     }
 
 
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": _null({"type": "string"}),
+        "parameters": _null({"type": "object"}), "strict": _BOOL}}}}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": _null({"type": "string"}), "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+_STRING = {"type": "string"}
+
+
+def _block(kind: str, optional: tuple[str, ...] = (), **fields: dict) -> dict:
+    """An Anthropic content block / Responses item of type `kind`; `fields` are required but
+    for the `optional` ones."""
+    required = ["type"] + [k for k in fields if k not in optional]
+    return {"type": "object", "required": required,
+            "properties": {"type": {"type": "string", "enum": [kind]}, **fields}}
+
+
+def _text_or(*parts: str, nullable: bool = False) -> dict:
+    """A string, or a list of text parts of the given types."""
+    part = {"anyOf": [_block(p, text=_STRING) for p in parts]}
+    return {"anyOf": [dict(_STRING, nullable=nullable), {"type": "array", "items": part}]}
+
+
+def _assist_requests(sampling: dict, tools: bool, fim: bool) -> dict:
+    """The request bodies of the editor-assistant routes, field by field as far as they are
+    validated; the translating modules' docstrings list every field read."""
+    block = {"anyOf": [
+        _block("text", text=_STRING),
+        _block("tool_use", id=_STRING, name=_STRING, input={"type": "object"}),
+        _block("tool_result", ("content",), tool_use_id=_STRING,
+               content=_text_or("text", nullable=True)),
+        _block("thinking", thinking=_STRING), _block("redacted_thinking")]}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["user", "assistant"]},
+        "content": {"anyOf": [_STRING, {"type": "array", "items": block}]}}}
+    prompt = {"model": _STRING,
+              "messages": {"type": "array", "minItems": 1, "items": message,
+                           "description": "the last message is the user's"},
+              "system": _text_or("text", nullable=True)}
+    if tools:
+        prompt["tools"] = _null({"type": "array", "items": {
+            "type": "object", "required": ["name", "input_schema"], "properties": {
+                "type": _null({"type": "string", "enum": ["custom"]}),
+                "name": {"type": "string", "minLength": 1}, "input_schema": {"type": "object"},
+                "description": _null(_STRING), "strict": _BOOL}}})
+        prompt["tool_choice"] = _null({
+            "type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["auto", "none"]}},
+            "description": "needs tools; \"any\" and \"tool\" are refused: no "
+                           "grammar-constrained decoding yet"})
+    messages = {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
+        **prompt, **{k: sampling[k] for k in ("temperature", "top_p", "top_k", "stream")},
+        "max_tokens": _int(1, _INT64_MAX, description="lowered to the room the prompt leaves "
+                           "in the context"),
+        "stop_sequences": _null({"type": "array", "items": {"type": "string", "minLength": 1}})}}
+    count = {"type": "object", "required": ["model", "messages"], "properties": prompt}
+    item = {"anyOf": [
+        dict(_block("message", role={"type": "string",
+                                     "enum": ["user", "assistant", "system", "developer"]},
+                    content=_text_or("input_text", "output_text")), required=["role", "content"]),
+        _block("function_call", call_id=_STRING, name=_STRING, arguments=_STRING),
+        _block("function_call_output", call_id=_STRING,
+               output=_text_or("input_text", "output_text"))]}
+    responses = {"type": "object", "required": ["input"], "properties": {
+        "model": sampling["model"],
+        "input": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": item}]},
+        "instructions": _null(_STRING), "max_output_tokens": _int(1, _INT64_MAX),
+        "parallel_tool_calls": _BOOL,
+        **{k: sampling[k] for k in ("temperature", "top_p", "stream")}}}
+    out = {"MessagesRequest": messages, "CountTokensRequest": count,
+           "ResponsesRequest": responses}
+    if fim:
+        chunk = {"type": "object", "required": ["text"],
+                 "properties": {"text": _STRING, "filename": _STRING}}
+        out["InfillRequest"] = {"type": "object", "additionalProperties": False, "properties": {
+            **{k: _null(_STRING) for k in ("input_prefix", "input_suffix", "prompt", "model")},
+            "input_extra": _null({"type": "array", "items": chunk}),
+            "n_predict": _any_null({"type": "integer", "enum": [-1]},
+                                   {"type": "integer", "minimum": 1, "maximum": _INT64_MAX},
+                                   description="-1: no limit"),
+            "top_k": _int(_INT64_MIN, _INT64_MAX, description="<= 0: no top-k"),
+            "seed": _int(_INT64_MIN, _INT64_MAX, description="-1: a random seed"),
+            "id_slot": _int(_INT64_MIN, _INT64_MAX), "cache_prompt": _BOOL,
+            **{k: sampling[k] for k in ("temperature", "top_p", "min_p", "stop", "stream",
+                                        "ignore_eos")}}}
+    return out
+
+
+def _assist_paths(openai_errors: dict, auth: dict, fim: bool) -> dict:
+    """The editor-assistant routes (`routes_assist.py`); /infill only where the model has FIM
+    tokens."""
+    anthropic_error = {"description": "Anthropic's error object", "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
+    anthropic_errors = {s: anthropic_error for s in ("400", "413", "415", "503")}
+    if auth:
+        anthropic_errors["401"] = anthropic_error
+
+    def post(summary: str, req: str, errors: dict, stream: bool = True) -> dict:
+        content = {"application/json": {"schema": {"type": "object"}}}
+        if stream:
+            content["text/event-stream"] = {"schema": _SSE_EVENT}
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{req}"}}}},
+            "responses": {"200": {"description": "the response" + (
+                ", or with stream: true server-sent events" if stream else ""),
+                "content": content}, **errors}}}
+
+    paths = {
+        "/v1/messages": post("Anthropic Messages (any model name is served by this model)",
+                             "MessagesRequest", anthropic_errors),
+        "/v1/messages/count_tokens": post("Anthropic token count of a Messages prompt",
+                                          "CountTokensRequest", anthropic_errors, stream=False),
+        "/v1/responses": post("OpenAI Responses", "ResponsesRequest", openai_errors),
+    }
+    if fim:
+        paths["/infill"] = post("llama.cpp fill-in-the-middle", "InfillRequest", openai_errors)
+    return paths
+
+
 def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
-                   api_key: bool) -> dict:
+                   api_key: bool, tools: bool = False, fim: bool = False) -> dict:
+    """`tools`: the model's tool calls can be parsed; `fim`: it has fill-in-the-middle tokens
+    (each documents the fields and routes that need it)."""
     token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     max_tokens = _int(1, _INT64_MAX, description=f"prompt + max_tokens must fit the "
                       f"{max_model_len}-token context (the server may cap it lower)")
@@ -95,6 +223,11 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
         "required": ["prompt"],
         "properties": {
             **_sampling(vocab_size),
+            "tools": _null({"type": "array", "maxItems": 0,
+                            "description": "tool calling is on /v1/chat/completions"}),
+            **({"suffix": _null({"type": "string", "description": "fill in the middle between "
+                                 "prompt and suffix (text prompts only; not with echo)"})}
+               if fim else {}),
             "prompt": {"anyOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
@@ -114,7 +247,10 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "minLength": 1},
         "content": _any_null({"type": "string"}, {"type": "array", "items": text_part}),
-        "name": _null({"type": "string"})}}
+        "name": _null({"type": "string"}),
+        "tool_calls": _null({"type": "array", "items": _TOOL_CALL}),
+        "tool_call_id": _null({"type": "string", "description": "required in a tool message"}),
+        "reasoning_content": _null({"type": "string"})}}
     chat_req = {
         "type": "object",
         "required": ["messages"],
@@ -126,12 +262,23 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
             "logprobs": _BOOL,
             "top_logprobs": _int(0, 20, description="needs logprobs: true"),
             "add_generation_prompt": _BOOL,
+            "parallel_tool_calls": _BOOL,
+            **({"tools": _null({"type": "array", "items": _TOOL}),
+                "tool_choice": _null({"type": "string", "enum": ["none", "auto"],
+                                      "description": "needs tools; \"required\" and a named "
+                                                     "function are refused (400): no "
+                                                     "grammar-constrained decoding yet"})}
+               if tools else {"tools": _null({"type": "array", "maxItems": 0, "description":
+                                              "this model's tool calls cannot be parsed"})}),
         },
     }
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-             "properties": {k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-    finish = _null({"type": "string", "enum": ["stop", "length", "abort"]})
+             "properties": {**{k: {"type": "integer", "minimum": 0}
+                               for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                            "prompt_tokens_details": {"type": "object", "properties": {
+                                "cached_tokens": {"type": "integer", "minimum": 0,
+                                                  "description": "read from the prefix cache"}}}}}
+    finish = _null({"type": "string", "enum": ["stop", "length", "abort", "tool_calls"]})
     stop_reason = _any_null({"type": "string"}, {"type": "integer"})
     head = {"id": {"type": "string"}, "created": {"type": "integer"},
             "model": {"type": "string"}}
@@ -156,7 +303,11 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
                                                       "required": ["role", "content"],
                                                       "properties": {
                                                           "role": {"type": "string"},
-                                                          "content": {"type": "string"}}},
+                                                          "content": _null({"type": "string"}),
+                                                          "reasoning_content": _null(
+                                                              {"type": "string"}),
+                                                          "tool_calls": {"type": "array",
+                                                                         "items": _TOOL_CALL}}},
                                           "logprobs": _null({"type": "object"}),
                                           "finish_reason": finish,
                                           "stop_reason": stop_reason}}},
@@ -165,6 +316,10 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
         "type": "object", "required": ["message", "type", "param", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": _null({"type": "string"}), "code": _null({"type": "string"})}}}}
+    anthropic_error = {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"type": "string", "enum": ["error"]},
+        "error": {"type": "object", "required": ["type", "message"], "properties": {
+            "type": {"type": "string"}, "message": {"type": "string"}}}}}
     ref = {"$ref": "#/components/schemas/Error"}
 
     def err(what: str) -> dict:
@@ -222,12 +377,17 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
                             auth),
             "/openapi.json": get("this document",
                                  {"application/json": {"schema": {"type": "object"}}}, auth),
+            **_assist_paths(generation_errors, auth, fim),
         },
         "components": {"schemas": {"CompletionRequest": completion_req,
                                    "ChatCompletionRequest": chat_req, "Completion": completion,
-                                   "ChatCompletion": chat, "Error": error}},
+                                   "ChatCompletion": chat, "Error": error,
+                                   "AnthropicError": anthropic_error,
+                                   **_assist_requests(_sampling(vocab_size), tools, fim)}},
     }
     if api_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        doc["security"] = [{"bearer": []}]
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        doc["security"] = [{"bearer": []}, {"x-api-key": []}]
     return doc

@@ -8,11 +8,16 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jinja2
 
 from ..sampling_params import RequestOutputKind, SamplingParams
+from .reasoning import ChatTextParser, ReasoningParserFactory
+from .tool_parsers import ToolParserFactory
+
+if TYPE_CHECKING:
+    from .fim import FimFormat
 
 MAX_N = 128
 _INT64 = 2 ** 63 - 1
@@ -53,6 +58,9 @@ class ModelContext:
     kv_capacity_tokens: int  # the whole KV pool, in tokens
     check_fits: Callable[[int, int | None], None]  # raises ValueError for a request that can't fit
     max_tokens_cap: int | None = None
+    tool_parser: ToolParserFactory | None = None  # None: tool calls cannot be parsed
+    reasoning_parser: ReasoningParserFactory | None = None  # None: no reasoning split
+    fim: FimFormat | None = None  # None: the vocabulary has no fill-in-the-middle tokens
 
 
 @dataclass
@@ -68,6 +76,9 @@ class ParsedRequest:
     echo: bool = False
     num_logprobs: int | None = None  # top-n logprobs to report; None: no logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    text_parser: Callable[[], ChatTextParser] | None = None  # one per choice; None: text as is
+    parallel_tool_calls: bool = True  # False: calls after a choice's first are dropped
+    warnings: list[str] = field(default_factory=list)  # fields ignored, for the server to log
 
     @property
     def n(self) -> int:
@@ -154,22 +165,44 @@ def _model(body: dict, ctx: ModelContext) -> str:
     return m
 
 
-def _unsupported(body: dict) -> None:
-    lb = body.get("logit_bias")
-    if lb is not None and not isinstance(lb, dict):
-        raise bad("logit_bias", f"'logit_bias' must be an object, got {_show(lb)}")
-    if lb:
-        raise bad("logit_bias", "'logit_bias' is not supported")
-    if body.get("suffix") is not None:
-        raise bad("suffix", "'suffix' is not supported")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("tools", f"'tools' must be a list, got {_show(tools)}")
-    if tools:
-        raise bad("tools", "'tools' (tool calling) is not supported")
+_NEEDS_GRAMMAR = "needs grammar-constrained decoding, which luceio does not have yet"
+# refused on both routes: accepting them would return something other than what was asked for
+_REFUSED = {
+    "functions": "legacy function calling is not supported: send 'tools'",
+    "function_call": "legacy function calling is not supported: send 'tool_choice'",
+    **{name: f"this constraint {_NEEDS_GRAMMAR}" for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    "bad_words": "not supported yet; logit_bias -100 bans single tokens",
+}
+_SAMPLING_FIELDS = {
+    "model", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "logit_bias",
+    "allowed_token_ids", "stream", "stream_options", "response_format", "max_tokens", "logprobs",
+    "user", *_REFUSED}
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "suffix", "echo", "tools"}
+_CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
+                                   "add_generation_prompt", "tools", "tool_choice",
+                                   "parallel_tool_calls"}
+
+
+def _refuse(body: dict) -> None:
+    for name, why in _REFUSED.items():
+        if body.get(name) is not None:
+            raise bad(name, f"'{name}': {why}")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported: "
+                  f"JSON output {_NEEDS_GRAMMAR}")
+
+
+def _unknown(body: dict, known: set[str]) -> list[str]:
+    """A warning naming the fields this server does not read (vLLM logs them too)."""
+    names = [k for k in body if k not in known]
+    if not names:
+        return []
+    shown = ", ".join(_show(k) for k in names[:10]) + (" ..." if len(names) > 10 else "")
+    return [f"unknown fields ignored: {shown}"]
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -210,7 +243,27 @@ def _sampling_kwargs(body: dict) -> dict:
         min_tokens=_integer(body, "min_tokens", 0),
         skip_special_tokens=_boolean(body, "skip_special_tokens", True),
         include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
+        logit_bias=_logit_bias(body),
+        allowed_token_ids=None if body.get("allowed_token_ids") is None
+        else _int_list(body, "allowed_token_ids"),
     )
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """Keys as token ids (JSON keys are strings); SamplingParams checks and clamps the values."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    if not isinstance(lb, dict):
+        raise bad("logit_bias", f"'logit_bias' must be an object, got {_show(lb)}")
+    out = {}
+    for key, value in lb.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids, got {_show(key)}") \
+                from None
+    return out
 
 
 def _max_tokens(requested: int | None, prompt_len: int, ctx: ModelContext) -> int | None:
@@ -229,8 +282,9 @@ def _build_params(kw: dict, ctx: ModelContext, ids: list[int], requested: int | 
                   prompt_param: str, max_param: str = "max_tokens") -> SamplingParams:
     if requested is not None and requested < 1:
         raise bad(max_param, f"'{max_param}' must be at least 1, got {requested}")
-    if any(not 0 <= t < ctx.vocab_size for t in kw["stop_token_ids"]):
-        raise bad("stop_token_ids", f"'stop_token_ids' must be in [0, {ctx.vocab_size})")
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        if any(not 0 <= t < ctx.vocab_size for t in kw.get(name) or ()):
+            raise bad(name, f"'{name}' token ids must be in [0, {ctx.vocab_size})")
     mt = _max_tokens(requested, len(ids), ctx)
     try:
         ctx.check_fits(len(ids), mt)
@@ -248,7 +302,12 @@ def _build_params(kw: dict, ctx: ModelContext, ids: list[int], requested: int | 
 # /v1/completions ---------------------------------------------------------------------------------
 def parse_completion(body: dict, ctx: ModelContext) -> ParsedRequest:
     model = _model(body, ctx)
-    _unsupported(body)
+    _refuse(body)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", f"'tools' must be a list, got {_show(tools)}")
+    if tools:
+        raise bad("tools", "'tools' (tool calling) is served on /v1/chat/completions only")
     stream = _boolean(body, "stream", False)
     include_usage = _stream_options(body, stream)
     echo = _boolean(body, "echo", False)
@@ -261,14 +320,37 @@ def parse_completion(body: dict, ctx: ModelContext) -> ParsedRequest:
         raise bad("echo", "'echo' together with 'logprobs' is not supported")
     kw["logprobs"] = logprobs
 
+    if body.get("suffix") is None:
+        pairs = _completion_prompts(body.get("prompt"), ctx)
+    else:
+        if echo:
+            raise bad("echo", "'echo' together with 'suffix' is not supported")
+        pairs = _fim_prompts(body.get("prompt"), body["suffix"], ctx)
+        kw["stop_token_ids"] = kw["stop_token_ids"] + list(ctx.fim.stop_token_ids)
     prompts, texts, params = [], [], []
-    for text, ids in _completion_prompts(body.get("prompt"), ctx):
+    for text, ids in pairs:
         params.append(_build_params(kw, ctx, ids, requested, "prompt"))
         prompts.append({"prompt": text, "prompt_token_ids": ids})
         texts.append(text if text is not None else
                      (ctx.tokenizer.decode(ids) if echo and ctx.tokenizer is not None else ""))
     return ParsedRequest(False, f"cmpl-{uuid.uuid4().hex}", model, prompts, texts, params,
-                         stream, include_usage, echo, logprobs)
+                         stream, include_usage, echo, logprobs,
+                         warnings=_unknown(body, _COMPLETION_FIELDS))
+
+
+def _fim_prompts(prompt, suffix, ctx: ModelContext) -> list[tuple[None, list[int]]]:
+    """Text prompt(s) and a suffix → the model's fill-in-the-middle prompt ids (`fim.py`)."""
+    if not isinstance(suffix, str):
+        raise bad("suffix", f"'suffix' must be a string, got {_show(suffix)}")
+    if ctx.fim is None:
+        from .fim import missing_fim_tokens  # fim.py builds on this module
+        raise bad("suffix", missing_fim_tokens(ctx.tokenizer) if ctx.tokenizer is not None
+                  else "this model has no tokenizer, so it cannot fill in the middle")
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not (isinstance(texts, list) and texts and all(isinstance(p, str) for p in texts)):
+        raise bad("prompt", "with 'suffix', 'prompt' must be text (a string or a list of "
+                  "strings): the fill-in-the-middle prompt is built from the text")
+    return [(None, ctx.fim.build(ctx.tokenizer, p, suffix)) for p in texts]
 
 
 def _completion_prompts(prompt, ctx: ModelContext) -> list[tuple[str | None, list[int]]]:
@@ -300,9 +382,12 @@ def _completion_prompts(prompt, ctx: ModelContext) -> list[tuple[str | None, lis
 
 
 # /v1/chat/completions ----------------------------------------------------------------------------
-def parse_chat(body: dict, ctx: ModelContext) -> ParsedRequest:
+def parse_chat(body: dict, ctx: ModelContext, fit_max_tokens: bool = False) -> ParsedRequest:
+    """`fit_max_tokens`: a max_tokens beyond the room the prompt leaves in the context is lowered
+    to that room instead of refused (the Anthropic route: Claude Code asks for 32000 tokens
+    whatever the model)."""
     model = _model(body, ctx)
-    _unsupported(body)
+    _refuse(body)
     stream = _boolean(body, "stream", False)
     include_usage = _stream_options(body, stream)
     kw = _sampling_kwargs(body)
@@ -317,56 +402,162 @@ def parse_chat(body: dict, ctx: ModelContext) -> ParsedRequest:
         raise bad("top_logprobs", f"'top_logprobs' must be in [0, 20], got {top}")
     num_lp = (top or 0) if want_lp else None
     kw["logprobs"] = num_lp
-    add_gen = _boolean(body, "add_generation_prompt", True)
+    parallel = _boolean(body, "parallel_tool_calls", True)
 
+    prompt = chat_prompt(body, ctx)
+    if fit_max_tokens and requested is not None:
+        room = min(ctx.max_model_len, ctx.kv_capacity_tokens) - len(prompt.ids)
+        requested = min(requested, room) if room >= 1 else requested
+    params = _build_params(kw, ctx, prompt.ids, requested, "messages", max_param)
+    return ParsedRequest(True, f"chatcmpl-{uuid.uuid4().hex}", model,
+                         [{"prompt": prompt.text, "prompt_token_ids": prompt.ids}], [prompt.text],
+                         [params], stream, include_usage, False, num_lp,
+                         text_parser=prompt.text_parser, parallel_tool_calls=parallel,
+                         warnings=_unknown(body, _CHAT_FIELDS) + prompt.warnings)
+
+
+@dataclass
+class ChatPrompt:
+    text: str
+    ids: list[int]
+    text_parser: Callable[[], ChatTextParser] | None  # how to read what the model writes back
+    warnings: list[str]
+
+
+def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
+    """A chat body's prompt: `messages` (tool calls and tool results included) and the `tools`
+    that `tool_choice` offers, rendered through the model's chat template. What
+    /v1/messages/count_tokens counts."""
     messages = _messages(body.get("messages"))
+    tools, warnings = _offered_tools(body)
+    add_gen = _boolean(body, "add_generation_prompt", True)
     tok = ctx.tokenizer
     if tok is None:
         raise bad("messages", "this model has no tokenizer; use /v1/completions with token ids")
+    if tools and ctx.tool_parser is None:
+        raise bad("tools", "this model's chat template has no tool-call format luceio knows, so "
+                  "its calls could not be read; start the server with --tool-parser NAME if the "
+                  "model writes one of them")
+    extra = {"tools": tools} if tools else {}
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_gen)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_gen, **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad("messages", f"the chat template failed on these messages: {e}") from None
     ids = tok.encode(text, add_special_tokens=False)
-    params = _build_params(kw, ctx, ids, requested, "messages", max_param)
-    return ParsedRequest(True, f"chatcmpl-{uuid.uuid4().hex}", model,
-                         [{"prompt": text, "prompt_token_ids": ids}], [text], [params],
-                         stream, include_usage, False, num_lp)
+    return ChatPrompt(text, ids, _text_parser(ctx, text, bool(tools)), warnings)
+
+
+def _text_parser(ctx: ModelContext, prompt: str,
+                 tools_offered: bool) -> Callable[[], ChatTextParser] | None:
+    """A factory of one message's parser: the reasoning split when the server has one, the
+    tool-call parser when tools are offered; None when neither applies."""
+    reasoning = ctx.reasoning_parser
+    tools = ctx.tool_parser if tools_offered else None
+    if reasoning is None and tools is None:
+        return None
+    thinking = reasoning is not None and reasoning.opens_reasoning(prompt)
+    return lambda: ChatTextParser(reasoning(in_reasoning=thinking) if reasoning else None,
+                                  tools() if tools else None)
+
+
+def _offered_tools(body: dict) -> tuple[list[dict] | None, list[str]]:
+    """The function tools the model is offered (None: none, or `tool_choice` "none"), and
+    warnings. "required" and a named function are refused: only a grammar could force a call."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", f"'tools' must be a list, got {_show(tools)}")
+    warnings = [w for i, t in enumerate(tools or []) for w in _check_tool(t, f"tools[{i}]")]
+    choice = body.get("tool_choice")
+    if choice is None or (choice == "auto" and tools):
+        return tools or None, warnings
+    if not tools:
+        raise bad("tool_choice", "'tool_choice' needs 'tools'")
+    if choice == "none":
+        return None, warnings
+    if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
+        raise bad("tool_choice", f"'tool_choice' {_show(choice)} is not supported: forcing a "
+                  f"call {_NEEDS_GRAMMAR}; send \"auto\" or \"none\"")
+    raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+              "{\"type\": \"function\", \"function\": {\"name\": ...}}, "
+              f"got {_show(choice)}")
+
+
+def _check_tool(tool, where: str) -> list[str]:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)):
+        raise bad(where, f"'{where}' must be {{\"type\": \"function\", \"function\": "
+                  "{\"name\": ..., \"parameters\": ...}}")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad(f"{where}.function.name", f"'{where}.function.name' must be a non-empty string")
+    for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+        if fn.get(key) is not None and not isinstance(fn[key], kind):
+            raise bad(f"{where}.function.{key}", f"'{where}.function.{key}' must be a "
+                      f"{kind.__name__}, got {_show(fn[key])}")
+    if fn.get("strict"):
+        return [f"'{where}.function.strict' is not enforced: that {_NEEDS_GRAMMAR}"]
+    return []
 
 
 def _messages(msgs) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(msgs)]
+
+
+def _message(m, where: str) -> dict:
+    """One message as the chat template gets it: role, text content, and where given `name`,
+    an assistant's `tool_calls` and `reasoning_content`, a tool result's `tool_call_id`."""
+    if not isinstance(m, dict):
+        raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad(f"{where}.role", f"'{where}.role' must be a non-empty string")
+    if m.get("function_call") is not None:
+        raise bad(f"{where}.function_call", f"'{where}.function_call': legacy function calling "
+                  "is not supported: send 'tool_calls'")
+    msg = {"role": role, "content": _content(m.get("content"), where)}
+    for key in ("name", "reasoning_content", "tool_call_id"):
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            raise bad(f"{where}.{key}", f"'{where}.{key}' must be a string, got {_show(v)}")
+        if v is not None:
+            msg[key] = v
+    if role == "tool" and "tool_call_id" not in msg:
+        raise bad(f"{where}.tool_call_id", f"'{where}.tool_call_id' is required in a tool message")
+    if m.get("tool_calls") is not None:
+        msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+    return msg
+
+
+def _content(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text "
+                  f"parts, got {_show(content)}")
+    for j, p in enumerate(content):
+        if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            raise bad(f"{where}.content[{j}]", f"'{where}.content[{j}]': only "
+                      "{\"type\": \"text\", \"text\": ...} parts are supported")
+    return "\n".join(p["text"] for p in content)
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad(where, f"'{where}' must be a list, got {_show(calls)}")
     out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise bad(f"{where}.role", f"'{where}.role' must be a non-empty string")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not (isinstance(p, dict) and p.get("type") == "text"
-                        and isinstance(p.get("text"), str)):
-                    raise bad(f"{where}.content[{j}]", f"'{where}.content[{j}]': only "
-                              "{\"type\": \"text\", \"text\": ...} parts are supported")
-                parts.append(p["text"])
-            content = "\n".join(parts)
-        elif not isinstance(content, str):
-            raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of "
-                      f"text parts, got {_show(content)}")
-        msg = {"role": role, "content": content}
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise bad(f"{where}.name", f"'{where}.name' must be a string, got {_show(name)}")
-        if name is not None:
-            msg["name"] = name
-        out.append(msg)
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str)
+                and isinstance(call.get("id") or "", str)):
+            raise bad(f"{where}[{k}]", f"'{where}[{k}]' must be {{\"id\": ..., \"type\": "
+                      "\"function\", \"function\": {\"name\": ..., \"arguments\": JSON text}}")
+        ident = {"id": call["id"]} if call.get("id") is not None else {}
+        out.append({**ident, "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
 
 

@@ -1,5 +1,11 @@
 """Engine outputs → OpenAI's JSON shapes: responses, stream chunks, logprobs and usage.
 
+Chat text goes through the request's `text_parser` (reasoning, then tool calls) when it has one:
+each output's text becomes deltas (`deltas.py`), and a chunk carries one delta: `content`,
+`reasoning_content`, or one `tool_calls` entry (a call's index, id, type and name first, then its
+arguments). A choice that made calls and stopped finishes with "tool_calls". The Anthropic and
+Responses routes read the same deltas (`ResponseBuilder.absorb`).
+
 Plain Python: no web framework here, so it is testable without a server."""
 from __future__ import annotations
 
@@ -7,7 +13,10 @@ import math
 from dataclasses import dataclass, field
 
 from ..outputs import CompletionOutput, Logprob, RequestOutput
-from .protocol import ParsedRequest
+from .deltas import Delta, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
+from .protocol import ParsedRequest, error_body
+from .reasoning import ChatTextParser
+from .tool_parsers import collect_deltas
 
 
 def _f(x: float) -> float:
@@ -61,22 +70,30 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     offset: int = 0  # text_offset of the next token (completions logprobs)
+    parser: ChatTextParser | None = None
+    deltas: list[Delta] = field(default_factory=list)  # the parsed text so far
 
 
 class ResponseBuilder:
     """Accumulates DELTA RequestOutputs of one API request (one engine request per prompt) into
-    stream chunks and, at the end, the non-streaming response and usage."""
+    stream chunks and, at the end, the non-streaming response and usage. As a wire format
+    (`driver.Wire`): `start()`, `step()` per output, then `end()` or `fail()`; `response()`."""
+
+    ping_event = None  # keep-alives are SSE comments
 
     def __init__(self, req: ParsedRequest, tokenizer):
         self.req = req
         self.text_of = _TokenText(tokenizer)
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}  # prompt tokens read from the prefix cache
         self.completion_tokens = 0
         for p, ids in enumerate(req.prompts):
             self.prompt_tokens[p] = len(ids["prompt_token_ids"])
             for i in range(req.n):
                 c = self.choices[p * req.n + i] = _Choice()
+                if req.text_parser is not None:
+                    c.parser = req.text_parser()
                 if req.echo:
                     c.text.append(req.prompt_texts[p])
                     c.offset = len(req.prompt_texts[p])
@@ -89,7 +106,8 @@ class ResponseBuilder:
     def usage(self) -> dict:
         p = sum(self.prompt_tokens.values())
         return {"prompt_tokens": p, "completion_tokens": self.completion_tokens,
-                "total_tokens": p + self.completion_tokens}
+                "total_tokens": p + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
     def _logprobs(self, c: _Choice, out: CompletionOutput) -> dict | None:
         if self.req.num_logprobs is None or out.logprobs is None:
@@ -120,7 +138,8 @@ class ResponseBuilder:
             c.offset += len(tok)
         return res
 
-    def _absorb(self, index: int, out: CompletionOutput) -> tuple[_Choice, dict | None]:
+    def _absorb(self, index: int, out: CompletionOutput) -> tuple[_Choice, dict | None,
+                                                                   list[Delta]]:
         c = self.choices.setdefault(index, _Choice())
         c.text.append(out.text)
         c.token_ids.extend(out.token_ids)
@@ -128,12 +147,35 @@ class ResponseBuilder:
         lp = self._logprobs(c, out)
         if lp is not None:
             c.logprobs.append(lp)
+        deltas = self._parse(c, out)
+        c.deltas.extend(deltas)
         if out.finish_reason is not None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-        return c, lp
+            if c.finish_reason == "stop" and any(isinstance(d, ToolCallStart) for d in c.deltas):
+                c.finish_reason = "tool_calls"
+        return c, lp, deltas
+
+    def _parse(self, c: _Choice, out: CompletionOutput) -> list[Delta]:
+        if c.parser is None:
+            return [TextDelta(out.text)] if out.text else []
+        deltas = c.parser.feed(out.text)
+        if out.finish_reason is not None:
+            deltas += c.parser.finish()
+        if not self.req.parallel_tool_calls:
+            deltas = [d for d in deltas
+                      if not isinstance(d, (ToolCallStart, ToolCallArgs)) or d.index == 0]
+        return deltas
+
+    def _seen(self, prompt_index: int, ro: RequestOutput) -> None:
+        self.cached_tokens[prompt_index] = ro.num_cached_tokens
+
+    def finish(self, index: int = 0) -> tuple[str | None, str | None]:
+        """(finish reason, the stop string that ended choice `index`, if one did)."""
+        c = self.choices[index]
+        return c.finish_reason, c.stop_reason if isinstance(c.stop_reason, str) else None
 
     # streaming ---------------------------------------------------------------------------------
-    def first_chunks(self) -> list[dict]:
+    def start(self) -> list[dict]:
         """Chat: the assistant role for each choice; completions with echo: the prompt."""
         out = []
         for index, c in sorted(self.choices.items()):
@@ -155,34 +197,60 @@ class ResponseBuilder:
             d["usage"] = None
         return d
 
-    def chunks(self, prompt_index: int, ro: RequestOutput) -> list[dict]:
+    def step(self, prompt_index: int, ro: RequestOutput) -> list[dict]:
+        self._seen(prompt_index, ro)
         out = []
         for o in ro.outputs:
             index = prompt_index * self.req.n + o.index
-            _, lp = self._absorb(index, o)
+            c, lp, deltas = self._absorb(index, o)
+            if self.req.chat:
+                out += self._chat_chunks(index, c, o, lp, deltas)
+                continue
             if not (o.text or o.finish_reason or (lp is not None and o.token_ids)):
                 continue
-            if self.req.chat:
-                choice = {"index": index, "delta": {"content": o.text} if o.text else {},
-                          "logprobs": lp, "finish_reason": o.finish_reason}
-            else:
-                choice = {"index": index, "text": o.text, "logprobs": lp,
-                          "finish_reason": o.finish_reason}
+            choice = {"index": index, "text": o.text, "logprobs": lp,
+                      "finish_reason": o.finish_reason}
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
             out.append(self._chunk([choice]))
         return out
 
-    def usage_chunk(self) -> dict:
+    def _chat_chunks(self, index: int, c: _Choice, o: CompletionOutput, lp: dict | None,
+                     deltas: list[Delta]) -> list[dict]:
+        """One chunk per delta; the output's logprobs ride on the first, its finish on the last
+        (an empty delta carries them when the parser held all the text back)."""
+        pieces = [_chat_delta(d) for d in deltas]
+        if not pieces and (o.finish_reason or (lp is not None and o.token_ids)):
+            pieces = [{}]
+        out = []
+        for k, delta in enumerate(pieces):
+            last = k == len(pieces) - 1
+            choice = {"index": index, "delta": delta, "logprobs": lp if k == 0 else None,
+                      "finish_reason": c.finish_reason if last else None}
+            if last and o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason
+            out.append(self._chunk([choice]))
+        return out
+
+    def end(self) -> list[dict | str]:
+        """After the last output: the usage chunk when asked for, then [DONE]."""
+        if not self.req.include_usage:
+            return ["[DONE]"]
         d = self._head("chat.completion.chunk" if self.req.chat else "text_completion")
         d["choices"] = []
         d["usage"] = self.usage()
-        return d
+        return [d, "[DONE]"]
+
+    @staticmethod
+    def fail(message: str) -> list[dict | str]:
+        return [error_body(message, "server_error"), "[DONE]"]
 
     # non-streaming -----------------------------------------------------------------------------
-    def absorb(self, prompt_index: int, ro: RequestOutput) -> None:
-        for o in ro.outputs:
-            self._absorb(prompt_index * self.req.n + o.index, o)
+    def absorb(self, prompt_index: int, ro: RequestOutput) -> list[Delta]:
+        """Takes one output in; returns its deltas (one choice's when n is 1)."""
+        self._seen(prompt_index, ro)
+        return [d for o in ro.outputs
+                for d in self._absorb(prompt_index * self.req.n + o.index, o)[2]]
 
     def response(self) -> dict:
         choices = []
@@ -191,8 +259,8 @@ class ResponseBuilder:
             lp = _merge_logprobs(c.logprobs, self.req.chat) if self.req.num_logprobs is not None \
                 else None
             if self.req.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text},
-                          "logprobs": lp, "finish_reason": c.finish_reason}
+                choice = {"index": index, "message": self._message(c), "logprobs": lp,
+                          "finish_reason": c.finish_reason}
             else:
                 choice = {"index": index, "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason}
@@ -202,6 +270,28 @@ class ResponseBuilder:
         d["choices"] = choices
         d["usage"] = self.usage()
         return d
+
+
+    def _message(self, c: _Choice) -> dict:
+        reasoning, text, calls = collect_deltas(c.deltas)
+        msg = {"role": "assistant", "content": text if text or not calls else None}
+        if c.parser is not None and c.parser.reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": call.arguments}} for call in calls]
+        return msg
+
+
+def _chat_delta(d: Delta) -> dict:
+    if isinstance(d, TextDelta):
+        return {"content": d.text}
+    if isinstance(d, ReasoningDelta):
+        return {"reasoning_content": d.text}
+    if isinstance(d, ToolCallStart):
+        return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                "function": {"name": d.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": d.index, "function": {"arguments": d.fragment}}]}
 
 
 def _merge_logprobs(parts: list[dict], chat: bool) -> dict:

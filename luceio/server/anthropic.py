@@ -1,0 +1,399 @@
+"""Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`) over luceio's chat path:
+a request becomes an OpenAI chat-completions body (then parsed by `protocol.parse_chat`), and the
+output's deltas (`deltas.py`) become an Anthropic message or its SSE events. Plain Python.
+
+Request fields
+- translated: `model`, `max_tokens` (required, as Anthropic requires it), `messages`, `system` (a
+  string or text blocks), `stop_sequences` → `stop`, `temperature`, `top_p`, `top_k`, `stream`,
+  `tools` → function tools, `tool_choice` (auto/any/tool/none → auto/required/named/none;
+  `disable_parallel_tool_use` → `parallel_tool_calls: false`), `output_config.format` (a JSON
+  schema) → `response_format`.
+- accepted, no effect on the output: `metadata`, `service_tier`, `cache_control` (anywhere),
+  `inference_geo`, `speed`, `user_profile_id`, `workspace_id`, `diagnostics`, a tool's
+  `eager_input_streaming` (tool input always streams).
+- accepted with a warning, returned for the server to log: `thinking` (the model thinks as its
+  chat template directs; no budget), `context_management` (no context editing),
+  `output_config.effort`, and every field, block key or tool key not named here.
+- refused, 400 naming the field: `container`, `mcp_servers`, server tools (a tool `type` other
+  than custom), content blocks other than those below (images, documents, ...), and a final
+  assistant message (a prefill: the chat template would close that turn, not continue it).
+
+Content blocks (the text blocks of a message or of a tool result are joined with "\n")
+- user: `text`; each `tool_result` becomes a `tool` message, placed before the user's text (OpenAI
+  wants tool messages right after the calls), prefixed "Error: " when `is_error` is true.
+- assistant: `text`; `tool_use` → `tool_calls` (input as JSON text); `thinking` → the message's
+  `reasoning_content` (Qwen3's template shows the thinking of the current tool loop);
+  `redacted_thinking` is dropped (it carries no text).
+
+Output: blocks in the order the deltas come, a new one when the kind changes (thinking, text, one
+per tool call); thinking blocks carry an empty `signature`. Finish "stop" → `end_turn` (or
+`stop_sequence` with the string that matched), "length" → `max_tokens`, "tool_calls" →
+`tool_use`. `input_tokens` counts the prompt tokens not read from the prefix cache and
+`cache_read_input_tokens` those that were (Anthropic's split: they add up to the prompt).
+Errors are `{"type": "error", "error": {"type", "message"}}`, the type from the HTTP status;
+`to_anthropic` reshapes any `APIError` (those of `parse_chat` too)."""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from .deltas import Delta, ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
+from .protocol import APIError
+
+Event = tuple[str, dict]  # (SSE event name, its data)
+
+_TRANSLATED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature",
+               "top_p", "top_k", "stream", "tools", "tool_choice", "output_config"}
+_NO_EFFECT = {"metadata", "service_tier", "cache_control", "inference_geo", "speed",
+              "user_profile_id", "workspace_id", "diagnostics"}
+_WARNED = {"thinking": "'thinking' is not applied: the model thinks as its chat template directs",
+           "context_management": "'context_management' is not applied: no context editing"}
+_REFUSED = ("container", "mcp_servers")
+_BLOCK_KEYS = {"text": {"text", "citations"}, "tool_use": {"id", "name", "input", "caller"},
+               "tool_result": {"tool_use_id", "content", "is_error"},
+               "thinking": {"thinking", "signature"}, "redacted_thinking": {"data"}}
+_TOOL_KEYS = {"type", "name", "description", "input_schema", "strict", "cache_control",
+              "eager_input_streaming"}
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_DELTAS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking"),
+           "tool_use": ("input_json_delta", "partial_json")}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+# errors ------------------------------------------------------------------------------------------
+class AnthropicError(APIError):
+    """An `APIError` answered in Anthropic's shape; its error type follows the status."""
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status,
+                                "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def to_anthropic(e: APIError) -> AnthropicError:
+    return AnthropicError(e.status, e.message, param=e.param, code=e.code, headers=e.headers)
+
+
+def _bad(where: str, message: str) -> AnthropicError:
+    return AnthropicError(400, f"{where}: {message}", param=where)
+
+
+def _need(obj: dict, key: str, kind: type, where: str):
+    v = obj.get(key)
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+        raise _bad(f"{where}.{key}" if where else key,
+                   f"must be a {kind.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _warn_unknown(obj: dict, where: str, known: set[str], warnings: list[str]) -> None:
+    warnings += [f"unknown field '{where}{k}' ignored" for k in obj if k not in known]
+
+
+# requests ----------------------------------------------------------------------------------------
+def messages_to_chat(body: dict) -> tuple[dict, list[str]]:
+    """A `/v1/messages` body → (an OpenAI chat-completions body, warnings to log)."""
+    if body.get("max_tokens") is None:
+        raise _bad("max_tokens", "field required")
+    chat, warnings = _to_chat(body)
+    chat["max_tokens"] = body["max_tokens"]
+    return chat, warnings
+
+
+def count_tokens_request(body: dict) -> tuple[dict, list[str]]:
+    """A `/v1/messages/count_tokens` body → (the chat body whose prompt to count, warnings)."""
+    return _to_chat(body)
+
+
+def count_tokens_response(num_tokens: int) -> dict:
+    return {"input_tokens": num_tokens}
+
+
+def _to_chat(body: dict) -> tuple[dict, list[str]]:
+    warnings: list[str] = []
+    _warn_unknown(body, "", _TRANSLATED | _NO_EFFECT | set(_WARNED) | set(_REFUSED), warnings)
+    warnings += [msg for k, msg in _WARNED.items() if body.get(k) is not None]
+    for k in _REFUSED:
+        if body.get(k) is not None:
+            raise _bad(k, "is not supported by this server")
+    chat = {k: body[k] for k in ("model", "temperature", "top_p", "top_k", "stream")
+            if body.get(k) is not None}
+    system = [] if body.get("system") is None else \
+        [{"role": "system", "content": _joined(body["system"], "system")}]
+    chat["messages"] = system + _messages(body.get("messages"), warnings)
+    if body.get("stop_sequences") is not None:
+        stop = _need(body, "stop_sequences", list, "")
+        if not all(isinstance(s, str) for s in stop):
+            raise _bad("stop_sequences", "must be a list of strings")
+        chat["stop"] = stop
+    if body.get("tools") is not None:
+        chat["tools"] = [_tool(t, f"tools.{i}", warnings)
+                         for i, t in enumerate(_need(body, "tools", list, ""))]
+    if body.get("tool_choice") is not None:
+        chat.update(_tool_choice(_need(body, "tool_choice", dict, ""), warnings))
+    if body.get("output_config") is not None:
+        chat.update(_output_config(_need(body, "output_config", dict, ""), warnings))
+    return chat, warnings
+
+
+def _joined(content, where: str) -> str:
+    """A string, or the text of a list of text blocks."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, "must be a string or a list of text blocks")
+    for k, b in enumerate(content):
+        if not (isinstance(b, dict) and b.get("type") == "text"):
+            raise _bad(f"{where}.{k}", "only text blocks are supported here")
+    return "\n".join(_need(b, "text", str, f"{where}.{k}") for k, b in enumerate(content))
+
+
+def _messages(msgs, warnings: list[str]) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty list of {role, content} objects")
+    out: list[dict] = []
+    for i, m in enumerate(msgs):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise _bad(where, "must be an object with 'role' and 'content'")
+        _warn_unknown(m, f"{where}.", {"role", "content"}, warnings)
+        blocks = _blocks(m.get("content"), where, warnings)
+        if m.get("role") == "user":
+            out += _user(blocks)
+        elif m.get("role") == "assistant":
+            out.append(_assistant(blocks))
+        else:
+            raise _bad(f"{where}.role", "must be 'user' or 'assistant'")
+    if msgs[-1]["role"] == "assistant":
+        raise _bad(f"messages.{len(msgs) - 1}", "a final assistant message (prefill) is unsupported")
+    return out
+
+
+def _blocks(content, where: str, warnings: list[str]) -> list[tuple[str, dict]]:
+    """The content as (path, block) pairs, each block of a type this server reads."""
+    if isinstance(content, str):
+        return [(f"{where}.content", {"type": "text", "text": content})]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content", "must be a string or a list of content blocks")
+    out = []
+    for j, b in enumerate(content):
+        w = f"{where}.content.{j}"
+        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        if not isinstance(kind, str) or kind not in _BLOCK_KEYS:
+            raise _bad(f"{w}.type", f"content blocks of type {kind!r} are not supported here")
+        _warn_unknown(b, f"{w}.", _BLOCK_KEYS[b["type"]] | {"type", "cache_control"}, warnings)
+        out.append((w, b))
+    return out
+
+
+def _user(blocks: list[tuple[str, dict]]) -> list[dict]:
+    tool_msgs, texts = [], []
+    for w, b in blocks:
+        if b["type"] == "text":
+            texts.append(_need(b, "text", str, w))
+        elif b["type"] == "tool_result":
+            content = "" if b.get("content") is None else _joined(b["content"], f"{w}.content")
+            tool_msgs.append({"role": "tool", "tool_call_id": _need(b, "tool_use_id", str, w),
+                              "content": ("Error: " if b.get("is_error") else "") + content})
+        else:
+            raise _bad(f"{w}.type", f"a user message cannot hold a {b['type']!r} block")
+    user = [{"role": "user", "content": "\n".join(texts)}] if texts or not tool_msgs else []
+    return tool_msgs + user
+
+
+def _assistant(blocks: list[tuple[str, dict]]) -> dict:
+    texts, thinking, calls = [], [], []
+    for w, b in blocks:
+        if b["type"] == "text":
+            texts.append(_need(b, "text", str, w))
+        elif b["type"] == "thinking":
+            thinking.append(_need(b, "thinking", str, w))
+        elif b["type"] == "tool_use":
+            calls.append({"id": _need(b, "id", str, w), "type": "function", "function": {
+                "name": _need(b, "name", str, w),
+                "arguments": json.dumps(_need(b, "input", dict, w), ensure_ascii=False)}})
+        elif b["type"] != "redacted_thinking":
+            raise _bad(f"{w}.type", f"an assistant message cannot hold a {b['type']!r} block")
+    msg = {"role": "assistant", "content": "\n".join(texts)}
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _tool(t, where: str, warnings: list[str]) -> dict:
+    if not isinstance(t, dict):
+        raise _bad(where, "must be a tool object")
+    if t.get("type", "custom") not in ("custom", None):
+        raise _bad(f"{where}.type", f"server tools ({t['type']!r}) are not supported by this "
+                   "server; only custom tools with an input_schema")
+    _warn_unknown(t, f"{where}.", _TOOL_KEYS, warnings)
+    fn = {"name": _need(t, "name", str, where),
+          "parameters": _need(t, "input_schema", dict, where)}
+    for key, kind in (("description", str), ("strict", bool)):
+        if t.get(key) is not None:
+            fn[key] = _need(t, key, kind, where)
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(tc: dict, warnings: list[str]) -> dict:
+    _warn_unknown(tc, "tool_choice.", {"type", "name", "disable_parallel_tool_use"}, warnings)
+    kind = tc.get("type")
+    if kind == "tool":
+        choice = {"type": "function", "function": {"name": _need(tc, "name", str, "tool_choice")}}
+    elif isinstance(kind, str) and kind in _TOOL_CHOICES:
+        choice = _TOOL_CHOICES[kind]
+    else:
+        raise _bad("tool_choice.type", "must be 'auto', 'any', 'tool' or 'none'")
+    out = {"tool_choice": choice}
+    if tc.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def _output_config(oc: dict, warnings: list[str]) -> dict:
+    _warn_unknown(oc, "output_config.", {"format", "effort"}, warnings)
+    if oc.get("effort") is not None:
+        warnings.append("'output_config.effort' is not applied")
+    fmt = oc.get("format")
+    if fmt is None:
+        return {}
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+        raise _bad("output_config.format", "must be {\"type\": \"json_schema\", \"schema\": ...}")
+    schema = {"name": "output", "schema": _need(fmt, "schema", dict, "output_config.format"),
+              "strict": True}
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+
+
+# responses ---------------------------------------------------------------------------------------
+@dataclass
+class _Block:
+    kind: str  # "thinking" | "text" | "tool_use"
+    text: str = ""  # the thinking, the text, or the tool input as JSON text
+    id: str = ""  # tool_use only
+    name: str = ""
+    call: int = -1  # the call's index in deltas.py
+
+    def wire(self, final: bool) -> dict:
+        """The block at content_block_start (empty) or in the finished message."""
+        text = self.text if final else ""
+        if self.kind == "tool_use":
+            return {"type": "tool_use", "id": self.id, "name": self.name,
+                    "input": json.loads(text or "{}")}
+        if self.kind == "thinking":
+            return {"type": "thinking", "thinking": text, "signature": ""}
+        return {"type": "text", "text": text}
+
+    def delta(self, s: str) -> dict:
+        kind, key = _DELTAS[self.kind]
+        return {"type": kind, key: s}
+
+
+class MessageStream:
+    """Deltas → Anthropic SSE events, in the documented order: `start()` (message_start); `feed`
+    each delta (content_block_start / _delta / _stop, indices from 0); `finish` (the last
+    content_block_stop, message_delta, message_stop). `message()` is the whole message the events
+    add up to, so a non-streaming response is this stream with its events dropped.
+
+    A call's arguments must come while its block is open (the parsers stream calls one after
+    another); arguments for any other call are a ValueError."""
+
+    def __init__(self, model: str, input_tokens: int, cached_tokens: int = 0,
+                 id: str | None = None):
+        self.id = id or f"msg_{uuid.uuid4().hex}"
+        self.model = model
+        self.usage = {"input_tokens": input_tokens - cached_tokens, "output_tokens": 0,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+        self.blocks: list[_Block] = []
+        self.open = False  # whether the last block still takes deltas
+        self.stop_reason = self.stop_sequence = None  # set by finish(): str | None
+
+    def start(self) -> list[Event]:
+        return [("message_start", {"type": "message_start", "message": self._message([])})]
+
+    def feed(self, d: Delta) -> list[Event]:
+        if isinstance(d, ToolCallStart):
+            return self._open(_Block("tool_use", id=d.id, name=d.name, call=d.index))
+        if isinstance(d, ToolCallArgs):
+            if not (self.open and self.blocks[-1].call == d.index):
+                raise ValueError(f"arguments for tool call {d.index} while it is not open")
+            return self._append(d.fragment)
+        kind = "text" if isinstance(d, TextDelta) else "thinking"
+        if not d.text:
+            return []
+        opened = [] if self.open and self.blocks[-1].kind == kind else self._open(_Block(kind))
+        return opened + self._append(d.text)
+
+    def finish(self, reason: str, output_tokens: int,
+               stop_sequence: str | None = None) -> list[Event]:
+        """`reason`: "stop" (with the stop string that matched, if one did), "length" or
+        "tool_calls"."""
+        if reason not in _STOP_REASONS:
+            raise ValueError(f"no Anthropic stop_reason for finish reason {reason!r}")
+        self.stop_reason = _STOP_REASONS[reason] if stop_sequence is None else "stop_sequence"
+        self.stop_sequence = stop_sequence
+        self.usage["output_tokens"] = output_tokens
+        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason,
+                                                    "stop_sequence": self.stop_sequence},
+                 "usage": {"output_tokens": output_tokens}}
+        return self._close() + [("message_delta", delta), ("message_stop", {"type": "message_stop"})]
+
+    def message(self) -> dict:
+        return self._message([b.wire(final=True) for b in self.blocks])
+
+    @staticmethod
+    def ping() -> Event:
+        return ("ping", {"type": "ping"})
+
+    @staticmethod
+    def fail(message: str) -> list[Event]:
+        """The event that ends a stream whose generation failed."""
+        return [("error", AnthropicError(500, message).body())]
+
+    def _message(self, content: list[dict]) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": self.stop_reason,
+                "stop_sequence": self.stop_sequence, "usage": dict(self.usage)}
+
+    def _open(self, block: _Block) -> list[Event]:
+        events = self._close()
+        self.blocks.append(block)
+        self.open = True
+        return events + [("content_block_start", {"type": "content_block_start",
+                                                  "index": len(self.blocks) - 1,
+                                                  "content_block": block.wire(final=False)})]
+
+    def _append(self, s: str) -> list[Event]:
+        if not s:
+            return []
+        block = self.blocks[-1]
+        block.text += s
+        return [("content_block_delta", {"type": "content_block_delta",
+                                         "index": len(self.blocks) - 1, "delta": block.delta(s)})]
+
+    def _close(self) -> list[Event]:
+        if not self.open:
+            return []
+        self.open = False
+        return [("content_block_stop", {"type": "content_block_stop",
+                                        "index": len(self.blocks) - 1})]
+
+
+def message_response(*, model: str, text: str, tool_calls: list[ToolCall], finish_reason: str,
+                     input_tokens: int, output_tokens: int, reasoning: str | None = None,
+                     stop_sequence: str | None = None, cached_tokens: int = 0,
+                     id: str | None = None) -> dict:
+    """The non-streaming `/v1/messages` response: thinking, text, then one tool_use per call."""
+    stream = MessageStream(model, input_tokens, cached_tokens, id)
+    for d in [ReasoningDelta(reasoning or ""), TextDelta(text)]:
+        stream.feed(d)
+    for i, c in enumerate(tool_calls):
+        stream.feed(ToolCallStart(i, c.id, c.name))
+        stream.feed(ToolCallArgs(i, c.arguments))
+    stream.finish(finish_reason, output_tokens, stop_sequence)
+    return stream.message()

@@ -1,0 +1,399 @@
+"""OpenAI Responses (`POST /v1/responses`) over luceio's chat path: a request becomes an OpenAI
+chat-completions body (then parsed by `protocol.parse_chat`), and the output's deltas (`deltas.py`)
+become a response object or its SSE events. Plain Python. Errors are OpenAI's (`APIError`).
+
+Request fields
+- translated: `model`, `input` (below), `instructions` → a leading system message, `tools`
+  (function tools), `tool_choice` (auto/none/required or `{"type": "function", "name"}`),
+  `parallel_tool_calls`, `max_output_tokens` → `max_tokens`, `temperature`, `top_p`, `stream`,
+  `text.format` (json_schema/json_object → `response_format`; text is the default).
+- accepted, no effect on the output: `metadata` (echoed), `user`, `safety_identifier`,
+  `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`, `service_tier`,
+  `stream_options`, `store: false`, `background: false`, `truncation: "disabled"`.
+- accepted with a warning, returned for the server to log: tools of other types (web_search,
+  local_shell, custom, ...: Codex sends them; they are not offered to the model), `store: true`
+  (nothing is stored, so no later request can refer to this one), `reasoning` (effort and summary
+  are not applied), `include` (nothing extra is returned), `truncation: "auto"` (a prompt that
+  does not fit is refused, not cut), `max_tool_calls`, `text.verbosity`, `context_management`,
+  and every field or item key not named here.
+- refused, 400 naming the field: `previous_response_id` and `conversation` (no stored state: send
+  the whole conversation in `input`), `background: true`, `prompt` (stored templates),
+  `top_logprobs`, content other than text (images, files), items of other types
+  (local_shell_call, custom_tool_call, item_reference, ...).
+
+`input` is a string (one user message) or a list of items: messages (`type` "message" or absent;
+roles user/assistant/system/developer, developer → system; content a string or
+input_text/output_text parts joined with "\n"); `function_call_output` → a `tool` message; and
+assistant-side items (assistant messages, `function_call`s, `reasoning`) of which each run forms
+one assistant message with its text, `tool_calls` and `reasoning_content` (a reasoning item's
+reasoning_text, else its summary; encrypted content is dropped).
+
+Output: items in the order the deltas come, a new one when the kind changes (a reasoning item
+with reasoning_text content, a message with one output_text part, one function_call per call).
+Thinking streams as `response.reasoning_text.*` (Codex shows it with `show_raw_agent_reasoning`).
+Finish "stop"/"tool_calls" → completed; "length" → incomplete, `incomplete_details.reason`
+"max_output_tokens", the open item incomplete too. `reasoning_tokens` is 0: not counted apart."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from .deltas import Delta, ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
+from .protocol import bad
+
+Event = tuple[str, dict]  # (SSE event name, its data)
+
+_TRANSLATED = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+               "max_output_tokens", "temperature", "top_p", "stream", "text"}
+_NO_EFFECT = {"metadata", "user", "safety_identifier", "prompt_cache_key",
+              "prompt_cache_retention", "prompt_cache_options", "service_tier", "stream_options",
+              "store", "background", "truncation"}
+_WARNED = {"reasoning": "'reasoning' (effort, summary) is not applied",
+           "include": "'include' is not applied: nothing extra is returned",
+           "max_tool_calls": "'max_tool_calls' is not applied",
+           "context_management": "'context_management' is not applied"}
+_REFUSED = {"previous_response_id": "stored responses are not supported (store is not): send "
+                                    "the whole conversation in 'input'",
+            "conversation": "stored conversations are not supported: send the whole "
+                            "conversation in 'input'",
+            "prompt": "stored prompt templates are not supported",
+            "top_logprobs": "logprobs are not supported on /v1/responses"}
+_ITEM_KEYS = {"message": {"role", "content", "id", "status", "phase"},
+              "function_call": {"call_id", "name", "arguments", "id", "status"},
+              "function_call_output": {"call_id", "output", "id", "status"},
+              "reasoning": {"summary", "content", "encrypted_content", "id", "status"}}
+_ID_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+def _need(obj: dict, key: str, kind: type, where: str):
+    v = obj.get(key)
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+        name = f"{where}.{key}" if where else key
+        raise bad(name, f"'{name}' must be a {kind.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _warn_unknown(obj: dict, where: str, known: set[str], warnings: list[str]) -> None:
+    warnings += [f"unknown field '{where}{k}' ignored" for k in obj if k not in known]
+
+
+# requests ----------------------------------------------------------------------------------------
+def responses_to_chat(body: dict) -> tuple[dict, list[str]]:
+    """A `/v1/responses` body → (an OpenAI chat-completions body, warnings to log)."""
+    warnings: list[str] = []
+    _warn_unknown(body, "", _TRANSLATED | _NO_EFFECT | set(_WARNED) | set(_REFUSED), warnings)
+    warnings += [msg for k, msg in _WARNED.items() if body.get(k) is not None]
+    for k, msg in _REFUSED.items():
+        if body.get(k) is not None:
+            raise bad(k, f"'{k}': {msg}")
+    if body.get("background"):
+        raise bad("background", "'background': background responses are not supported")
+    if body.get("store"):
+        warnings.append("'store' is not applied: responses are not stored")
+    if body.get("truncation") == "auto":
+        warnings.append("'truncation: auto' is not applied: a prompt that does not fit is "
+                        "refused")
+    chat = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls")
+            if body.get(k) is not None}
+    if body.get("max_output_tokens") is not None:
+        n = _need(body, "max_output_tokens", int, "")
+        if n < 1:
+            raise bad("max_output_tokens", f"'max_output_tokens' must be at least 1, got {n}")
+        chat["max_tokens"] = n
+    system = [] if body.get("instructions") is None else \
+        [{"role": "system", "content": _need(body, "instructions", str, "")}]
+    chat["messages"] = system + _input(body.get("input"), warnings)
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(_need(body, "tools", list, ""), warnings)
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("text") is not None:
+        chat.update(_text_format(_need(body, "text", dict, ""), warnings))
+    return chat, warnings
+
+
+def _input(items, warnings: list[str]) -> list[dict]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("input", "'input' must be a string or a non-empty list of items")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad(where, f"'{where}' must be an item object")
+        kind = item.get("type", "message")
+        if not isinstance(kind, str) or kind not in _ITEM_KEYS:
+            raise bad(f"{where}.type", f"'{where}.type': items of type {kind!r} are not supported")
+        _warn_unknown(item, f"{where}.", _ITEM_KEYS[kind] | {"type"}, warnings)
+        if kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": _need(item, "call_id", str, where),
+                        "content": _text(item.get("output"), f"{where}.output")})
+        elif kind == "message" and item.get("role") != "assistant":
+            if not isinstance(item.get("role"), str) or item["role"] not in _ROLES:
+                raise bad(f"{where}.role", f"'{where}.role' must be one of {sorted(_ROLES)}")
+            out.append({"role": _ROLES[item["role"]],
+                        "content": _text(item.get("content"), f"{where}.content")})
+        else:
+            _add_assistant_item(_assistant_turn(out), kind, item, where)
+    return out
+
+
+def _assistant_turn(out: list[dict]) -> dict:
+    """The assistant message the next assistant-side item joins: the last one, or a new one."""
+    if not out or out[-1]["role"] != "assistant":
+        out.append({"role": "assistant", "content": ""})
+    return out[-1]
+
+
+def _add_assistant_item(msg: dict, kind: str, item: dict, where: str) -> None:
+    def join(key: str, text: str) -> None:
+        msg[key] = f"{msg[key]}\n{text}" if msg.get(key) else text
+
+    if kind == "message":
+        join("content", _text(item.get("content"), f"{where}.content"))
+    elif kind == "function_call":
+        msg.setdefault("tool_calls", []).append({
+            "id": _need(item, "call_id", str, where), "type": "function",
+            "function": {"name": _need(item, "name", str, where),
+                         "arguments": _need(item, "arguments", str, where)}})
+    else:
+        parts = item.get("content") or item.get("summary") or []
+        text = _text(parts, f"{where}.content", kinds=("reasoning_text", "summary_text"))
+        if text:
+            join("reasoning_content", text)
+
+
+def _text(content, where: str, kinds=("input_text", "output_text")) -> str:
+    """A string, or the text of a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(where, f"'{where}' must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in kinds):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad(f"{where}[{j}]", f"'{where}[{j}]': parts of type {kind!r} are not "
+                      f"supported (only {', '.join(kinds)})")
+        texts.append(_need(part, "text", str, f"{where}[{j}]"))
+    return "\n".join(texts)
+
+
+def _tools(tools: list, warnings: list[str]) -> list[dict]:
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise bad(where, f"'{where}' must be a tool object")
+        if t.get("type") != "function":
+            warnings.append(f"{where} of type {t.get('type')!r} ignored: only function tools "
+                            "are offered to the model")
+            continue
+        _warn_unknown(t, f"{where}.", {"type", "name", "description", "parameters", "strict"},
+                      warnings)
+        fn = {"name": _need(t, "name", str, where)}
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            if t.get(key) is not None:
+                fn[key] = _need(t, key, kind, where)
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(tc) -> str | dict:
+    if tc in ("auto", "none", "required"):
+        return tc
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        return {"type": "function", "function": {"name": _need(tc, "name", str, "tool_choice")}}
+    raise bad("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or "
+              "{\"type\": \"function\", \"name\": ...}")
+
+
+def _text_format(text: dict, warnings: list[str]) -> dict:
+    _warn_unknown(text, "text.", {"format", "verbosity"}, warnings)
+    if text.get("verbosity") is not None:
+        warnings.append("'text.verbosity' is not applied")
+    fmt = text.get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return {}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+        raise bad("text.format", "'text.format.type' must be 'text', 'json_schema' or "
+                  "'json_object'")
+    schema = {"name": _need(fmt, "name", str, "text.format"),
+              "schema": _need(fmt, "schema", dict, "text.format")}
+    schema.update({k: fmt[k] for k in ("strict", "description") if fmt.get(k) is not None})
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+
+
+# responses ---------------------------------------------------------------------------------------
+@dataclass
+class _Item:
+    kind: str  # "reasoning" | "message" | "function_call"
+    text: str = ""  # the reasoning, the message text, or the call's arguments
+    call_id: str = ""  # function_call only
+    name: str = ""
+    call: int = -1  # the call's index in deltas.py
+    status: str = "in_progress"
+    id: str = ""  # set when the item opens
+
+    def wire(self) -> dict:
+        if self.kind == "function_call":
+            return {"type": "function_call", "id": self.id, "call_id": self.call_id,
+                    "name": self.name, "arguments": self.text, "status": self.status}
+        done = self.status != "in_progress"
+        if self.kind == "reasoning":
+            return {"type": "reasoning", "id": self.id, "summary": [], "status": self.status,
+                    "content": [self.part()] if done else []}
+        return {"type": "message", "id": self.id, "role": "assistant", "status": self.status,
+                "content": [self.part()] if done else []}
+
+    def part(self) -> dict:
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": self.text}
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+
+class ResponseStream:
+    """Deltas → Responses SSE events, each with its `sequence_number`: `start()`
+    (response.created, response.in_progress); `feed` each delta (output_item.added, the content
+    part or argument events, output_item.done); `finish` (response.completed or
+    response.incomplete). `response()` is the object the events add up to, so a non-streaming
+    response is this stream with its events dropped.
+
+    `request` is the validated request body (its settings are echoed in the response). A call's
+    arguments must come while its item is open (the parsers stream calls one after another);
+    arguments for any other call are a ValueError."""
+
+    def __init__(self, request: dict, model: str, id: str | None = None):
+        self.request, self.model = request, model
+        self.id = id or f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.items: list[_Item] = []
+        self.open = False  # whether the last item still takes deltas
+        self.status = "in_progress"
+        self.usage: dict | None = None
+        self.error: dict | None = None
+        self.seq = 0  # the next event's sequence_number
+
+    def start(self) -> list[Event]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def feed(self, d: Delta) -> list[Event]:
+        if isinstance(d, ToolCallStart):
+            return self._open(_Item("function_call", call_id=d.id, name=d.name, call=d.index))
+        if isinstance(d, ToolCallArgs):
+            if not (self.open and self.items[-1].call == d.index):
+                raise ValueError(f"arguments for tool call {d.index} while it is not open")
+            return self._append(d.fragment)
+        kind = "message" if isinstance(d, TextDelta) else "reasoning"
+        if not d.text:
+            return []
+        opened = [] if self.open and self.items[-1].kind == kind else self._open(_Item(kind))
+        return opened + self._append(d.text)
+
+    def finish(self, reason: str, input_tokens: int, output_tokens: int,
+               cached_tokens: int = 0) -> list[Event]:
+        """`reason`: "stop", "tool_calls" or "length"."""
+        if reason not in ("stop", "tool_calls", "length"):
+            raise ValueError(f"no Responses status for finish reason {reason!r}")
+        self.status = "incomplete" if reason == "length" else "completed"
+        self.usage = {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "total_tokens": input_tokens + output_tokens,
+                      "input_tokens_details": {"cached_tokens": cached_tokens,
+                                               "cache_write_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}
+        events = self._close(self.status)
+        return events + [self._event(f"response.{self.status}", response=self.response())]
+
+    def fail(self, message: str) -> list[Event]:
+        """The event that ends a stream whose generation failed."""
+        self.status = "failed"
+        self.error = {"code": "server_error", "message": message}
+        return [self._event("response.failed", response=self.response())]
+
+    def response(self) -> dict:
+        r = self.request
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": self.status, "model": self.model, "error": self.error,
+                "incomplete_details": {"reason": "max_output_tokens"}
+                if self.status == "incomplete" else None,
+                "output": [it.wire() for it in self.items if it.status != "in_progress"],
+                "usage": self.usage, "instructions": r.get("instructions"),
+                "max_output_tokens": r.get("max_output_tokens"),
+                "metadata": r.get("metadata") or {},
+                "parallel_tool_calls": r.get("parallel_tool_calls", True) is not False,
+                "temperature": r.get("temperature"), "top_p": r.get("top_p"),
+                "tool_choice": r.get("tool_choice") or "auto",
+                "tools": [t for t in r.get("tools") or [] if t.get("type") == "function"],
+                "text": r.get("text") or {"format": {"type": "text"}}}
+
+    def _event(self, name: str, /, **data) -> Event:
+        self.seq += 1
+        return (name, {"type": name, "sequence_number": self.seq - 1, **data})
+
+    def _where(self) -> dict:
+        return {"item_id": self.items[-1].id, "output_index": len(self.items) - 1}
+
+    def _open(self, item: _Item) -> list[Event]:
+        events = self._close("completed")
+        item.id = f"{_ID_PREFIX[item.kind]}_{uuid.uuid4().hex}"
+        self.items.append(item)
+        self.open = True
+        events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                  item=item.wire()))
+        if item.kind != "function_call":
+            events.append(self._event("response.content_part.added", **self._where(),
+                                      content_index=0, part={**item.part(), "text": ""}))
+        return events
+
+    def _append(self, s: str) -> list[Event]:
+        if not s:
+            return []
+        item = self.items[-1]
+        item.text += s
+        if item.kind == "function_call":
+            return [self._event("response.function_call_arguments.delta", **self._where(),
+                                delta=s)]
+        extra = {"logprobs": []} if item.kind == "message" else {}
+        name = "output_text" if item.kind == "message" else "reasoning_text"
+        return [self._event(f"response.{name}.delta", **self._where(), content_index=0,
+                            delta=s, **extra)]
+
+    def _close(self, status: str) -> list[Event]:
+        if not self.open:
+            return []
+        self.open = False
+        item = self.items[-1]
+        if item.kind == "function_call":
+            events = [self._event("response.function_call_arguments.done", **self._where(),
+                                  arguments=item.text)]
+        else:
+            extra = {"logprobs": []} if item.kind == "message" else {}
+            name = "output_text" if item.kind == "message" else "reasoning_text"
+            events = [self._event(f"response.{name}.done", **self._where(), content_index=0,
+                                  text=item.text, **extra),
+                      self._event("response.content_part.done", **self._where(),
+                                  content_index=0, part=item.part())]
+        item.status = status
+        return events + [self._event("response.output_item.done",
+                                     output_index=len(self.items) - 1, item=item.wire())]
+
+
+def response_object(request: dict, *, model: str, text: str, tool_calls: list[ToolCall],
+                    finish_reason: str, input_tokens: int, output_tokens: int,
+                    reasoning: str | None = None, cached_tokens: int = 0,
+                    id: str | None = None) -> dict:
+    """The non-streaming `/v1/responses` response: reasoning, message, then the calls."""
+    stream = ResponseStream(request, model, id)
+    for d in [ReasoningDelta(reasoning or ""), TextDelta(text)]:
+        stream.feed(d)
+    for i, c in enumerate(tool_calls):
+        stream.feed(ToolCallStart(i, c.id, c.name))
+        stream.feed(ToolCallArgs(i, c.arguments))
+    stream.finish(finish_reason, input_tokens, output_tokens, cached_tokens)
+    return stream.response()

@@ -1,0 +1,243 @@
+"""Routes for editor coding assistants: Anthropic Messages (Claude Code), OpenAI Responses (Codex)
+and llama.cpp's `/infill` (llama.vim, llama.vscode). Each turns its body into the request
+`protocol.py` parses (`anthropic.py`, `responses_api.py` and `fim.py` translate), runs it through
+`driver.generate`, and shapes the output with its own wire below.
+
+Rules
+- `/v1/messages` and `/v1/messages/count_tokens` (`?beta=true` accepted, as Claude Code sends it)
+  answer every error in Anthropic's shape, 401 and 404 included (`app.py` asks `is_anthropic`).
+  A model name the server does not serve (Claude Code sends claude-...) is served by the
+  server's model, logged once per name, and echoed in the response. `max_tokens` is lowered to
+  the room the prompt leaves in the context instead of refused (Claude Code asks for 32000).
+- `/v1/responses` keeps OpenAI's rules: an unknown model is a 404.
+- Streams: Anthropic's named events, with a `ping` after message_start and as the keep-alive;
+  the Responses events; `/infill` sends `{"content": ..., "stop": false}` chunks, then one with
+  `stop: true` and the totals, as llama.cpp's server does (no [DONE]).
+- A generation aborted by a shutdown ends an Anthropic or Responses stream with its error event,
+  and is a 503 when not streaming.
+- Warnings of the translations (fields accepted but not applied) are logged with the request.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..outputs import RequestOutput
+from .anthropic import (MessageStream, count_tokens_request, count_tokens_response,
+                        messages_to_chat)
+from .driver import generate, read_json
+from .fim import missing_fim_tokens, parse_infill
+from .protocol import APIError, ParsedRequest, _build_params, _model, bad, chat_prompt, parse_chat
+from .responses import ResponseBuilder
+from .responses_api import ResponseStream, responses_to_chat
+from .run import Run
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+logger = logging.getLogger("luceio.server")
+
+ANTHROPIC_PATH = "/v1/messages"
+_MAX_LOGGED_NAMES = 64  # model names logged as mapped, at most (a client may send any)
+_ABORTED = "the request was aborted: the server is shutting down"
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def _cached_tokens(run: Run) -> int:
+    return sum(o.num_cached_tokens for o in run.firsts)
+
+
+# wires --------------------------------------------------------------------------------------------
+class _DeltaWire:
+    """The builder's deltas fed to an API's event stream (`MessageStream`, `ResponseStream`);
+    subclasses say how the stream finishes and what the whole response is."""
+    ping_event = None
+
+    def __init__(self, builder: ResponseBuilder, cached: int, stream):
+        self.builder, self.cached, self.stream, self.aborted = builder, cached, stream, False
+
+    def start(self) -> list:
+        return self.stream.start()
+
+    def step(self, prompt_index: int, ro: RequestOutput) -> list:
+        return [ev for d in self.builder.absorb(prompt_index, ro) for ev in self.stream.feed(d)]
+
+    def end(self) -> list:
+        reason, stop_string = self.builder.finish()
+        if reason == "abort":
+            self.aborted = True
+            return self.fail(_ABORTED)
+        return self._finish(reason, stop_string, self.builder.usage())
+
+    def fail(self, message: str) -> list:
+        return self.stream.fail(message)
+
+    def response(self) -> dict:
+        if self.aborted:
+            raise APIError(503, _ABORTED, "server_error", code="shutting_down")
+        return self._whole()
+
+    def _finish(self, reason: str, stop_string: str | None, usage: dict) -> list:
+        raise NotImplementedError
+
+    def _whole(self) -> dict:
+        raise NotImplementedError
+
+
+class _AnthropicWire(_DeltaWire):
+    ping_event = MessageStream.ping()
+
+    def __init__(self, builder: ResponseBuilder, run: Run, model: str):
+        cached = _cached_tokens(run)
+        super().__init__(builder, cached,
+                         MessageStream(model, builder.usage()["prompt_tokens"], cached))
+
+    def start(self) -> list:
+        return super().start() + [self.ping_event]
+
+    def _finish(self, reason: str, stop_string: str | None, usage: dict) -> list:
+        return self.stream.finish(reason, usage["completion_tokens"], stop_string)
+
+    def _whole(self) -> dict:
+        return self.stream.message()
+
+
+class _ResponsesWire(_DeltaWire):
+    def __init__(self, builder: ResponseBuilder, run: Run, request: dict, model: str):
+        super().__init__(builder, _cached_tokens(run), ResponseStream(request, model))
+
+    def _finish(self, reason: str, stop_string: str | None, usage: dict) -> list:
+        return self.stream.finish(reason, usage["prompt_tokens"], usage["completion_tokens"],
+                                  self.cached)
+
+    def _whole(self) -> dict:
+        return self.stream.response()
+
+
+class _InfillWire:
+    """llama.cpp's /infill response: `content`, `stop`, the token counts, `stop_type`
+    (eos, limit or word) with the `stopping_word`, and `timings`. `tokens_cached` counts the
+    prompt tokens read from the prefix cache."""
+    ping_event = None
+
+    def __init__(self, builder: ResponseBuilder, run: Run, model: str):
+        self.builder, self.model, self.cached = builder, model, _cached_tokens(run)
+        self.text: list[str] = []
+        self.metrics = None
+
+    def start(self) -> list:
+        return []
+
+    def step(self, prompt_index: int, ro: RequestOutput) -> list:
+        self.metrics = ro.metrics
+        pieces = [d.text for d in self.builder.absorb(prompt_index, ro)]
+        self.text += pieces
+        return [{"content": text, "stop": False} for text in pieces]
+
+    def end(self) -> list:
+        return [self._final("")]
+
+    @staticmethod
+    def fail(message: str) -> list:
+        return [{"error": {"code": 500, "message": message, "type": "server_error"}}]
+
+    def response(self) -> dict:
+        return self._final("".join(self.text))
+
+    def _final(self, content: str) -> dict:
+        reason, word = self.builder.finish()
+        usage = self.builder.usage()
+        stop_type = "limit" if reason == "length" else "word" if word is not None else "eos"
+        return {"content": content, "stop": True, "model": self.model,
+                "tokens_predicted": usage["completion_tokens"],
+                "tokens_evaluated": usage["prompt_tokens"], "tokens_cached": self.cached,
+                "truncated": False, "stop_type": stop_type, "stopping_word": word or "",
+                "timings": self._timings(usage["prompt_tokens"] - self.cached,
+                                         usage["completion_tokens"])}
+
+    def _timings(self, prompt_n: int, predicted_n: int) -> dict:
+        m = self.metrics
+        first = m.first_token_time if m is not None else None
+        prompt_s = first - m.arrival_time if first is not None else 0.0
+        predicted_s = m.finished_time - first if first is not None and m.finished_time else 0.0
+        return {"prompt_n": prompt_n, "prompt_ms": prompt_s * 1e3,
+                "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+                "predicted_n": predicted_n, "predicted_ms": predicted_s * 1e3,
+                "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0}
+
+
+# routes -------------------------------------------------------------------------------------------
+def assist_routes(state: ServerState, endpoint) -> list[Route]:
+    """The routes, each wrapped by `endpoint` (app.py's error handling)."""
+    ctx, limit = state.ctx, state.args.max_request_bytes
+    logged_names: set[str] = set()
+
+    def served_model(chat: dict) -> str:
+        """The name the client asked for; the chat body gets the served model's."""
+        asked = chat.get("model")
+        if not isinstance(asked, str):
+            raise bad("model", "'model' must be a string")
+        if asked not in ctx.names:
+            if asked not in logged_names and len(logged_names) < _MAX_LOGGED_NAMES:
+                logged_names.add(asked)
+                logger.info("Anthropic requests for model %r are served by %s", asked,
+                            ctx.names[0])
+            chat["model"] = ctx.names[0]
+        return asked
+
+    @endpoint
+    async def messages(request: Request) -> Response:
+        chat, warnings = messages_to_chat(await read_json(request, limit))
+        asked = served_model(chat)
+        req = parse_chat(chat, ctx, fit_max_tokens=True)
+        req.warnings[:0] = warnings
+        return await generate(request, state, req,
+                              lambda builder, run: _AnthropicWire(builder, run, asked))
+
+    @endpoint
+    async def count_tokens(request: Request) -> Response:
+        chat, warnings = count_tokens_request(await read_json(request, limit))
+        served_model(chat)
+        prompt = chat_prompt(chat, ctx)
+        for warning in warnings + prompt.warnings:
+            logger.warning("count_tokens: %s", warning)
+        return JSONResponse(count_tokens_response(len(prompt.ids)))
+
+    @endpoint
+    async def responses(request: Request) -> Response:
+        body = await read_json(request, limit)
+        chat, warnings = responses_to_chat(body)
+        req = parse_chat(chat, ctx)
+        req.warnings[:0] = warnings
+        return await generate(request, state, req,
+                              lambda builder, run: _ResponsesWire(builder, run, body, req.model))
+
+    @endpoint
+    async def infill(request: Request) -> Response:
+        body = await read_json(request, limit)
+        fill = parse_infill(body)
+        model = _model(body, ctx)
+        if ctx.fim is None:
+            raise bad(None, missing_fim_tokens(ctx.tokenizer) if ctx.tokenizer is not None
+                      else "this model has no tokenizer, so it cannot fill in the middle")
+        ids = fill.prompt_token_ids(ctx.fim, ctx.tokenizer)
+        params = _build_params(fill.sampling_kwargs(ctx.fim), ctx, ids, fill.max_tokens,
+                               "input_prefix", "n_predict")
+        req = ParsedRequest(False, f"infill-{uuid.uuid4().hex}", model,
+                            [{"prompt": None, "prompt_token_ids": ids}], [""], [params],
+                            fill.stream, False)
+        return await generate(request, state, req,
+                              lambda builder, run: _InfillWire(builder, run, model))
+
+    return [Route(ANTHROPIC_PATH, messages, methods=["POST"]),
+            Route(ANTHROPIC_PATH + "/count_tokens", count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/infill", infill, methods=["POST"])]

@@ -1,0 +1,236 @@
+"""vLLM drop-in: vLLM's documented examples with `vllm` replaced by `luceio` in the import lines
+(and the model and its engine arguments replaced by the tiny test model), the names vLLM exports,
+and the SamplingParams fields vLLM has: logit_bias and allowed_token_ids against the logits
+transformers computes, detokenize, and the refused ones."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import engine_kwargs
+
+PROMPTS = ["Hello, my name is", "The president of the United States is",
+           "The capital of France is", "The future of AI is"]
+
+# every name vLLM's top-level package exports (vllm/__init__.py MODULE_ATTRS)
+VLLM_NAMES = ["AsyncEngineArgs", "EngineArgs", "AsyncLLMEngine", "LLMEngine", "LLM",
+              "initialize_ray_cluster", "PromptType", "TextPrompt", "TokensPrompt",
+              "ModelRegistry", "SamplingParams", "PoolingParams", "ClassificationOutput",
+              "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
+              "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput", "RequestOutput",
+              "ScoringOutput", "ScoringRequestOutput"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from luceio import LLM
+    return LLM(model=tiny_llama, **engine_kwargs())
+
+
+def test_every_vllm_name_is_provided_or_refused_with_a_reason():
+    import luceio
+    for name in VLLM_NAMES:
+        if name in luceio._ABSENT:
+            with pytest.raises(ImportError, match=f"luceio has no {name}: "):
+                exec(f"from luceio import {name}")
+        else:
+            assert name in luceio.__all__ and getattr(luceio, name) is not None, name
+    assert luceio.AsyncLLMEngine is luceio.AsyncLLM and luceio.AsyncEngineArgs is luceio.EngineArgs
+
+
+# examples/offline_inference/basic/basic.py -----------------------------------------------------
+def test_offline_inference_example(llm, capsys):
+    from luceio import SamplingParams
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+    outputs = llm.generate(PROMPTS, sampling_params)
+    for output in outputs:
+        prompt = output.prompt
+        generated_text = output.outputs[0].text
+        print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+    assert [o.prompt for o in outputs] == PROMPTS
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)  # vLLM's default max_tokens
+    assert "Processed prompts: 100%" in capsys.readouterr().err  # use_tqdm defaults to True
+
+
+# examples/offline_inference/basic/chat.py --------------------------------------------------------
+def test_chat_example(llm, capsys):
+    from luceio import SamplingParams
+    sampling_params = SamplingParams(max_tokens=8, temperature=0)
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant"},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hello! How can I assist you today?"},
+        {"role": "user", "content": "Write an essay about the importance of higher education."},
+    ]
+    outputs = llm.chat(conversation, sampling_params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    rendered = llm.get_tokenizer().apply_chat_template(conversation)
+    assert outputs[0].prompt == rendered and rendered.endswith("<|im_start|>assistant\n")
+    conversations = [conversation for _ in range(10)]
+    batch = llm.chat(conversations, sampling_params, use_tqdm=True)
+    assert "10/10" in capsys.readouterr().err
+    assert [o.outputs[0].token_ids for o in batch] == [outputs[0].outputs[0].token_ids] * 10
+
+
+# examples/offline_inference/async_llm_streaming.py ---------------------------------------------
+async def test_async_llm_streaming_example(tiny_llama, llm):
+    from luceio import AsyncEngineArgs, AsyncLLM
+    from luceio.sampling_params import RequestOutputKind, SamplingParams
+
+    async def stream_response(engine, prompt: str, request_id: str) -> str:
+        sampling_params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=42,
+                                         output_kind=RequestOutputKind.DELTA)
+        text = ""
+        async for output in engine.generate(request_id=request_id, prompt=prompt,
+                                            sampling_params=sampling_params):
+            for completion in output.outputs:
+                text += completion.text
+            if output.finished:
+                break
+        return text
+
+    engine_args = AsyncEngineArgs(model=tiny_llama, enforce_eager=True, **engine_kwargs())
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        streamed = [await stream_response(engine, p, f"stream-example-{i}")
+                    for i, p in enumerate(PROMPTS[:3], 1)]
+    finally:
+        engine.shutdown()  # synchronous, as vLLM's
+    from luceio import SamplingParams as Params
+    reference = llm.generate(PROMPTS[:3], Params(max_tokens=20, temperature=0.8, top_p=0.95,
+                                                 seed=42), use_tqdm=False)
+    assert streamed == [o.outputs[0].text for o in reference]  # seeded: the same draws
+    with pytest.raises(RuntimeError, match="shut down"):
+        await anext(engine.generate("x", request_id="after"))
+
+
+async def test_async_llm_engine_from_engine_args(tiny_llama):
+    from luceio import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+    from luceio.inputs import TokensPrompt
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, **engine_kwargs()))
+    final_output = None
+    async for request_output in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                                                SamplingParams(max_tokens=4), "0"):
+        final_output = request_output
+    engine.shutdown()
+    assert final_output.finished and len(final_output.outputs[0].token_ids) == 4
+
+
+# examples/offline_inference/structured_outputs.py: refused until grammar decoding exists ---------
+def test_structured_outputs_are_refused_not_ignored():
+    from luceio import SamplingParams
+    from luceio.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+    choice = StructuredOutputsParams(choice=["Positive", "Negative"])
+    with pytest.raises(ValueError, match="structured_outputs is not supported yet"):
+        SamplingParams(structured_outputs=choice)
+    with pytest.raises(ValueError, match="guided_decoding is not supported yet"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object"}))
+    with pytest.raises(ValueError, match="one kind"):
+        StructuredOutputsParams(choice=["a"], regex="a")
+
+
+# SamplingParams fields ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def first_logits(tiny_llama):
+    """transformers' logits for the token after PROMPT_IDS: the reference for the first token."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+
+
+PROMPT_IDS = [17, 42, 99, 7, 250, 3]
+
+
+def _first_token(llm, **params) -> int:
+    from luceio import SamplingParams
+    out = llm.generate({"prompt_token_ids": PROMPT_IDS},
+                       SamplingParams(max_tokens=1, temperature=0, **params), use_tqdm=False)
+    return out[0].outputs[0].token_ids[0]
+
+
+def test_logit_bias_and_allowed_token_ids_move_greedy_choice_as_computed(llm, first_logits):
+    ranked = first_logits.argsort(descending=True).tolist()
+    assert _first_token(llm) == ranked[0]
+    allowed = ranked[3:8]  # the best of these by the raw logits wins
+    assert _first_token(llm, allowed_token_ids=allowed[::-1]) == allowed[0]
+    target = ranked[5]  # lifted past the best by a margin far above float error
+    bias = float(first_logits[ranked[0]] - first_logits[target]) + 0.05
+    assert _first_token(llm, logit_bias={target: bias}) == target
+    assert _first_token(llm, logit_bias={target: bias - 0.1}) == ranked[0]  # control
+    assert _first_token(llm, logit_bias={str(ranked[0]): -100}) == ranked[1]  # JSON-style key
+
+
+def test_allowed_token_ids_hold_for_every_sampled_token(llm):
+    from luceio import SamplingParams
+    allowed = [10, 20, 30]
+    out = llm.generate([{"prompt_token_ids": PROMPT_IDS}] * 4,
+                       SamplingParams(max_tokens=12, temperature=1.5, seed=3,
+                                      allowed_token_ids=allowed), use_tqdm=False)
+    tokens = {t for o in out for t in o.outputs[0].token_ids}
+    assert tokens <= set(allowed) and len(tokens) > 1
+
+
+def test_sampler_masks_and_bias_match_hand_computation():
+    from luceio import SamplingParams
+    from luceio.request import Request
+    from luceio.sampler import Sampler
+    logits = torch.tensor([[0.5, 1.0, -2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4]])
+    reqs = [Request(str(i), [1], SamplingParams(temperature=0, **kw), set(), 64)
+            for i, kw in enumerate([{"logit_bias": {1: 2.0, 3: -1.0}},
+                                    {"allowed_token_ids": [0, 2], "logit_bias": {2: -0.5, 3: 9}},
+                                    {}])]
+    inf = float("-inf")
+    expected = torch.tensor([[0.5, 3.0, -2.0, 2.0], [1.0, inf, 2.5, inf], [0.1, 0.2, 0.3, 0.4]])
+    assert torch.equal(Sampler().process(logits, reqs), expected)
+
+
+def test_bad_token_ids_are_refused(llm):
+    from luceio import SamplingParams
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words is not supported"):
+        SamplingParams(bad_words=["foo"])
+
+
+def test_detokenize_false_gives_ids_only(llm):
+    from luceio import SamplingParams
+    out = llm.generate("Hello", SamplingParams(max_tokens=5, detokenize=False, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 5
+    assert all(lp.decoded_token is None for d in out.logprobs for lp in d.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+def test_prompts_as_vllm_typed_dicts(llm):
+    from luceio.inputs import TextPrompt, TokensPrompt
+    from luceio import SamplingParams
+    params = SamplingParams(max_tokens=3, temperature=0)
+    text = llm.generate(TextPrompt(prompt="Hello"), params, use_tqdm=False)[0]
+    ids = llm.generate(TokensPrompt(prompt_token_ids=text.prompt_token_ids), params,
+                       use_tqdm=False)[0]
+    assert text.outputs[0].token_ids == ids.outputs[0].token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "Hello", "multi_modal_data": {}}, params, use_tqdm=False)
+
+
+def test_default_sampling_params_come_from_generation_config(tiny_llama, tmp_path):
+    from luceio import LLM, SamplingParams
+    folder = shutil.copytree(tiny_llama, tmp_path / "model")
+    with open(folder / "generation_config.json", "w") as f:
+        json.dump({"temperature": 0.3, "top_k": 20, "max_new_tokens": 7, "do_sample": True}, f)
+    llm = LLM(str(folder), **engine_kwargs())
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.3, 20, 7)
+    assert defaults.top_p == SamplingParams().top_p
+    assert len(llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) == 7
+    llm.shutdown()
+    assert not hasattr(llm, "engine")
