@@ -6,6 +6,7 @@ import pytest
 
 from conftest import engine_kwargs, make_tiny_model
 from luceio import LLM, AsyncEngine, EngineArgs, SamplingParams
+from luceio.request import Request
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -115,10 +116,12 @@ def test_opt_out_and_penalties_do_not_speculate(tiny_llama):
 def test_cost_model_stops_speculating_when_it_does_not_pay():
     from luceio.spec import SpecDecoder
     spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
-    spec.observe(16, drafted=False, num_tokens=16, seconds=0.010)  # 1600 tok/s plain
-    spec.observe(16, drafted=True, num_tokens=20, seconds=0.020)  # 1000 tok/s with drafts
-    spec.observe(4, drafted=False, num_tokens=4, seconds=0.010)  # 400 tok/s plain
-    spec.observe(4, drafted=True, num_tokens=10, seconds=0.012)  # 833 tok/s with drafts
+    # no draft verified yet: acceptance is the prior 0.5, so k = 2 drafts (the batch-16 cap) are
+    # worth 1.75 tokens per request and k = 4 (batch 4) 1.94
+    spec.observe(16, drafted=False, num_tokens=16, seconds=0.010)
+    spec.observe(16, drafted=True, num_tokens=20, seconds=0.020)  # costs 2x a plain step
+    spec.observe(4, drafted=False, num_tokens=4, seconds=0.010)
+    spec.observe(4, drafted=True, num_tokens=10, seconds=0.012)  # costs 1.2x
     decisions = []
     for step in range(1, 2 * 8):
         spec._step = step
@@ -128,6 +131,27 @@ def test_cost_model_stops_speculating_when_it_does_not_pay():
     assert all(d[1] for d in decisions)
     spec._step = 16
     assert spec.pays(4) is False  # the periodic plain step that refreshes the baseline
+
+
+def test_cost_model_follows_acceptance_not_one_unlucky_step():
+    from luceio.spec import SpecDecoder
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)
+    spec.observe(1, drafted=True, num_tokens=2, seconds=0.012)  # a verify costs 1.2 plain steps
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), eos_token_ids=set(), max_model_len=64)
+    for _ in range(100):
+        spec._record(req, 4, 2)  # acceptance 0.5: 1.94 tokens per verify of 4 drafts
+    spec._step = 1
+    assert spec.pays(1)
+    spec._record(req, 4, 0)  # one step where nothing is accepted
+    assert spec.pays(1)
+    spec.observe(1, drafted=True, num_tokens=1, seconds=0.012)  # ...and emitted a single token
+    assert spec.pays(1)
+    for _ in range(100):
+        spec._record(req, 4, 0)  # acceptance falls to ~0: a verify is worth ~1 token, costs 1.2
+    assert spec.expected_tokens(4) < 1.2 and not spec.pays(1)
+    spec._step = 8
+    assert spec.pays(1)  # the periodic drafting probe still measures acceptance
 
 
 def test_stop_string_with_speculation_matches_plain(tiny_llama):

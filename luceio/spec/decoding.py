@@ -21,6 +21,9 @@ from .rejection import rejection_sample_batch
 
 _EMA = 0.5
 _PROBE_EVERY = 8
+_COST_EMA = 0.2       # step-cost averages remember a few steps
+_ACCEPT_DECAY = 0.98  # acceptance is a decayed count over roughly the last 50 verified drafts
+_ACCEPT_PRIOR = 0.5   # acceptance assumed before any draft is verified (weight: 4 draft tokens)
 
 
 def _bucket(batch_size: int) -> int:
@@ -56,7 +59,8 @@ class SpecDecoder:
         self._ema: dict[str, float] = {}
         self._idle: dict[str, int] = {}
         self._released: list[str] = []  # proposer state is freed on the loop thread, between steps
-        self._tput: dict[tuple[int, bool], float] = {}  # (batch bucket, drafted) -> tokens/s
+        self._cost: dict[tuple[int, bool], float] = {}  # (batch bucket, drafted) -> step seconds
+        self._accepted, self._drafted = 4 * _ACCEPT_PRIOR, 4.0  # decayed token counts
         self._step = 0
         self.last_draft_seconds = 0.0
 
@@ -101,27 +105,40 @@ class SpecDecoder:
 
     # cost model: does speculation pay at this batch size on this machine? -------------------
     def pays(self, batch_size: int) -> bool:
-        """Compares measured throughput (tokens per second of step time) of steps with drafts
-        against plain decode steps of the same batch-size bucket. Every `_PROBE_EVERY * 2`
-        steps one plain step refreshes the baseline and one drafting step re-checks, so the
-        decision follows changes in acceptance."""
+        """Drafting pays when the tokens a drafting step is expected to emit per request,
+        (1 - a^(k+1)) / (1 - a) for acceptance rate a and k drafts, exceed the measured cost of
+        a drafting step relative to a plain step of the same batch-size bucket. `a` is counted
+        over the last ~50 verified drafts, so one unlucky step does not switch drafting off.
+        Every `_PROBE_EVERY * 2` steps one plain step refreshes the baseline cost and one drafting
+        step re-measures the other side (and acceptance, while drafting is off)."""
         b = _bucket(batch_size)
         phase = self._step % (2 * _PROBE_EVERY)
         if phase == 0:
             return False  # measure plain decoding
         if phase == _PROBE_EVERY:
             return True  # measure speculation
-        spec, plain = self._tput.get((b, True)), self._tput.get((b, False))
-        return spec is None or plain is None or spec >= plain
+        spec, plain = self._cost.get((b, True)), self._cost.get((b, False))
+        if spec is None or plain is None:
+            return True
+        return self.expected_tokens(self.batch_cap(batch_size)) >= spec / plain
+
+    def acceptance_rate(self) -> float:
+        """Recent fraction of draft tokens accepted (decayed counts, with a weak prior)."""
+        return self._accepted / self._drafted
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one verify of k drafts emits on average at the recent acceptance rate."""
+        a = min(self.acceptance_rate(), 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
 
     def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float) -> None:
-        """Records one decode step's output tokens and time (drafting included)."""
+        """Records one decode step's time (drafting included)."""
         if seconds <= 0 or num_tokens <= 0:
             return
         key = (_bucket(batch_size), drafted)
-        tput = num_tokens / seconds
-        prev = self._tput.get(key)
-        self._tput[key] = tput if prev is None else _EMA * tput + (1 - _EMA) * prev
+        prev = self._cost.get(key)
+        self._cost[key] = seconds if prev is None else \
+            _COST_EMA * seconds + (1 - _COST_EMA) * prev
 
     def draft(self, reqs: list[Request], ks: list[int]):
         """Worker thread: runs the proposer (reads request tokens, writes only its own state)."""
@@ -189,6 +206,8 @@ class SpecDecoder:
         st.num_verify_steps += 1
         st.num_draft_tokens += num_drafts
         st.num_accepted_tokens += num_accepted
+        self._accepted = _ACCEPT_DECAY * self._accepted + num_accepted
+        self._drafted = _ACCEPT_DECAY * self._drafted + num_drafts
         prev = self._ema.get(r.request_id)
         self._ema[r.request_id] = num_accepted if prev is None else \
             _EMA * num_accepted + (1 - _EMA) * prev
