@@ -26,6 +26,16 @@ SHAPES = {
                                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                                rope_theta=1000000.0, max_position_embeddings=32768,
                                tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True,
+                         rms_norm_eps=1e-5),
+    # the tests' tiny model: a step is almost all host work, so per-step overheads show in full
+    "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=384, rope_theta=10000.0,
+                 max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-6),
 }
 
 
@@ -111,3 +121,15 @@ def run_sections(todo: list, results: dict, path: str) -> None:
             traceback.print_exc()
         results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
         write_json(path, results)
+
+
+def timed_decode(engine) -> tuple[int, float]:
+    """Steps an engine whose requests were just added: the first step (prefill and first token)
+    untimed, then the rest; returns (timed steps, their seconds)."""
+    engine.step()
+    t = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps, time.perf_counter() - t

@@ -1,11 +1,19 @@
-"""AsyncEngine: one asyncio loop owns the engine. A background task drives steps while there is
-work; the forward runs on one worker thread so the loop keeps serving; only the loop thread
-touches engine state. Each request gets a stream fed by the step task.
+"""AsyncEngine: the engine steps on its own thread; asyncio code streams each request's outputs.
+
+Threads: the engine thread owns the LLMEngine. It runs `engine.step()` back to back while there is
+work and sleeps on a condition while there is none. The event loop never touches engine state: it
+sends commands (admit a request, abort one) to the engine thread's inbox, which the engine thread
+drains between steps, and it gets each step's outputs back in one `call_soon_threadsafe` that
+fans them out to the requests' streams. So a step waits for no loop, and the loop waits for no
+step. Commands sent in one loop iteration reach the inbox together: a batch of prompts is admitted
+before any of them steps.
 
 Rules: the loop that first calls `generate` owns the engine until it closes; a call from another
-loop or thread raises RuntimeError. A request id names one request at a time: reusing it while
-that request runs raises ValueError; once it has finished the id is free again, and the old
-consumer's cleanup touches only its own stream.
+loop or thread raises RuntimeError. A refused request (ValueError, QueueFullError) raises from its
+stream's first `__anext__`, before any output. A request id names one request at a time: reusing
+it while that request runs is refused; once it has finished the id is free again, and the old
+consumer's cleanup touches only its own request. A step that raises fails every request in flight
+with RuntimeError("engine step failed: ...") and is logged; the engine keeps serving.
 
 `AsyncLLM` (also `AsyncLLMEngine`) is this engine under vLLM v1's names, whose `shutdown()` is
 synchronous; here `shutdown()` is a coroutine and `close()` its synchronous part."""
@@ -14,27 +22,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from .config import EngineArgs
-from .engine import LLMEngine, PromptType
+from .engine import LLMEngine
+from .inputs import PromptType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("luceio")
 
+STALL_WAIT_S = 0.001  # how long the engine thread waits when work exists but none can be scheduled
+
+
+class _Stream:
+    """One `generate` call's outputs: a queue read on `loop`. `request_id` is set by the engine
+    thread when it admits the request, and read only there."""
+    __slots__ = ("loop", "queue", "request_id")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id: str | None = None
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="luceio-forward")
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._task: asyncio.Task | None = None
-        self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the engine
         self._loop_thread = ""
         self._closed = False
+        self._streams: set[_Stream] = set()  # open streams (loop thread)
+        self._staged: list[tuple] = []  # commands sent in this loop iteration (loop thread)
+        self._wakeup = threading.Condition()  # guards _inbox and _stopping
+        self._inbox: list[tuple] = []
+        self._stopping = False
+        self._sinks: dict[str, _Stream] = {}  # request id -> its stream (engine thread)
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kw) -> "AsyncEngine":
@@ -48,12 +72,16 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def num_open_streams(self) -> int:
+        """Output streams a consumer still holds (the server's metrics read this)."""
+        return len(self._streams)
+
     @property
     def closed(self) -> bool:
         """Shut down: new requests are refused."""
         return self._closed
 
-    # requests ----------------------------------------------------------------------------------
+    # requests (event loop) -----------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs (cumulative by default; see SamplingParams.output_kind).
@@ -61,32 +89,19 @@ class AsyncEngine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         self._check_loop()
-        self._ensure_running()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="luceio-engine", daemon=True)
+            self._thread.start()
         params = sampling_params or SamplingParams()
-        text, ids = self.engine.tokenize(prompt)
-        kept = None
-        keep = self.engine.spec_prefill_keep(len(ids), params)
-        if keep is not None:  # the draft's scoring pass runs on the worker, like a step
-            self.engine.check_request(ids, params)
-            kept = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.engine.spec_prefill.select, ids, keep)
-        scores = None
-        if self.engine.wants_block_scores(len(ids) if kept is None else len(kept)):
-            self.engine.check_request(ids, params)
-            kept_ids = ids if kept is None else [ids[p] for p in kept]
-            scores = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.engine.prompt_block_scores, kept_ids)
-        request_id = self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
-                                             params, kept_positions=kept, block_scores=scores)
-        queue: asyncio.Queue = asyncio.Queue()
-        # may replace the stream of a finished request whose consumer lags: that consumer reads
-        # its own queue, and its cleanup leaves this one alone
-        self._streams[request_id] = queue
-        self._wakeup.set()
+        text, ids = self.engine.tokenize(prompt)  # here, so a long prompt costs no step time
+        stream = _Stream(self._loop)
+        self._streams.add(stream)
+        self._send((self._admit, stream, request_id,
+                    {"prompt": text, "prompt_token_ids": ids}, params), now=False)
         finished = False
         try:
             while True:
-                out = await queue.get()
+                out = await stream.queue.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
@@ -94,105 +109,170 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._streams.get(request_id) is queue:  # else a newer request holds the id
-                del self._streams[request_id]
-                if not finished:
-                    self.engine.abort_request(request_id)
-                    self.engine.finish_step(None, None)  # drop the abort's own output
+            self._streams.discard(stream)
+            if not finished:
+                self._send((self._drop, stream))
 
     async def abort(self, request_id: str) -> None:
+        """Aborts the request between steps: its stream ends with finish_reason "abort"."""
         self._check_loop()
-        self.engine.abort_request(request_id)
-        self._dispatch(self.engine.finish_step(None, None))
+        self._send((self._abort, request_id))
 
-    # the step task -----------------------------------------------------------------------------
+    def _send(self, command: tuple, now: bool = True) -> None:
+        """Hands a command to the engine thread: at once, or (`now=False`, admissions) with the
+        rest of this loop iteration's commands. Order is kept either way."""
+        if self._closed:
+            return  # close() has aborted everything
+        self._staged.append(command)
+        if now:
+            self._flush()
+        elif len(self._staged) == 1:
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        commands, self._staged = self._staged, []
+        if commands:
+            with self._wakeup:
+                self._inbox += commands
+                self._wakeup.notify()
+
     def _check_loop(self) -> None:
         """Binds the engine to the running loop, or raises if another (still open) loop owns it:
-        its queues and step task would never wake a consumer on this one."""
+        its streams would never wake a consumer on this one."""
         loop = asyncio.get_running_loop()
         if self._loop is None or self._loop.is_closed():
+            self._flush()  # commands whose flush died with the old loop
             self._loop, self._loop_thread = loop, threading.current_thread().name
         elif loop is not self._loop:
             raise RuntimeError(f"this AsyncEngine belongs to event loop {self._loop!r} in thread "
                                f"{self._loop_thread!r}; call it from that loop (from another "
                                f"thread: asyncio.run_coroutine_threadsafe)")
 
-    def _ensure_running(self) -> None:
-        if self._task is None or self._task.done() or self._task.get_loop().is_closed():
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="luceio-steps")
+    # the engine thread ---------------------------------------------------------------------------
+    def _serve(self) -> None:
+        stalled = False
+        while True:
+            with self._wakeup:
+                while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
+                    self._wakeup.wait()
+                if stalled and not (self._inbox or self._stopping):
+                    self._wakeup.wait(STALL_WAIT_S)
+                if self._stopping:
+                    return  # close() takes the engine over from here
+                commands, self._inbox = self._inbox, []
+            items, stalled = self._step(commands)
+            self._deliver(items)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed:
+    def _step(self, commands: list[tuple]) -> tuple[list, bool]:
+        """Runs the commands, then one engine step. Returns the (stream, output or error) pairs
+        to deliver, and whether the step found nothing it could schedule."""
+        items: list = []
+        try:
+            self._run_commands(commands, items)
             if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                plan = self.engine.plan_drafts()
-                if plan is not None:
-                    drafts = await loop.run_in_executor(self._executor, self.engine.run_drafts, plan)
-                    self.engine.apply_drafts(plan, drafts)
-                batch = self.engine.schedule_step()
-                result = None
-                if batch is not None:
-                    result = await loop.run_in_executor(self._executor, self.engine.execute, batch)
-                self._dispatch(self.engine.finish_step(batch, result))
-                if batch is None:
-                    await asyncio.sleep(0.001)
-                else:
-                    await asyncio.sleep(0)  # let the consumers run between steps
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a broken step fails its requests, not the server
-                logger.exception("engine step failed; aborting in-flight requests")
-                self._fail_all(e)
+                return items, False
+            steps = self.engine.stats["steps"]
+            items += self._route(self.engine.step())
+            return items, self.engine.stats["steps"] == steps
+        except Exception as e:  # a broken step fails its requests, not the server
+            logger.exception("engine step failed; aborting in-flight requests")
+            return items + self._fail_all(e), False
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    @staticmethod
+    def _run_commands(commands: list[tuple], items: list) -> None:
+        """Each command is (method, *args); it appends what its streams get to `items`."""
+        for fn, *args in commands:
+            fn(items, *args)
+
+    def _admit(self, items: list, stream: _Stream, request_id: str | None, prompt: dict,
+               params: SamplingParams) -> None:
+        try:
+            stream.request_id = self.engine.add_request(request_id, prompt, params)
+        except Exception as e:  # refused: the caller gets it instead of a first output
+            items.append((stream, e))
+            return
+        self._sinks[stream.request_id] = stream
+
+    def _abort(self, items: list, request_id: str) -> None:
+        self.engine.abort_request(request_id)  # its final output comes with the next step's
+
+    def _drop(self, items: list, stream: _Stream) -> None:
+        """The consumer left early: abort its request, unless the id now names a newer one."""
+        if stream.request_id is not None and self._sinks.get(stream.request_id) is stream:
+            del self._sinks[stream.request_id]
+            self.engine.abort_request(stream.request_id)
+
+    def _route(self, outputs: list[RequestOutput]) -> list:
+        items = []
         for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._sinks.get(out.request_id)
+            if stream is not None:
+                items.append((stream, out))
+                if out.finished:
+                    del self._sinks[out.request_id]
+        return items
 
-    def _fail_all(self, error: Exception) -> None:
-        ids = list(self.engine.states)
-        self.engine.abort_request(ids)
-        self.engine.finish_step(None, None)
-        for rid in ids:
-            queue = self._streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(RuntimeError(f"engine step failed: {error}"))
+    def _fail_all(self, error: Exception) -> list:
+        failure = RuntimeError(f"engine step failed: {error}")
+        streams, self._sinks = list(self._sinks.values()), {}
+        self.engine.abort_request(list(self.engine.states))
+        self.engine.finish_step(None, None)  # drop the aborts' own outputs
+        return [(stream, failure) for stream in streams]
 
-    # lifecycle ---------------------------------------------------------------------------------
+    def _deliver(self, items: list) -> None:
+        """One hand-over per loop (there is one but while the engine moves to a new loop)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_fan_out, batch)
+            except RuntimeError:  # that loop closed: nobody reads its streams any more
+                orphans = [rid for rid, s in self._sinks.items() if s.loop is loop]
+                for rid in orphans:
+                    del self._sinks[rid]
+                self.engine.abort_request(orphans)
+
+    # lifecycle -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Refuses new requests, aborts those in flight (their streams end with finish_reason
-        "abort"), cancels the step task and waits for a forward in progress. Call it on the
-        owning loop's thread, or once no loop runs the engine."""
+        """Refuses new requests, stops the engine thread (after the step in progress), and aborts
+        what is in flight: every stream ends with finish_reason "abort", or with its refusal.
+        Call it on the owning loop's thread, or once no loop runs the engine."""
         loop = self._loop
         if loop is not None and loop.is_running() and _running_loop() is not loop:
             raise RuntimeError(f"close this AsyncEngine on its event loop {loop!r} (thread "
                                f"{self._loop_thread!r})")
         self._closed = True
-        ids = list(self.engine.states)
-        if ids:
-            self.engine.abort_request(ids)
-            self._dispatch(self.engine.finish_step(None, None))
-        if self._wakeup is not None:
-            self._wakeup.set()
-        if self._task is not None:
-            self._task.cancel()
-        self._executor.shutdown(wait=True)
+        self._request_stop()
+        if self._thread is not None:
+            self._thread.join()
+        # the engine thread has ended: this thread owns the engine now
+        commands, self._inbox, self._staged = self._inbox + self._staged, [], []
+        items: list = []
+        self._run_commands(commands, items)
+        self.engine.abort_request(list(self.engine.states))
+        items += self._route(self.engine.finish_step(None, None))
+        _fan_out([(s, item) for s, item in items if not s.loop.is_closed()])
 
     async def shutdown(self) -> None:
-        """close(), then waits for the step task to end."""
+        """close(), waiting for the step in progress off the loop."""
         self._check_loop()
+        self._closed = True
+        self._request_stop()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self.close()
-        if self._task is not None:
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+
+    def _request_stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+
+
+def _fan_out(batch: list) -> None:
+    """On the loop: each (stream, output or error) into its stream."""
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 class AsyncLLM(AsyncEngine):

@@ -211,13 +211,15 @@ def test_requests_that_can_never_fit_are_rejected(tiny_llama):
 
 
 async def test_event_loop_stays_responsive(tiny_llama):
-    """Every step's forward runs off the loop: while it runs (on the worker thread), the loop
-    completes a coroutine the step itself waits for. A forward run on the loop thread would
-    wait for a loop it blocks: the step times out and the request fails."""
+    """Every step runs off the loop, on the one engine thread: while a forward runs, the loop
+    completes a coroutine the forward itself waits for. A forward run on the loop thread (or one
+    that waited for the loop to finish its work) could never be served: the step would time out
+    and the request fail. Each step waits for its probe, so a fast machine cannot finish the
+    generation before the loop was tested."""
     engine = AsyncEngine.from_engine_args(EngineArgs(model=tiny_llama, **engine_kwargs()))
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
-    served = []  # per step: the thread the loop served the probe on, while the step waited
+    served, step_threads = [], []  # per step: the probe's thread, and the forward's
     execute = engine.engine.execute
 
     async def probe():
@@ -225,7 +227,7 @@ async def test_event_loop_stays_responsive(tiny_llama):
         return threading.get_ident()
 
     def waiting_execute(batch):
-        assert threading.get_ident() != loop_thread
+        step_threads.append(threading.get_ident())
         served.append(asyncio.run_coroutine_threadsafe(probe(), loop).result(timeout=60))
         return execute(batch)
 
@@ -235,6 +237,7 @@ async def test_event_loop_stays_responsive(tiny_llama):
     assert outs[-1].outputs[0].finish_reason == "length"
     assert len(served) == engine.engine.stats["steps"] == 8
     assert served == [loop_thread] * 8
+    assert len(set(step_threads)) == 1 and loop_thread not in step_threads
     await engine.shutdown()
 
 

@@ -78,7 +78,7 @@ class _EngineCollector:
         yield gauge("luceio_engine_request_states", "requests the engine holds output state for",
                     len(e.states))
         yield gauge("luceio_engine_output_streams", "open async output streams",
-                    len(getattr(m.async_engine, "_streams", ())))
+                    m.async_engine.num_open_streams())
         yield gauge("luceio_kv_blocks_total", "KV cache blocks in the pool", pool.num_blocks)
         yield gauge("luceio_kv_blocks_used", "KV cache blocks held by requests",
                     pool.num_used_blocks)
@@ -89,7 +89,8 @@ class _EngineCollector:
         res = e.kv.residency
         if res is not None:
             yield gauge("luceio_kv_offloaded_blocks", "blocks whose KV waits in host memory "
-                        "(bounded residency)", sum(t.count(-1) for t in e.kv.block_tables.values()))
+                        "(bounded residency)", sum(t.count(-1) for t in list(e.kv.block_tables.values())))  # list(): one C call,
+            # atomic against the engine thread's steps
             yield counter("luceio_kv_offloads", "blocks moved to host memory", res.num_offloaded)
             yield counter("luceio_kv_reloads", "blocks brought back from host memory",
                           res.num_reloaded)
