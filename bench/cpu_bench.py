@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, write_json  # noqa: E402
+from common import env_info, timed_decode, write_json  # noqa: E402
 
 from luceio import LLM, SamplingParams  # noqa: E402
 from luceio.loader.resolve import resolve_model  # noqa: E402
@@ -38,13 +38,8 @@ def _luceio_run(name: str, new: int, dtype: str, threads: int) -> dict:
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     eng = llm.engine
     eng.add_request("b", {"prompt_token_ids": ids}, params)
-    eng.step()  # prefill + first token
-    t = time.perf_counter()
-    n = 1
-    while eng.has_unfinished_requests():
-        eng.step()
-        n += 1
-    decode = (new - 1) / (time.perf_counter() - t)
+    _, seconds = timed_decode(eng)
+    decode = (new - 1) / seconds
     return {"load_s": round(load, 2), "decode_tok_s": round(decode, 2), "threads": torch.get_num_threads(),
             "ids": ids}
 

@@ -3,7 +3,13 @@
 A step is split in three so the async engine can run the middle part on a worker thread while
 only the event-loop thread touches engine state: `schedule_step()` (scheduler + batch tensors),
 `execute(batch)` (forward + sampling, tensors only) and `finish_step(batch, result)` (token
-appends, stop checks, outputs)."""
+appends, stop checks, outputs).
+
+Constrained requests (`SamplingParams.structured_outputs`): `add_request` compiles the grammar
+and starts a matcher per sample; `execute` fills the step's grammar masks on the host after
+launching the forward (so on a GPU they overlap it; its walk through speculative drafts ends
+where it began) and the sampler applies them; `finish_step` feeds the appended tokens to the
+matchers, the only place that advances them, and ends a request whose grammar has terminated."""
 from __future__ import annotations
 
 import itertools
@@ -28,6 +34,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec import build_spec_decoder, build_spec_prefill
+from .structured import GrammarBatch, StructuredOutputs
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("luceio")
@@ -37,6 +44,7 @@ logger = logging.getLogger("luceio")
 class Batch:
     sched: SchedulerOutput
     inputs: StepInputs
+    grammar: GrammarBatch | None = None  # the constrained rows, with their matchers
 
 
 @dataclass
@@ -103,6 +111,7 @@ class LLMEngine:
         self.sampler = Sampler(args.seed)
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
         self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len)
+        self.structured = StructuredOutputs(tokenizer, self.runner.cfg.vocab_size)
         self.states: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -201,6 +210,8 @@ class LLMEngine:
         if kept_positions is None and keep is not None:
             kept_positions = self.spec_prefill.select(ids, keep)
         kept_ids = ids if kept_positions is None else [ids[p] for p in kept_positions]
+        if params.structured_outputs is not None:  # last: a refusal must leave nothing behind
+            self.structured.add(sample_ids, params.structured_outputs)
         arrival = arrival_time or time.monotonic()
         samples = [Request(sample_ids[i], kept_ids, params,
                            self.eos_token_ids, self.max_model_len, parent_id=request_id, index=i,
@@ -268,8 +279,9 @@ class LLMEngine:
 
     def _release_finished(self) -> None:
         ids, self.scheduler.released_ids = self.scheduler.released_ids, []
-        if self.spec is not None:
-            for rid in ids:
+        for rid in ids:
+            self.structured.release(rid)
+            if self.spec is not None:
                 self.spec.release(rid)
 
     def schedule_step(self) -> Batch | None:
@@ -278,18 +290,22 @@ class LLMEngine:
             if sched.swap_out or sched.kv_moves:  # blocks were freed but nothing runs: copy now
                 self.runner.swap(sched)
             return None
-        return Batch(sched, self.runner.prepare(sched, self.kv))
+        inputs = self.runner.prepare(sched, self.kv)
+        return Batch(sched, inputs, self.structured.plan(sched.scheduled, inputs.row_slices,
+                                                         len(inputs.host.logits_indices)))
 
     def execute(self, batch: Batch) -> StepResult:
         """Forward and sampling. Reads request state, writes only tensors: safe off-loop."""
         t0 = time.perf_counter()
         self.runner.swap(batch.sched)
         logits = self.runner.execute(batch.inputs)
+        # host work while the device runs the forward
+        bitmask = batch.grammar.fill() if batch.grammar is not None else None
         res = StepResult()
         rows = batch.inputs.row_slices
         by_id = {s.req.request_id: s for s in batch.sched.scheduled}
         if self.spec is not None and any(s.spec_token_ids for s in batch.sched.scheduled):
-            tokens, lps = self.spec.verify(logits, rows, batch.sched.scheduled)
+            tokens, lps = self.spec.verify(logits, rows, batch.sched.scheduled, bitmask)
             res.sampled.update(tokens)
             res.logprobs.update(lps)
         plain = [by_id[rid].req for rid in rows if rid not in res.sampled]
@@ -297,7 +313,7 @@ class LLMEngine:
             starts = [rows[r.request_id].start for r in plain]
             picked = logits if starts == list(range(len(logits))) else \
                 logits[torch.tensor(starts, device=logits.device)]
-            out = self.sampler(picked, plain)
+            out = self.sampler(picked, plain, bitmask[starts] if bitmask is not None else None)
             for r, tok, lp in zip(plain, out.token_ids, out.logprobs):
                 res.sampled[r.request_id] = [tok]
                 res.logprobs[r.request_id] = [lp]
@@ -324,6 +340,7 @@ class LLMEngine:
                 if rid in self.scheduler.requests:
                     self.kv.residency.set_scores(rid, scores)
             changed = self.scheduler.update(batch.sched, result.sampled)
+            self._advance_grammars(changed)
             now = time.monotonic()
             for req in changed:
                 self._record_sample(req, result, now)
@@ -334,6 +351,23 @@ class LLMEngine:
             self.runner.drop_host_kv(rid)  # finished or aborted (also mid swap-out) while swapped
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
+
+    def _advance_grammars(self, changed: list[Request]) -> None:
+        """Feeds each constrained request's new tokens to its matcher; ends the request when the
+        grammar terminates (tokens after that, which only speculation could add, are dropped)."""
+        for req in changed:
+            matcher = self.structured.matcher(req.request_id)
+            if matcher is None or req.is_finished:
+                continue
+            new = req.output_token_ids[matcher.num_accepted:]
+            taken = matcher.accept(new)
+            if matcher.is_terminated:
+                req.drop_last_tokens(len(new) - taken)
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            elif taken < len(new):  # the mask made this impossible; end it rather than go on
+                logger.error("request %s: token %d is outside its grammar; request aborted",
+                             req.request_id, new[taken])
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
 
     def _observe_spec(self, batch: Batch, result: StepResult) -> None:
         """Feeds decode-only steps' throughput to the speculation cost model."""

@@ -1,12 +1,14 @@
 """Logits → tokens for one step, batched over requests.
 
-Order (as vLLM): allowed_token_ids (every other token to -inf), logit_bias (added) and
-min_tokens masking, repetition/frequency/presence penalties, then temperature, min-p, top-k,
-top-p, then one draw. allowed_token_ids and logit_bias become index tensors for one masked fill
-and one scatter-add over the whole batch. Greedy rows take the argmax of the penalised logits.
-A draw is `argmax(probs / E)` with `E ~ Exp(1)` — an exact sample from
-`probs` — where seeded requests draw E from their own generator, so their output does not
-depend on the batch. Logprobs are of the raw model distribution (before any processing)."""
+Order (as vLLM): the grammar bitmask of constrained rows (`luceio.structured`: tokens the
+grammar does not allow next to -inf), allowed_token_ids (every other token to -inf), logit_bias
+(added) and min_tokens masking, repetition/frequency/presence penalties, then temperature,
+min-p, top-k, top-p, then one draw. allowed_token_ids and logit_bias become index tensors for
+one masked fill and one scatter-add over the whole batch. Greedy rows take the argmax of the
+penalised logits. A draw is `argmax(probs / E)` with `E ~ Exp(1)` — an exact sample from `probs`
+— where seeded requests draw E from their own generator, so their output does not depend on the
+batch. Logprobs are of the raw model distribution (before any processing, the grammar's mask
+included)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
+from .structured import apply_token_bitmask
 
 
 @dataclass
@@ -27,18 +30,23 @@ class Sampler:
         self.seed = seed
         self._global: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
         raw = logits
-        logits = self.process(logits, reqs)
+        logits = self.process(logits, reqs, bitmask)
         tokens = self.draw(logits, reqs)
         logprobs = self.logprobs(raw, tokens, [r.params.logprobs for r in reqs])
         return SamplerOutput(tokens.tolist(), logprobs)
 
     # processing --------------------------------------------------------------------------------
-    def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Penalties, min_tokens, temperature and truncation; returns processed logits
-        (greedy rows keep temperature 1 and no truncation)."""
+    def process(self, logits: torch.Tensor, reqs: list[Request],
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Grammar masks, penalties, min_tokens, temperature and truncation; returns processed
+        logits (greedy rows keep temperature 1 and no truncation). `bitmask`: [rows, words]
+        int32 on the host, one bit per token id (1: allowed), or None."""
         logits = logits.clone()
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
         self._restrict_and_bias(logits, reqs)
         self._mask_min_tokens(logits, reqs)
         if any(_has_penalty(r) for r in reqs):

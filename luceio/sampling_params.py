@@ -4,8 +4,9 @@ Rules: every field is honoured or refused at construction with a ValueError nami
 dropped. `logit_bias` (clamped to [-100, 100], as vLLM and OpenAI do) and `allowed_token_ids` are
 applied by the sampler to the logits before any penalty; `detokenize=False` leaves output text
 empty (so stop strings need it True); `bad_words` is refused for now. `structured_outputs` /
-`guided_decoding` take vLLM's parameter classes below, but luceio has no grammar-constrained
-decoding yet, so setting either raises ValueError rather than returning unconstrained text."""
+`guided_decoding` (vLLM's older name: give one) take vLLM's parameter classes below and are
+enforced by grammar masks (`luceio.structured`); the grammar decides where the output ends, so
+`min_tokens` cannot be combined with them."""
 from __future__ import annotations
 
 import enum
@@ -70,6 +71,8 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.guided_decoding is not None and self.structured_outputs is None:
+            self.structured_outputs = self.guided_decoding
         self._verify()
         self._refuse_unsupported()
 
@@ -99,6 +102,14 @@ class SamplingParams:
              "must not be empty (None allows every token)"),
             ("stop", self.detokenize or not self.stop, "needs detokenize=True (stop strings are "
              "matched on the output text)"),
+            ("guided_decoding", self.guided_decoding in (None, self.structured_outputs),
+             "is vLLM's older name of structured_outputs: give one of them"),
+            ("structured_outputs", self.structured_outputs is None or
+             isinstance(self.structured_outputs, StructuredOutputsParams),
+             "must be a StructuredOutputsParams"),
+            ("min_tokens", self.structured_outputs is None or self.min_tokens == 0,
+             "cannot be combined with structured_outputs (the grammar decides where the output "
+             "ends)"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -116,10 +127,6 @@ class SamplingParams:
         if self.bad_words:
             raise ValueError("bad_words is not supported yet; allowed_token_ids or logit_bias "
                              "(-100) can ban single tokens")
-        for name in ("structured_outputs", "guided_decoding"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported yet: luceio has no grammar-constrained "
-                                 "decoding, and it will not return unconstrained text in its place")
 
     @classmethod
     def from_generation_config(cls, config: dict, **changes) -> "SamplingParams":
@@ -156,11 +163,18 @@ def _logit_bias(bias: dict | None) -> dict[int, float] | None:
     return out
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+GRAMMAR_BACKENDS = ("auto", "xgrammar")
+
+
 @dataclass
 class StructuredOutputsParams:
-    """vLLM's structured-output constraint: one of json (a JSON schema, dict or text), regex,
-    choice, grammar (EBNF), json_object or structural_tag, plus vLLM's options. luceio cannot
-    enforce any of them yet: a SamplingParams given one raises ValueError."""
+    """vLLM's structured-output constraint: exactly one of json (a JSON schema, dict or text),
+    regex, choice (a list of strings), grammar (EBNF, as xgrammar reads it), json_object (any
+    JSON object) or structural_tag (xgrammar's structural tag JSON), plus vLLM's options:
+    disable_any_whitespace (no whitespace between JSON tokens), disable_additional_properties and
+    disable_fallback (always so here: schemas are strict and there is no fallback backend).
+    whitespace_pattern is refused (xgrammar has no such option)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -173,14 +187,34 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def __post_init__(self):
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, k) is not None]
-        if len(kinds) > 1:
-            raise ValueError(f"give one kind of structured-output constraint, got {kinds}")
+        kinds = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"give one kind of structured-output constraint (one of "
+                             f"{', '.join(_CONSTRAINTS)}), got {kinds or 'none'}")
+        checks = [
+            ("json", self.json is None or isinstance(self.json, (str, dict)),
+             "must be a JSON schema (a dict or its JSON text)"),
+            ("choice", self.choice is None or (isinstance(self.choice, list) and self.choice and
+                                               all(isinstance(c, str) for c in self.choice)),
+             "must be a non-empty list of strings"),
+            ("whitespace_pattern", self.whitespace_pattern is None,
+             "is not supported (xgrammar has no such option); disable_any_whitespace=True "
+             "allows no whitespace"),
+        ] + [(k, getattr(self, k) is None or isinstance(getattr(self, k), str), "must be a string")
+             for k in ("regex", "grammar", "structural_tag")]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
 
 @dataclass
 class GuidedDecodingParams(StructuredOutputsParams):
-    """vLLM's name for StructuredOutputsParams before 0.11, with its `backend` choice; refused
-    by SamplingParams like it."""
+    """vLLM's name for StructuredOutputsParams before 0.11, with its `backend` choice (luceio's
+    is xgrammar: "auto" and "xgrammar" are accepted, others refused)."""
     backend: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.backend is not None and self.backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not available: luceio's structured "
+                             f"outputs run on xgrammar (give one of {GRAMMAR_BACKENDS} or None)")

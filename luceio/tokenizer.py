@@ -62,6 +62,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size() if self._hf is not None else self._sp.get_piece_size()
 
+    @property
+    def special_token_ids(self) -> set[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` leaves out of the text."""
+        return set(self._special_ids)
+
+    def backend_json(self) -> str | None:
+        """The HF `tokenizers` description (tokenizer.json text); None for SentencePiece."""
+        return self._hf.to_str() if self._hf is not None else None
+
     # encode / decode ---------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._hf is not None:

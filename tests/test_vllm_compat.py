@@ -5,6 +5,7 @@ transformers computes, detokenize, and the refused ones."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -119,15 +120,83 @@ async def test_async_llm_engine_from_engine_args(tiny_llama):
     assert final_output.finished and len(final_output.outputs[0].token_ids) == 4
 
 
-# examples/offline_inference/structured_outputs.py: refused until grammar decoding exists ---------
-def test_structured_outputs_are_refused_not_ignored():
+# examples/offline_inference/structured_outputs.py ---------------------------------------------------
+def test_structured_outputs_example(llm):
+    """vLLM's example as it is (the tiny random model writes nonsense, inside the grammar; the
+    default 16 tokens can cut an output short, which must then be a prefix of the language)."""
+    from enum import Enum
+
+    from pydantic import BaseModel
+
     from luceio import SamplingParams
     from luceio.sampling_params import GuidedDecodingParams, StructuredOutputsParams
-    choice = StructuredOutputsParams(choice=["Positive", "Negative"])
-    with pytest.raises(ValueError, match="structured_outputs is not supported yet"):
-        SamplingParams(structured_outputs=choice)
-    with pytest.raises(ValueError, match="guided_decoding is not supported yet"):
-        SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object"}))
+
+    structured_outputs_params_choice = StructuredOutputsParams(choice=["Positive", "Negative"])
+    sampling_params_choice = SamplingParams(structured_outputs=structured_outputs_params_choice)
+    prompt_choice = "Classify this sentiment: vLLM is wonderful!"
+
+    structured_outputs_params_regex = StructuredOutputsParams(regex=r"\w+@\w+\.com\n")
+    sampling_params_regex = SamplingParams(structured_outputs=structured_outputs_params_regex,
+                                           stop=["\n"])
+    prompt_regex = ("Generate an email address for Alan Turing, who works in Enigma."
+                    "End in .com and new line. Example result:"
+                    "alan.turing@enigma.com\n")
+
+    class CarType(str, Enum):
+        sedan = "sedan"
+        suv = "SUV"
+        truck = "Truck"
+        coupe = "Coupe"
+
+    class CarDescription(BaseModel):
+        brand: str
+        model: str
+        car_type: CarType
+
+    json_schema = CarDescription.model_json_schema()
+    structured_outputs_params_json = StructuredOutputsParams(json=json_schema)
+    sampling_params_json = SamplingParams(structured_outputs=structured_outputs_params_json)
+    prompt_json = ("Generate a JSON with the brand, model and car_type of"
+                   "the most iconic car from the 90's")
+
+    simplified_sql_grammar = """
+        root ::= select_statement
+        select_statement ::= "SELECT " column " from " table " where " condition
+        column ::= "col_1 " | "col_2 "
+        table ::= "table_1 " | "table_2 "
+        condition ::= column "= " number
+        number ::= "1 " | "2 "
+    """
+    structured_outputs_params_grammar = StructuredOutputsParams(grammar=simplified_sql_grammar)
+    sampling_params_grammar = SamplingParams(structured_outputs=structured_outputs_params_grammar)
+    prompt_grammar = ("Generate an SQL query to show the 'username' and 'email'"
+                      "from the 'users' table.")
+
+    outs = {}
+    for name, prompt, params in [("choice", prompt_choice, sampling_params_choice),
+                                 ("regex", prompt_regex, sampling_params_regex),
+                                 ("json", prompt_json, sampling_params_json),
+                                 ("grammar", prompt_grammar, sampling_params_grammar)]:
+        outputs = llm.generate(prompts=prompt, sampling_params=params)
+        outs[name] = outputs[0].outputs[0]
+    assert outs["choice"].text in ("Positive", "Negative")
+    sql = [f"SELECT col_{a}  from table_{b}  where col_{c} = {d} " for a in "12" for b in "12"
+           for c in "12" for d in "12"]
+    regex = outs["regex"]
+    if regex.finish_reason == "stop":
+        assert re.fullmatch(r"\w+@\w+\.com", regex.text), regex.text
+    else:
+        assert re.fullmatch(r"\w*(@\w*(\.(c(om?)?)?)?)?", regex.text), regex.text
+    grammar = outs["grammar"]
+    assert grammar.text in sql if grammar.finish_reason == "stop" else \
+        any(s.startswith(grammar.text) for s in sql), grammar.text
+    car = outs["json"]
+    if car.finish_reason == "stop":
+        CarDescription.model_validate_json(car.text)
+    else:
+        assert car.text.startswith('{"brand": "') or car.text.startswith("{")
+    guided = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["Positive", "Negative"]))
+    assert llm.generate(prompt_choice, guided)[0].outputs[0].text in ("Positive", "Negative")
     with pytest.raises(ValueError, match="one kind"):
         StructuredOutputsParams(choice=["a"], regex="a")
 

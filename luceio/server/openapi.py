@@ -81,10 +81,12 @@ def _sampling(vocab: int) -> dict:
                              "description": "token id (as a string key) -> added to its logit"}),
         "allowed_token_ids": _null({"type": "array", "minItems": 1, "items": token,
                                     "description": "sample only among these tokens"}),
-        "response_format": _null({"type": "object", "required": ["type"],
-                                  "properties": {"type": {"type": "string", "enum": ["text"]}},
-                                  "description": "json_object and json_schema are refused: "
-                                                 "no grammar-constrained decoding yet"}),
+        "response_format": _null({"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": _BOOL}}},
+            "description": "json_object and json_schema are enforced by a grammar (always "
+                           "strict); json_schema needs json_schema"}),
         "user": _null({"type": "string"}),
     }
 
@@ -139,9 +141,10 @@ def _assist_requests(sampling: dict, tools: bool, fim: bool) -> dict:
                 "description": _null(_STRING), "strict": _BOOL}}})
         prompt["tool_choice"] = _null({
             "type": "object", "required": ["type"], "properties": {
-                "type": {"type": "string", "enum": ["auto", "none"]}},
-            "description": "needs tools; \"any\" and \"tool\" are refused: no "
-                           "grammar-constrained decoding yet"})
+                "type": {"type": "string", "enum": ["auto", "none", "any", "tool"]},
+                "name": _STRING, "disable_parallel_tool_use": _BOOL},
+            "description": "needs tools; \"any\" and \"tool\" (with name) force a call "
+                           "through a grammar"})
     messages = {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
         **prompt, **{k: sampling[k] for k in ("temperature", "top_p", "top_k", "stream")},
         "max_tokens": _int(1, _INT64_MAX, description="lowered to the room the prompt leaves "
@@ -264,10 +267,14 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
             "add_generation_prompt": _BOOL,
             "parallel_tool_calls": _BOOL,
             **({"tools": _null({"type": "array", "items": _TOOL}),
-                "tool_choice": _null({"type": "string", "enum": ["none", "auto"],
-                                      "description": "needs tools; \"required\" and a named "
-                                                     "function are refused (400): no "
-                                                     "grammar-constrained decoding yet"})}
+                "tool_choice": _null({"anyOf": [
+                    {"type": "string", "enum": ["none", "auto", "required"]},
+                    {"type": "object", "required": ["type", "function"], "properties": {
+                        "type": {"type": "string", "enum": ["function"]},
+                        "function": {"type": "object", "required": ["name"],
+                                     "properties": {"name": _STRING}}}}],
+                    "description": "needs tools; \"required\" and a named function force a "
+                                   "call through a grammar"})}
                if tools else {"tools": _null({"type": "array", "maxItems": 0, "description":
                                               "this model's tool calls cannot be parsed"})}),
         },

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import jinja2
 
-from ..sampling_params import RequestOutputKind, SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from ..structured import tool_call_constraint
 from .reasoning import ChatTextParser, ReasoningParserFactory
 from .tool_parsers import ToolParserFactory
 
@@ -78,6 +79,7 @@ class ParsedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     text_parser: Callable[[], ChatTextParser] | None = None  # one per choice; None: text as is
     parallel_tool_calls: bool = True  # False: calls after a choice's first are dropped
+    constraint_param: str | None = None  # the field that asked for an output grammar
     warnings: list[str] = field(default_factory=list)  # fields ignored, for the server to log
 
     @property
@@ -165,21 +167,24 @@ def _model(body: dict, ctx: ModelContext) -> str:
     return m
 
 
-_NEEDS_GRAMMAR = "needs grammar-constrained decoding, which luceio does not have yet"
 # refused on both routes: accepting them would return something other than what was asked for
 _REFUSED = {
     "functions": "legacy function calling is not supported: send 'tools'",
     "function_call": "legacy function calling is not supported: send 'tool_choice'",
-    **{name: f"this constraint {_NEEDS_GRAMMAR}" for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    "guided_whitespace_pattern": "not supported (xgrammar has no such option); "
+                                 "'structured_outputs': {\"disable_any_whitespace\": true} "
+                                 "allows no whitespace",
     "bad_words": "not supported yet; logit_bias -100 bans single tokens",
 }
+# vLLM's extra fields that each give one kind of StructuredOutputsParams
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 _SAMPLING_FIELDS = {
     "model", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "logit_bias",
     "allowed_token_ids", "stream", "stream_options", "response_format", "max_tokens", "logprobs",
-    "user", *_REFUSED}
+    "user", "structured_outputs", *_GUIDED, *_REFUSED}
 _COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "suffix", "echo", "tools"}
 _CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                    "add_generation_prompt", "tools", "tool_choice",
@@ -190,10 +195,50 @@ def _refuse(body: dict) -> None:
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise bad(name, f"'{name}': {why}")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported: "
-                  f"JSON output {_NEEDS_GRAMMAR}")
+
+
+def _output_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output grammar a body asks for, and the field that asked: `response_format`
+    (json_object, json_schema), vLLM's `structured_outputs` object or one of its `guided_*`
+    fields. At most one may be given."""
+    found = []
+    if body.get("response_format") is not None:
+        found.append(("response_format", _response_format(body["response_format"])))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs",
+                      _constraint_params("structured_outputs", body["structured_outputs"])))
+    found += [(name, _constraint_params(name, {kind: body[name]}))
+              for name, kind in _GUIDED.items() if body.get(name) is not None]
+    found = [(name, p) for name, p in found if p is not None]
+    if len(found) > 1:
+        raise bad(found[1][0], f"'{found[1][0]}' cannot be combined with '{found[0][0]}': give "
+                  "one output constraint")
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+def _response_format(rf) -> StructuredOutputsParams | None:
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    js = rf.get("json_schema") if kind == "json_schema" else None
+    if not (isinstance(js, dict) and isinstance(js.get("schema", {}), dict)):
+        raise bad("response_format", "'response_format' must be {\"type\": \"text\"}, "
+                  "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                  f"{{\"name\": ..., \"schema\": {{...}}}}}}, got {_show(rf)}")
+    return StructuredOutputsParams(json=js.get("schema", {}))  # always strict
+
+
+def _constraint_params(name: str, value) -> StructuredOutputsParams:
+    fields = set(StructuredOutputsParams.__dataclass_fields__)
+    if not isinstance(value, dict) or not set(value) <= fields:
+        raise bad(name, f"'{name}' must be an object with one of json, regex, choice, grammar, "
+                  f"json_object, structural_tag (and vLLM's options), got {_show(value)}")
+    try:
+        return StructuredOutputsParams(**value)
+    except ValueError as e:
+        raise bad(name, f"'{name}': {e}") from None
 
 
 def _unknown(body: dict, known: set[str]) -> list[str]:
@@ -312,6 +357,7 @@ def parse_completion(body: dict, ctx: ModelContext) -> ParsedRequest:
     include_usage = _stream_options(body, stream)
     echo = _boolean(body, "echo", False)
     kw = _sampling_kwargs(body)
+    kw["structured_outputs"], constraint_param = _output_constraint(body)
     requested = _integer(body, "max_tokens", None) if "max_tokens" in body else 16
     logprobs = _integer(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= 20:
@@ -334,7 +380,7 @@ def parse_completion(body: dict, ctx: ModelContext) -> ParsedRequest:
         texts.append(text if text is not None else
                      (ctx.tokenizer.decode(ids) if echo and ctx.tokenizer is not None else ""))
     return ParsedRequest(False, f"cmpl-{uuid.uuid4().hex}", model, prompts, texts, params,
-                         stream, include_usage, echo, logprobs,
+                         stream, include_usage, echo, logprobs, constraint_param=constraint_param,
                          warnings=_unknown(body, _COMPLETION_FIELDS))
 
 
@@ -405,6 +451,13 @@ def parse_chat(body: dict, ctx: ModelContext, fit_max_tokens: bool = False) -> P
     parallel = _boolean(body, "parallel_tool_calls", True)
 
     prompt = chat_prompt(body, ctx)
+    kw["structured_outputs"], constraint_param = _output_constraint(body)
+    if prompt.forced_functions is not None:
+        if constraint_param is not None:
+            raise bad("tool_choice", f"a 'tool_choice' that forces a call cannot be combined "
+                      f"with '{constraint_param}'")
+        kw["structured_outputs"], constraint_param = tool_call_constraint(
+            prompt.forced_functions, ctx.tool_parser.call_format, parallel), "tool_choice"
     if fit_max_tokens and requested is not None:
         room = min(ctx.max_model_len, ctx.kv_capacity_tokens) - len(prompt.ids)
         requested = min(requested, room) if room >= 1 else requested
@@ -413,6 +466,7 @@ def parse_chat(body: dict, ctx: ModelContext, fit_max_tokens: bool = False) -> P
                          [{"prompt": prompt.text, "prompt_token_ids": prompt.ids}], [prompt.text],
                          [params], stream, include_usage, False, num_lp,
                          text_parser=prompt.text_parser, parallel_tool_calls=parallel,
+                         constraint_param=constraint_param,
                          warnings=_unknown(body, _CHAT_FIELDS) + prompt.warnings)
 
 
@@ -422,6 +476,7 @@ class ChatPrompt:
     ids: list[int]
     text_parser: Callable[[], ChatTextParser] | None  # how to read what the model writes back
     warnings: list[str]
+    forced_functions: list[dict] | None = None  # tool_choice required/named: a call to one of these
 
 
 def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
@@ -429,7 +484,7 @@ def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
     that `tool_choice` offers, rendered through the model's chat template. What
     /v1/messages/count_tokens counts."""
     messages = _messages(body.get("messages"))
-    tools, warnings = _offered_tools(body)
+    tools, forced, warnings = _offered_tools(body)
     add_gen = _boolean(body, "add_generation_prompt", True)
     tok = ctx.tokenizer
     if tok is None:
@@ -444,7 +499,7 @@ def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
     except (ValueError, jinja2.TemplateError) as e:
         raise bad("messages", f"the chat template failed on these messages: {e}") from None
     ids = tok.encode(text, add_special_tokens=False)
-    return ChatPrompt(text, ids, _text_parser(ctx, text, bool(tools)), warnings)
+    return ChatPrompt(text, ids, _text_parser(ctx, text, bool(tools)), warnings, forced)
 
 
 def _text_parser(ctx: ModelContext, prompt: str,
@@ -460,26 +515,35 @@ def _text_parser(ctx: ModelContext, prompt: str,
                                   tools() if tools else None)
 
 
-def _offered_tools(body: dict) -> tuple[list[dict] | None, list[str]]:
-    """The function tools the model is offered (None: none, or `tool_choice` "none"), and
-    warnings. "required" and a named function are refused: only a grammar could force a call."""
+def _offered_tools(body: dict) -> tuple[list[dict] | None, list[dict] | None, list[str]]:
+    """The function tools the model is offered (None: none, or `tool_choice` "none"), the
+    functions `tool_choice` forces a call to (all for "required", one when named; None
+    otherwise), and warnings."""
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise bad("tools", f"'tools' must be a list, got {_show(tools)}")
     warnings = [w for i, t in enumerate(tools or []) for w in _check_tool(t, f"tools[{i}]")]
     choice = body.get("tool_choice")
     if choice is None or (choice == "auto" and tools):
-        return tools or None, warnings
+        return tools or None, None, warnings
     if not tools:
         raise bad("tool_choice", "'tool_choice' needs 'tools'")
     if choice == "none":
-        return None, warnings
-    if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
-        raise bad("tool_choice", f"'tool_choice' {_show(choice)} is not supported: forcing a "
-                  f"call {_NEEDS_GRAMMAR}; send \"auto\" or \"none\"")
-    raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
-              "{\"type\": \"function\", \"function\": {\"name\": ...}}, "
-              f"got {_show(choice)}")
+        return None, None, warnings
+    functions = [t["function"] for t in tools]
+    if choice == "required":
+        return tools, functions, warnings
+    fn = choice.get("function") if isinstance(choice, dict) and \
+        choice.get("type") == "function" else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+        raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                  "{\"type\": \"function\", \"function\": {\"name\": ...}}, "
+                  f"got {_show(choice)}")
+    named = [f for f in functions if f["name"] == fn["name"]]
+    if not named:
+        raise bad("tool_choice", f"'tool_choice' names the function {_show(fn['name'])}, which "
+                  "is not in 'tools'")
+    return tools, named[:1], warnings
 
 
 def _check_tool(tool, where: str) -> list[str]:
@@ -494,7 +558,8 @@ def _check_tool(tool, where: str) -> list[str]:
             raise bad(f"{where}.function.{key}", f"'{where}.function.{key}' must be a "
                       f"{kind.__name__}, got {_show(fn[key])}")
     if fn.get("strict"):
-        return [f"'{where}.function.strict' is not enforced: that {_NEEDS_GRAMMAR}"]
+        return [f"'{where}.function.strict' is enforced only when 'tool_choice' forces a call "
+                "(\"required\" or this function by name)"]
     return []
 
 

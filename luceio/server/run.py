@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import ClientDisconnect
 
 from ..engine import QueueFullError
+from ..structured import GrammarError
 from .protocol import APIError, ParsedRequest, bad
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class Run:
         if isinstance(e, QueueFullError):
             return APIError(503, f"the server is overloaded ({e}); retry later", "server_error",
                             code="queue_full", headers={"Retry-After": "1"})
+        if isinstance(e, GrammarError) and self.req.constraint_param is not None:
+            return bad(self.req.constraint_param, str(e))
         if isinstance(e, ValueError):
             return bad("messages" if self.req.chat else "prompt", str(e))
         if isinstance(e, RuntimeError) and (st.draining or st.engine.closed):

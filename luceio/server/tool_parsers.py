@@ -20,6 +20,8 @@ Rules:
   whitespace before it, and an open region until it ends. A call's `ToolCallStart` and its
   arguments (one `ToolCallArgs`) are sent once the region closes, because a region that turns
   out malformed must come back as text, which cannot follow fragments already sent as a call.
+- Each parser names the shape a forced call is written in (`call_format`: what the grammar of
+  `tool_choice` "required" or a named function makes the model write), one this parser reads.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterable
 
+from ..structured import ToolCallFormat
 from .deltas import Delta, ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
 
 TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
@@ -187,6 +190,7 @@ class ToolParser(StreamParser):
     tags: tuple[tuple[str, str], ...] = ()
     leading_json = False
     leading_tag = ""  # a marker that may stand before the leading JSON
+    call_format: ToolCallFormat  # how a forced call is written
 
     def __init__(self) -> None:
         super().__init__()
@@ -280,9 +284,13 @@ class ToolParser(StreamParser):
         self._region = None
 
 
+_HERMES_CALL = ToolCallFormat(TOOL_CALL_TAGS[0] + "\n", "\n" + TOOL_CALL_TAGS[1], "\n")
+
+
 class HermesToolParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number in a row."""
     tags = (TOOL_CALL_TAGS,)
+    call_format = _HERMES_CALL
 
 
 class Qwen25CoderToolParser(ToolParser):
@@ -290,12 +298,14 @@ class Qwen25CoderToolParser(ToolParser):
     Qwen2.5-Coder is prompted for the tags but often answers in the other two shapes."""
     tags = (TOOL_CALL_TAGS, JSON_FENCE)
     leading_json = True
+    call_format = _HERMES_CALL  # the tags its template asks for
 
 
 class Llama3JsonToolParser(ToolParser):
     """`{"name": ..., "parameters": {...}}` opening the message, optionally after `<|python_tag|>`."""
     leading_json = True
     leading_tag = PYTHON_TAG
+    call_format = ToolCallFormat("", "", "; ", arguments_key="parameters")
 
 
 ToolParserFactory = Callable[[], ToolParser]

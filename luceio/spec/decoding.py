@@ -163,15 +163,20 @@ class SpecDecoder:
             offset += len(d)
 
     # verifying ---------------------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, rows: dict[str, slice], scheduled) -> tuple[dict, dict]:
+    def verify(self, logits: torch.Tensor, rows: dict[str, slice], scheduled,
+               bitmask: torch.Tensor | None = None) -> tuple[dict, dict]:
         """Rejection-samples every request that had drafts verified this step. Returns
-        (tokens per request id, per-token logprob dicts per request id)."""
+        (tokens per request id, per-token logprob dicts per request id). `bitmask`: the grammar
+        masks of the logits' rows (`luceio.structured`), or None; a draft its grammar refuses
+        has probability zero, so it is rejected."""
         t0 = time.perf_counter()
         items = [s for s in scheduled if s.spec_token_ids and s.req.request_id in rows]
         reqs = [s.req for s in items]
         raw = torch.cat([logits[rows[r.request_id]] for r in reqs])
         per_row = [r for r in reqs for _ in range(rows[r.request_id].stop - rows[r.request_id].start)]
-        processed = self.sampler.process(raw, per_row)
+        masks = torch.cat([bitmask[rows[r.request_id]] for r in reqs]) \
+            if bitmask is not None else None
+        processed = self.sampler.process(raw, per_row, masks)
         greedy = [r.params.greedy for r in reqs]
         target = processed if all(greedy) else processed.softmax(-1)
         draft_probs = None
