@@ -19,6 +19,7 @@ import torch
 from .config import CPU_KV_MAX_FRACTION, CPU_KV_TOKENS, MIN_FITTED_CONTEXT, CacheConfig
 from .loader import Checkpoint
 from .models import AttnMetadata, build_model
+from .models.cpu_decode import CpuDecoder
 from .cache.host_store import HostKVStore, QueryProbe
 from .scheduler import SchedulerOutput
 
@@ -81,6 +82,8 @@ class ModelRunner:
         self.host_store = HostKVStore(self.kv_caches, device,
                                       pool_keys=cache_config.resident_policy == "keys")
         self.graphs = None
+        self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) \
+            if device.type == "cpu" and CpuDecoder.supports(dtype) else None
         if device.type == "cuda" and not enforce_eager:
             from . import kernels
             from .cuda_graphs import StepGraphs
@@ -266,8 +269,19 @@ class ModelRunner:
                 np.int32, [h.block_tables.reshape(-1), h.seq_lens, h.query_start_loc])
             meta = AttnMetadata(slots, bt.view(h.block_tables.shape), seq_lens, qsl,
                                 int(h.q_lens.max()), int(h.seq_lens.max()))
-            hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
+            if self._cpu_decode(h, probe):
+                hidden = self.cpu_decoder(ids, pos, meta)
+            else:
+                hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])
+
+    def _cpu_decode(self, h: HostBatch, probe) -> bool:
+        """Whether the CPU decode path takes this step: one query token per request, no probe,
+        the default kernels (`LUCEIO_KERNELS=torch|triton` asks for the torch references or
+        the Triton kernels)."""
+        from . import kernels
+        return (self.cpu_decoder is not None and probe is None
+                and len(h.input_ids) == len(h.seq_lens) and kernels.kernel_mode() == "auto")
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:

@@ -3,7 +3,6 @@ id reuse, stop-string limits and one-pass matching, one owning event loop, batch
 and KV cache sizing and memory reporting. Tiny random models, fp32, CPU; no assertion depends
 on wall-clock speed."""
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -290,27 +289,26 @@ def _run(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int = 4) -> 
     return Run(state, req)
 
 
-def _spy_first_output(engine: AsyncEngine) -> dict:
-    """Records the engine's requests when the first output of any prompt is handed over."""
-    seen: dict = {}
-    real = engine.generate
+def _spy_admissions(engine: AsyncEngine) -> dict:
+    """Records, per request id, how many engine steps had run when the engine admitted it (a
+    fact that stays true once the request finishes, however fast the steps are)."""
+    admitted: dict = {}
+    real = engine.engine.add_request
 
-    async def generate(prompt, params, rid):
-        async with contextlib.aclosing(real(prompt, params, rid)) as agen:
-            async for o in agen:
-                seen.setdefault("engine_ids", set(engine.engine.states))
-                yield o
-    engine.generate = generate
-    return seen
+    def add_request(request_id, *args, **kwargs):
+        admitted[request_id] = engine.engine.stats["steps"]
+        return real(request_id, *args, **kwargs)
+    engine.engine.add_request = add_request
+    return admitted
 
 
 async def test_batch_prompts_are_admitted_together(tiny_llama):
     engine = _async_engine(tiny_llama)
-    seen = _spy_first_output(engine)
+    admitted = _spy_admissions(engine)
     prompts = [[5 + i] * (3 + i) for i in range(6)]
     run = _run(engine, prompts)
     await run.start()
-    assert seen["engine_ids"] == set(run.ids)  # all in the engine before any first output
+    assert set(admitted) == set(run.ids) and len(set(admitted.values())) == 1  # between two steps
     texts = {i: [] for i in range(len(prompts))}
     async for i, o in run.outputs():
         texts[i] += o.outputs[0].token_ids

@@ -30,8 +30,12 @@ def _triton_available() -> bool:
 _HAS_TRITON = _triton_available()
 
 
+def kernel_mode() -> str:
+    return os.environ.get("LUCEIO_KERNELS", "auto")
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    mode = os.environ.get("LUCEIO_KERNELS", "auto")
+    mode = kernel_mode()
     if mode == "torch" or not _HAS_TRITON:
         return False
     return mode == "triton" or x.is_cuda
@@ -62,7 +66,7 @@ def prepare_weight(w, act_dtype: torch.dtype):
     """A QuantWeight in the form the device's kernels read: the repacked layout itself on GPUs
     (and for the torch reference, `LUCEIO_KERNELS=torch`), torch's packed CPU formats on the
     CPU."""
-    if w.qs.device.type == "cpu" and os.environ.get("LUCEIO_KERNELS", "auto") == "auto":
+    if w.qs.device.type == "cpu" and kernel_mode() == "auto":
         from .quant_cpu import prepare_cpu_weight
         return prepare_cpu_weight(w, act_dtype)
     return w

@@ -121,12 +121,12 @@ def _njit_inline(fn):
 
 
 @_njit_inline
-def _from_bf16(bits):
+def from_bf16(bits):
     return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
 @_njit_inline
-def _to_bf16(v):
+def to_bf16(v):
     """fp32 -> bf16 bits, rounded to nearest even (as torch's `.to(torch.bfloat16)`)."""
     u = np.float32(v).view(np.uint32)
     rounded = np.uint32(u + np.uint32(0x7FFF) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
@@ -163,7 +163,7 @@ def _dequantizer(half: int, chunk: int, factors: tuple[int, ...]):
                         q = (b >> (4 * h)) & 15
                         if planes == 2:
                             q += f1 * ((b1 >> (4 * h)) & 15)
-                        out[kk, o + d + half * h] = _to_bf16(np.float32(q) * scale[c, n]
+                        out[kk, o + d + half * h] = to_bf16(np.float32(q) * scale[c, n]
                                                              + zero[c, n])
 
     blocks = np.zeros((1, 32 * planes, half), np.uint8)  # compile now
@@ -182,10 +182,10 @@ def _fold_scales(sz, chunk, factors, scale, zero):
         for p in range(planes):
             g = (c * planes + p) * chunk // 32
             for n in range(scale.shape[1]):
-                s = _from_bf16(sz[g, n, 0])
+                s = from_bf16(sz[g, n, 0])
                 if p == 0:
                     scale[c, n] = s
-                zero[c, n] += factors[p] * (_from_bf16(sz[g, n, 1]) - 8 * s)  # codes unsigned
+                zero[c, n] += factors[p] * (from_bf16(sz[g, n, 1]) - 8 * s)  # codes unsigned
 
 
 @_njit
@@ -205,4 +205,4 @@ def _dequant_pairs(packed, scale, zero, chunk, factors, block_n, n_pad, start, o
             for p in range(planes):
                 kq = c * planes * chunk + p * chunk + kk % chunk
                 q += factors[p] * ((packed[at + kq * size // 2] >> shift) & 15)
-            out[kk, n - start] = _to_bf16(np.float32(q) * scale[c, n] + zero[c, n])
+            out[kk, n - start] = to_bf16(np.float32(q) * scale[c, n] + zero[c, n])

@@ -190,12 +190,18 @@ def cpu_quant_linear(x: torch.Tensor, w: CpuPacked, bias: torch.Tensor | None = 
     m, k = x.shape
     n = w.shape[0]
     x = x.to(torch.bfloat16).contiguous()
-    if m >= DENSE_MIN_ROWS[w.planes] and int4pack_cpu.available():
-        y = _dense_linear(x, w)
-    else:
-        y = torch._weight_int4pack_mm_for_cpu(_expand(x, w), w.packed, GROUP, w.scales_zeros)
+    y = _dense_linear(x, w) if takes_dense_path(m, w) else packed_mm(x, w)
     y = y[:, :n].to(w.out_dtype)
     return y if bias is None else y + bias
+
+
+def takes_dense_path(m: int, w: CpuPacked) -> bool:
+    return m >= DENSE_MIN_ROWS[w.planes] and int4pack_cpu.available()
+
+
+def packed_mm(x: torch.Tensor, w: CpuPacked) -> torch.Tensor:
+    """bf16 x [M, K] -> bf16 [M, N padded to ROW_ALIGN] on the packed kernel."""
+    return torch._weight_int4pack_mm_for_cpu(_expand(x, w), w.packed, GROUP, w.scales_zeros)
 
 
 def _expand(x: torch.Tensor, w: CpuPacked) -> torch.Tensor:
