@@ -19,6 +19,7 @@ Rules
 """
 from __future__ import annotations
 
+import abc
 import logging
 import uuid
 from typing import TYPE_CHECKING
@@ -56,7 +57,7 @@ def _cached_tokens(run: Run) -> int:
 
 
 # wires --------------------------------------------------------------------------------------------
-class _DeltaWire:
+class _DeltaWire(abc.ABC):
     """The builder's deltas fed to an API's event stream (`MessageStream`, `ResponseStream`);
     subclasses say how the stream finishes and what the whole response is."""
     ping_event = None
@@ -85,11 +86,13 @@ class _DeltaWire:
             raise APIError(503, _ABORTED, "server_error", code="shutting_down")
         return self._whole()
 
+    @abc.abstractmethod
     def _finish(self, reason: str, stop_string: str | None, usage: dict) -> list:
-        raise NotImplementedError
+        """The API's closing events for a finish reason, stop string and usage."""
 
+    @abc.abstractmethod
     def _whole(self) -> dict:
-        raise NotImplementedError
+        """The non-streaming response body."""
 
 
 class _AnthropicWire(_DeltaWire):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import abc
 import secrets
 from collections.abc import Callable, Iterable
 
@@ -152,7 +153,7 @@ class _Region:
                 return m.start()
 
 
-class StreamParser:
+class StreamParser(abc.ABC):
     """One message's text in, deltas out. `feed` appends to the buffer and lets `_step` decide
     what it can; `finish` lets it decide the rest. Subclasses write only `_step`."""
 
@@ -175,9 +176,9 @@ class StreamParser:
         out, self._out = self._out, []
         return out
 
+    @abc.abstractmethod
     def _step(self, final: bool) -> bool:
         """Sends or drops what it can decide at the front of `_buf`; True to be called again."""
-        raise NotImplementedError
 
     def _send(self, kind: type[TextDelta] | type[ReasoningDelta], end: int) -> None:
         if end > 0:
