@@ -33,13 +33,17 @@ RESULTS: dict = {}
 
 
 def llamacpp_rows(path: str | None) -> dict[str, dict]:
-    """file name -> {"tg128": tok/s, "pp512": tok/s} from llama-bench's JSON."""
-    if not path or not os.path.isfile(path):
-        return {}
+    """file name -> {"tg128": tok/s, "pp512": tok/s, "tg128@d8192": tok/s, ...} from one or more
+    llama-bench JSON files (comma-separated paths); `@dN` marks a run at context depth N."""
     out: dict[str, dict] = {}
-    for r in json.load(open(path)):
-        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        out.setdefault(os.path.basename(r["model_filename"]), {})[test] = round(r["avg_ts"], 1)
+    for p in (path or "").split(","):
+        if not p or not os.path.isfile(p):
+            continue
+        for r in json.load(open(p)):
+            test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+            if r.get("n_depth"):
+                test += f"@d{r['n_depth']}"
+            out.setdefault(os.path.basename(r["model_filename"]), {})[test] = round(r["avg_ts"], 1)
     return out
 
 
@@ -68,8 +72,12 @@ def section_files(bw: float, a) -> None:
                        "weight_GiB": round(model.weight_bytes() / 2**30, 3),
                        "roofline_tok_s": round(bw / bytes_tok, 1),
                        "fraction_of_roofline": round(tps * bytes_tok / bw, 3)}
-                if name in ref and ctx == 512:  # llama-bench's tg128 starts from an empty context
-                    row["llamacpp_tg128_tok_s"] = ref[name].get("tg128")
+                # llama-bench's plain tg128 starts from an empty context (used for ctx 512);
+                # longer contexts compare with its run at that depth (-d), where there is one
+                test = "tg128" if ctx == 512 else f"tg128@d{ctx}"
+                if ref.get(name, {}).get(test):
+                    row["llamacpp_test"] = test
+                    row["llamacpp_tg128_tok_s"] = ref[name][test]
                     row["speedup_vs_llamacpp"] = round(tps / row["llamacpp_tg128_tok_s"], 2)
                 print(row, flush=True)
                 rows.append(row)
@@ -235,7 +243,8 @@ def section_32b(bw: float, a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf-dir", default=os.environ.get("GGUF_DIR", "/tmp/gguf"))
-    ap.add_argument("--llamacpp", default=None, help="llama-bench JSON from bench.sh")
+    ap.add_argument("--llamacpp", default=None,
+                    help="llama-bench JSON from bench.sh (comma-separated for several runs)")
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b")
     ap.add_argument("--types", default="F16,Q8_0,Q4_K_M")
     ap.add_argument("--contexts", default="512,8192")

@@ -2,6 +2,9 @@
 
     python bench/gemv_sweep.py [--out DIR] [--repeats N]
 
+GEMV_SWEEP_QTYPES, GEMV_SWEEP_GRID ("bn,bk,warps,prefetch;...") and GEMV_SWEEP_SPLITS ("264,528")
+narrow the sweep.
+
 For each qtype: every tile config in GRID (block_n, block_k, num_warps, prefetch) is timed at
 M = 1 on the MATRICES shapes (bench/qgemm.py's timing: CUDA graph over weight copies spanning
 256 MiB, so every call reads from HBM); the config with the best geometric-mean bandwidth is
@@ -38,6 +41,10 @@ GRID = [(bn, bk, nw, pf) for bn, bk, nw in
         [(8, 1024, 2), (8, 2048, 4), (16, 1024, 2), (32, 1024, 2), (8, 1024, 1), (16, 2048, 2),
          (16, 512, 1), (32, 512, 2)] for pf in (0, 1)]
 SPLITS = [264, 528, 1056]
+if os.environ.get("GEMV_SWEEP_GRID"):  # "bn,bk,warps,prefetch;..." (a shorter sweep)
+    GRID = [tuple(int(v) for v in c.split(",")) for c in os.environ["GEMV_SWEEP_GRID"].split(";")]
+if os.environ.get("GEMV_SWEEP_SPLITS") is not None:
+    SPLITS = [int(v) for v in os.environ["GEMV_SWEEP_SPLITS"].split(",") if v]
 
 
 def run_config(cfg, cases, repeats, copy_bps) -> list[float]:

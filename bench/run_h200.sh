@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# bench/run_h200.sh STAGE: the GPU session's measurements, in calls of under 10 minutes each
+# (the lent machine keeps ignored build outputs between calls while it stays warm).
+#   build-and-test  llama.cpp's CUDA build (background, 16 cores) while `pytest -m gpu tests/gpu`
+#                   runs; test log in $OUT/gpu_tests.log
+#   llamacpp        random-weight GGUFs at Qwen2.5 0.5B/1.5B/7B shapes, quantized to Q4_K_M and
+#                   Q8_0 by llama-quantize, llama-bench on them at depth 0 and 8192
+#                   ($OUT/llamacpp_cuda.json, llamacpp_cuda_d8192.json)
+#   decode          luceio on the same files at contexts 512 and 8192, beside llama-bench's
+#                   numbers ($OUT/decode_gguf.json)
+# Needs carry: .llamacpp/src .llamacpp/bench.sh .llamacpp/build.sh .llamacpp/make_gguf.py
+#              .llamacpp/prepare.sh (see ../shared/tools/llamacpp/README.md).
+set -uo pipefail
+export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export GGUF_DIR=$PWD/.llamacpp/gguf
+SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
+case $1 in
+  build-and-test)
+    (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
+    timeout 500 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+    wait; tail -2 "$OUT/llamacpp_build.log" ;;
+  llamacpp)
+    bash .llamacpp/bench.sh cuda "$OUT" $SHAPES -- Q4_K_M Q8_0 || exit 1
+    M=(); for s in $SHAPES; do for t in Q4_K_M Q8_0; do M+=(-m "$GGUF_DIR/$s-$t.gguf"); done; done
+    .llamacpp/build-cuda/bin/llama-bench "${M[@]}" -p 0 -n 128 -d 8192 -r 2 -ngl 99 -fa 1 \
+      -o json > "$OUT/llamacpp_cuda_d8192.json" || echo "llama-bench -d failed"
+    cp "$OUT"/llamacpp_cuda*.json "$GGUF_DIR/" ;;  # $OUT is new in every call; GGUF_DIR stays
+  decode)
+    shapes=$(echo $SHAPES | tr ' ' ',')
+    python bench/decode_gguf.py --gguf-dir "$GGUF_DIR" --llamacpp "${LLAMACPP_JSON:-$GGUF_DIR/llamacpp_cuda.json,$GGUF_DIR/llamacpp_cuda_d8192.json}" \
+      --shapes "$shapes" --types Q4_K_M,Q8_0 --contexts ${CONTEXTS:-512,8192} --out "$OUT" ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
