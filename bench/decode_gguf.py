@@ -47,6 +47,16 @@ def llamacpp_rows(path: str | None) -> dict[str, dict]:
     return out
 
 
+def compare(row: dict, ref: dict) -> None:
+    """Adds llama-bench's decode speed on the same file to a luceio row: its plain tg128 (from an
+    empty context) for context 512, its run at that depth (-d) for longer contexts."""
+    test = "tg128" if row["context"] == 512 else f"tg128@d{row['context']}"
+    if ref.get(row["file"], {}).get(test):
+        row["llamacpp_test"] = test
+        row["llamacpp_tg128_tok_s"] = ref[row["file"]][test]
+        row["speedup_vs_llamacpp"] = round(row["luceio_tok_s"] / row["llamacpp_tg128_tok_s"], 2)
+
+
 def section_files(bw: float, a) -> None:
     rows = RESULTS.setdefault("decode_batch1", [])
     ref = llamacpp_rows(a.llamacpp)
@@ -72,13 +82,7 @@ def section_files(bw: float, a) -> None:
                        "weight_GiB": round(model.weight_bytes() / 2**30, 3),
                        "roofline_tok_s": round(bw / bytes_tok, 1),
                        "fraction_of_roofline": round(tps * bytes_tok / bw, 3)}
-                # llama-bench's plain tg128 starts from an empty context (used for ctx 512);
-                # longer contexts compare with its run at that depth (-d), where there is one
-                test = "tg128" if ctx == 512 else f"tg128@d{ctx}"
-                if ref.get(name, {}).get(test):
-                    row["llamacpp_test"] = test
-                    row["llamacpp_tg128_tok_s"] = ref[name][test]
-                    row["speedup_vs_llamacpp"] = round(tps / row["llamacpp_tg128_tok_s"], 2)
+                compare(row, ref)
                 print(row, flush=True)
                 rows.append(row)
                 del eng, model
@@ -254,7 +258,17 @@ def main() -> None:
                     "instead of files (--types bf16,Q8_0,Q4_K_M)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--json-name", default="decode_gguf.json")
+    ap.add_argument("--merge", default=None, metavar="DECODE_JSON",
+                    help="measure nothing: add --llamacpp's numbers to an earlier run's rows")
     a = ap.parse_args()
+    if a.merge:
+        res = json.load(open(a.merge))
+        res["llamacpp"] = ref = llamacpp_rows(a.llamacpp)
+        for row in res.get("decode_batch1", []):
+            compare(row, ref)
+        with open(os.path.join(a.out, a.json_name), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     RESULTS["env"] = env_info()
     bw = copy_bandwidth()
     RESULTS["copy_bandwidth_GB_s"] = round(bw / 1e9, 1)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # bench/run_h200.sh STAGE: the GPU session's measurements, in calls of under 10 minutes each
 # (the lent machine keeps ignored build outputs between calls while it stays warm).
+#   prep            llama.cpp's CUDA build while the F16 GGUFs are written and the quantized-
+#                   kernel GPU tests run
 #   build-and-test  llama.cpp's CUDA build (background, 16 cores) while `pytest -m gpu tests/gpu`
 #                   runs; test log in $OUT/gpu_tests.log
 #   llamacpp        random-weight GGUFs at Qwen2.5 0.5B/1.5B/7B shapes, quantized to Q4_K_M and
@@ -16,6 +18,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export GGUF_DIR=$PWD/.llamacpp/gguf
 SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
 case $1 in
+  prep)  # the build and the F16 files at once (the machine is released 30 s after a call)
+    (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
+    mkdir -p "$GGUF_DIR"
+    for s in $SHAPES; do python3 .llamacpp/make_gguf.py "$s" "$GGUF_DIR/$s-F16.gguf" || exit 1; done
+    timeout 200 python -m pytest tests/gpu/test_quant_gpu.py -q -p no:cacheprovider > "$OUT/gpu_quant_tests.log" 2>&1
+    echo "quant gpu tests rc=$?"; tail -2 "$OUT/gpu_quant_tests.log"
+    wait; tail -2 "$OUT/llamacpp_build.log" ;;
   build-and-test)
     (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
     timeout 500 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
