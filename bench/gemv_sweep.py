@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, env_info, write_json  # noqa: E402
 from qgemm import time_per_call, verify, weight_copies  # noqa: E402
 
-from luceio.kernels import configs  # noqa: E402
+from luceio.kernels import configs, prepare_weight  # noqa: E402
 from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
 from luceio.kernels.quant_triton import quant_matmul_skinny  # noqa: E402
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         for name, n, k in MATRICES:
             if qtype.endswith("_k") and k % 256:
                 continue
-            w = random_quant_weight(qtype, n, k, device=dev)
+            w = prepare_weight(random_quant_weight(qtype, n, k, device=dev), torch.bfloat16)
             x = torch.randn(1, k, device=dev).to(torch.bfloat16)
             exact = x.float() @ dequantize(w).T
             cases.append((name, w, weight_copies(w, nbytes(w)), x,

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from luceio.kernels import prepare_weight
 from luceio.kernels.quant import random_quant_weight
 from luceio.kernels.quant_triton import quant_matmul_skinny
 
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
     qtype = argv[0] if argv else "q4_k"
     n, k = (int(v) for v in argv[1:3]) if len(argv) >= 3 else (28672, 4096)
     torch.manual_seed(0)
-    w = random_quant_weight(qtype, n, k, device="cuda")
+    w = prepare_weight(random_quant_weight(qtype, n, k, device="cuda"), torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for _ in range(5):
         quant_matmul_skinny(x, w)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, env_info, write_json  # noqa: E402
 
-from luceio.kernels import configs  # noqa: E402
+from luceio.kernels import configs, prepare_weight  # noqa: E402
 from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
 from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
 from luceio.kernels.quant_triton import (dense_matmul_skinny, dequantize_triton,  # noqa: E402
@@ -58,8 +58,8 @@ def weight_copies(w, nbytes_one: int) -> list:
     count = min(1024, max(1, math.ceil(SPAN_BYTES / nbytes_one)))
     if isinstance(w, torch.Tensor):
         return [w] + [w.clone() for _ in range(count - 1)]
-    return [w] + [replace(w, **{name: t.clone() for name, t in w.tensors().items()})
-                  for _ in range(count - 1)]
+    return [w] + [prepare_weight(replace(w, **{n: t.clone() for n, t in w.tensors().items()}),
+                                 torch.bfloat16) for _ in range(count - 1)]
 
 
 def time_per_call(fns, repeats: int) -> float:
@@ -111,7 +111,8 @@ def bench_matrix(n: int, k: int, qtype: str, rows: list[int], repeats: int, dev)
         w_bytes, w32 = w.numel() * 2, w.float()
         kernel = dense_matmul_skinny
     else:
-        w = random_quant_weight(qtype, n, k, device=dev)
+        # the form the engine keeps on the GPU (q4_k/q5_k scale pairs interleaved)
+        w = prepare_weight(random_quant_weight(qtype, n, k, device=dev), torch.bfloat16)
         w_bytes, w32 = nbytes(w), dequantize(w)
         kernel = quant_matmul_skinny
     weights = weight_copies(w, w_bytes)

@@ -94,6 +94,27 @@ def test_quant_skinny_matches_reference(gen, qtype):
             assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
+def test_paired_scales_change_nothing_but_the_layout(gen, qtype):
+    """`quant.pair_scales` (the form GPUs keep q4_k/q5_k in) moves (sc, mn) and (d, dmin) into
+    pairs: same bytes, same dequantized values, and every kernel gives the same bits."""
+    n, k = 33, 512
+    w = weight(gen, qtype, n, k)
+    wp = quant.pair_scales(w)
+    assert qt.paired(wp.sc, wp.mn) and qt.paired(wp.d, wp.m)
+    assert not qt.paired(w.sc, w.mn)
+    assert quant.nbytes(wp) == quant.nbytes(w)
+    assert torch.equal(dequantize(wp), dequantize(w))
+    assert torch.equal(qt.dequantize_triton(wp), qt.dequantize_triton(w))
+    for m, dtype, split, with_bias in CASES:
+        x = gen.randn(m, k, dtype=dtype)
+        with configs.use_config(SPLIT if split else SMALL):
+            plain, pair = qt.quant_matmul_skinny(x, w), qt.quant_matmul_skinny(x, wp)
+        assert torch.equal(plain, pair), f"{qtype} M={m} split={split} (seed {gen.seed_value})"
+    rows = quant.permute_rows(wp, [3, 1, 2])  # row operations give back the plain layout
+    assert not qt.paired(rows.sc, rows.mn) and torch.equal(dequantize(rows), dequantize(w)[[3, 1, 2]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dense_skinny_matches_linear(gen, dtype):
     n, k = 33, 100  # K not a multiple of 32: masked elements inside the last group

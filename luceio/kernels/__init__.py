@@ -63,12 +63,15 @@ paged_attention = _impl("paged_attention", paged_attention_ref)
 
 # linear layers: dense or quantized weights -----------------------------------------------------
 def prepare_weight(w, act_dtype: torch.dtype):
-    """A QuantWeight in the form the device's kernels read: the repacked layout itself on GPUs
-    (and for the torch reference, `LUCEIO_KERNELS=torch`), torch's packed CPU formats on the
-    CPU."""
+    """A QuantWeight in the form the device's kernels read: the repacked layout on GPUs, with
+    q4_k/q5_k scale pairs interleaved (`quant.pair_scales`), the plain repacked layout for the
+    torch reference (`LUCEIO_KERNELS=torch`), torch's packed CPU formats on the CPU."""
     if w.qs.device.type == "cpu" and kernel_mode() == "auto":
         from .quant_cpu import prepare_cpu_weight
         return prepare_cpu_weight(w, act_dtype)
+    if w.qs.device.type != "cpu":
+        from .quant import pair_scales
+        return pair_scales(w)
     return w
 
 

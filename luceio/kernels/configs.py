@@ -46,10 +46,13 @@ class KernelConfig:
     qgemm_block_n: int = 32
     qgemm_block_k: int = 256             # powers of two >= 32 (whole 32-groups)
     qgemm_num_warps: int = 4
-    gemv_block_n: int = 64
-    gemv_block_k: int = 256
-    gemv_num_warps: int = 4
-    gemv_prefetch: bool = False          # load the next tile's code words before computing this one
+    # the quantized GEMV is laid out for one warp per program (a thread per 32-group, rows in
+    # registers): more warps split tiles between warps and cost layout conversions in the loop.
+    # Defaults: sm_90's measured tile, a starting point for cards not measured yet
+    gemv_block_n: int = 4
+    gemv_block_k: int = 1024
+    gemv_num_warps: int = 1
+    gemv_prefetch: bool = True           # load the next tile's code words before computing this one
     dense_gemv_block_n: int = 64         # 1 row of a dense weight (dense_matmul_skinny)
     dense_gemv_block_k: int = 256
     dense_gemv_num_warps: int = 4
@@ -81,12 +84,12 @@ TABLE: dict[str, KernelConfig] = {
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220,
                           qgemm_block_n=64, qgemm_num_stages=3,
-                          gemv_block_n=8, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
+                          gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "
                                  "gemv_*: bench/gemv_sweep.py (best geometric mean over q4_k, "
-                                 "q6_k; results/h200/gemv_sweep.json), 2026-12-01"),
+                                 "q6_k, q8_0, q5_0; results/h200/gemv_sweep.json), 2026-12-01"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,

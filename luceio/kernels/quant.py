@@ -353,6 +353,19 @@ def cat_rows(ws: list[QuantWeight]) -> QuantWeight:
     return QuantWeight(first.qtype, (sum(w.shape[0] for w in ws), first.shape[1]), **arrays)
 
 
+def pair_scales(w: QuantWeight) -> QuantWeight:
+    """q4_k / q5_k with (sc, mn) stored as one [N, K/32, 2] array and (d, dmin) as one
+    [N, K/256, 2] array, the fields being views of their halves: the same values and bytes, but
+    a kernel reads each (sc, mn) or (d, dmin) pair with one load (`quant_gemv`; the one-row GEMV
+    is bound by its count of small loads). Other qtypes are returned as they are. Row operations
+    (`cat_rows`, `permute_rows`) give back the plain layout."""
+    if w.qtype not in ("q4_k", "q5_k"):
+        return w
+    scmn = torch.stack([w.sc, w.mn], dim=-1)
+    dm = torch.stack([w.d, w.m], dim=-1)
+    return replace(w, sc=scmn[..., 0], mn=scmn[..., 1], d=dm[..., 0], m=dm[..., 1])
+
+
 def permute_rows(w: QuantWeight, index) -> QuantWeight:
     """Row i of the result is row index[i] of w (a gather; index may repeat or drop rows)."""
     index = torch.as_tensor(index, dtype=torch.long, device=w.qs.device)

@@ -34,10 +34,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr):
-    """x [K] -> xq int8 [2, K/32, 16] (plane 0: elements 0-15 of each group, plane 1: 16-31),
-    scale fp32 [K/32], and int32 sums of xq [2, K/32] (per plane). Planes keep the GEMV's x
-    loads contiguous across a warp: a thread reads its group's 16 bytes of each plane."""
+def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
+                       PLANES: tl.constexpr):
+    """x [K] -> xq int8 [K], scale fp32 [K/32], and int32 sums of xq [2, K/32] (elements 0-15
+    and 16-31 of each group). xq is in group order, or with PLANES in two planes [2, K/32, 16]
+    (elements 0-15, then 16-31, of every group), which keeps the 4-bit GEMV's x loads
+    contiguous: its code word j meets x words j of both planes."""
     grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]          # [BG, 1]
     gmask = grp < KG
     col = tl.arange(0, 32)[None, :]
@@ -48,8 +50,11 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexp
     t = x * inv[:, None]
     q = tl.where(t >= 0, t + 0.5, t - 0.5).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -127), 127)
-    plane = col // 16
-    tl.store(xq_ptr + plane * (KG * 16) + grp * 16 + (col % 16), q.to(tl.int8), mask=gmask)
+    if PLANES:
+        dst = (col // 16) * (KG * 16) + grp * 16 + (col % 16)
+    else:
+        dst = grp * 32 + col
+    tl.store(xq_ptr + dst, q.to(tl.int8), mask=gmask)
     tl.store(xs_ptr + grp, scale[:, None], mask=gmask)
     halves = tl.reshape(q, [BLOCK_G, 2, 16])
     sums = tl.sum(halves, 2)                                                    # [BG, 2]
@@ -84,82 +89,122 @@ def _spread2(b):
 
 
 @triton.jit
+def _row_tile(base, row0, N, stride, first, limit, BN: tl.constexpr, C: tl.constexpr):
+    """[BN, C]: base[row * stride + first + c] for rows row0.. (< N) and c < C (first + c <
+    limit), 0 outside. Contiguous along C, so the load gets threads along C whatever Triton
+    version infers the layout (with a tie between rows and columns, Triton 3.6 put threads
+    across rows and then moved every tile through shared memory)."""
+    rows = row0 + tl.arange(0, BN)
+    col = first + tl.arange(0, C)[None, :]
+    mask = (rows < N)[:, None] & (col < limit)
+    return tl.load(base + rows.to(tl.int64)[:, None] * stride + col, mask=mask, other=0)
+
+
+@triton.jit
+def _shared_tile(base, row0, N, stride, g0, g_end, BN: tl.constexpr, G: tl.constexpr,
+                 PER: tl.constexpr):
+    """[BN, G]: base[row * stride + g // PER] for g = g0 .. g0 + G - 1 (a value shared by PER
+    consecutive groups: d of a 256-block, PER = 8); loaded as one flat [BN * G] vector
+    (element i: row i // G, group i % G) and reshaped, so its layout matches the [BN, G] tiles
+    instead of depending on a tie-break."""
+    i = tl.arange(0, BN * G)
+    rows = row0 + i // G
+    grp = g0 + i % G
+    v = tl.load(base + rows.to(tl.int64) * stride + grp // PER,
+                mask=(rows < N) & (grp < g_end), other=0)
+    return tl.reshape(v, [BN, G])
+
+
+@triton.jit
+def _x_tile(base, first, limit, G: tl.constexpr, W: tl.constexpr):
+    """[1, G, W] words of x from base[first ..] (contiguous), 0 at and past `limit`."""
+    c = first + tl.arange(0, G * W)
+    return tl.reshape(tl.load(base + c, mask=c < limit, other=0), [1, G, W])
+
+
+@triton.jit
 def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                  bias_ptr, out_ptr, part_ptr, cnt_ptr, N, KG, groups_per_split, s_qs, s_qh, s_d,
-                 s_sc, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-                 PREFETCH: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    W: tl.constexpr = 8 if QTYPE == "q8_0" else 4          # code words per 32-group
+                 s_sc, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 G: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRED: tl.constexpr):
+    # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
+    # so every type's tile is [BN, G * H, 4] with one thread per (half-)group
+    H: tl.constexpr = 2 if QTYPE == "q8_0" else 1
+    GH: tl.constexpr = G * H
     K_QUANT: tl.constexpr = QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k"
     FIVE: tl.constexpr = QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k"
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
     nmask = rows < N
-    row3 = rows.to(tl.int64)[:, None, None]                              # [BN, 1, 1]
-    row2 = rows.to(tl.int64)[:, None]                                    # [BN, 1]
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, KG)
 
-    acc = tl.zeros([BLOCK_N, G], tl.float32)
-    # q8_0 keeps a group's 8 words as two 16-byte halves, like x's two planes
-    code_ptr = qs_ptr + row3 * s_qs + jj
+    acc = tl.zeros([BLOCK_N, GH], tl.float32)
+    WG: tl.constexpr = 4 * H                                             # words per group
     if PREFETCH:  # the next tile's code words load while this tile computes
-        grp3 = g_start + tl.arange(0, G)[None, :, None]
-        pmask = nmask[:, None, None] & (grp3 < g_end)
-        nxt = tl.load(code_ptr + grp3 * W, mask=pmask, other=0)
-        if W == 8:
-            nxt_hi = tl.load(code_ptr + grp3 * W + 4, mask=pmask, other=0)
+        nxt = _row_tile(qs_ptr, row0, N, s_qs, g_start * WG, g_end * WG, BLOCK_N, G * WG)
     for g0 in range(g_start, g_end, G):
-        grp3 = g0 + tl.arange(0, G)[None, :, None]                       # [1, G, 1]
-        grp = g0 + tl.arange(0, G)[None, :]                              # [1, G]
-        gmask3 = nmask[:, None, None] & (grp3 < g_end)
-        gmask = nmask[:, None] & (grp < g_end)
         if PREFETCH:
             words = nxt
-            nmask3 = nmask[:, None, None] & (grp3 + G < g_end)
-            nxt = tl.load(code_ptr + (grp3 + G) * W, mask=nmask3, other=0)
-            if W == 8:
-                words_hi = nxt_hi
-                nxt_hi = tl.load(code_ptr + (grp3 + G) * W + 4, mask=nmask3, other=0)
+            nxt = _row_tile(qs_ptr, row0, N, s_qs, (g0 + G) * WG, g_end * WG, BLOCK_N, G * WG)
         else:
-            words = tl.load(code_ptr + grp3 * W, mask=gmask3, other=0)
-            if W == 8:
-                words_hi = tl.load(code_ptr + grp3 * W + 4, mask=gmask3, other=0)
-        xmask = grp3 < g_end
-        gm = grp < g_end
-        xs = tl.load(xs_ptr + grp, mask=gm, other=0.0)                   # [1, G]
-        sum_lo = tl.load(xsum_ptr + grp, mask=gm, other=0)               # int32 [1, G]
-        sum_hi = tl.load(xsum_ptr + KG + grp, mask=gm, other=0)
-        x_lo = tl.broadcast_to(tl.load(xq_ptr + grp3 * 4 + jj, mask=xmask, other=0),
-                               words.shape)
-        x_hi = tl.broadcast_to(tl.load(xq_ptr + KG * 4 + grp3 * 4 + jj, mask=xmask, other=0),
-                               words.shape)
+            words = _row_tile(qs_ptr, row0, N, s_qs, g0 * WG, g_end * WG, BLOCK_N, G * WG)
+        words = tl.reshape(words, [BLOCK_N, GH, 4])                      # [BN, GH, 4] int32
         zero = tl.zeros_like(words)
-        if QTYPE == "q8_0":
-            s_lo = tl.sum(_dp4a(words_hi, x_hi, _dp4a(words, x_lo, zero, ASM), ASM), 2)
-        else:
+        if QTYPE == "q8_0":  # x in group order; per half-group: its group's scale, d * xs
+            half = g0 * 2 + tl.arange(0, GH)
+            xs = tl.load(xs_ptr + half // 2, mask=half < g_end * 2, other=0.0)[None, :]
+            xw = tl.broadcast_to(_x_tile(xq_ptr, g0 * 8, g_end * 8, GH, 4), words.shape)
+            s_lo = tl.sum(_dp4a(words, xw, zero, ASM), 2)                # [BN, GH]
+        else:  # x in two planes: elements 0-15 and 16-31 of every group
+            grp = g0 + tl.arange(0, G)
+            gm = grp < g_end
+            xs = tl.load(xs_ptr + grp, mask=gm, other=0.0)[None, :]      # [1, G]
+            sum_lo = tl.load(xsum_ptr + grp, mask=gm, other=0)[None, :]  # int32 [1, G]
+            sum_hi = tl.load(xsum_ptr + KG + grp, mask=gm, other=0)[None, :]
+            x_lo = tl.broadcast_to(_x_tile(xq_ptr, g0 * 4, g_end * 4, G, 4), words.shape)
+            x_hi = tl.broadcast_to(_x_tile(xq_ptr + KG * 4, g0 * 4, g_end * 4, G, 4),
+                                   words.shape)
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
             if FIVE:
-                hw = tl.load(qh_ptr + row3 * s_qh + grp3, mask=gmask3, other=0)
+                hw = _row_tile(qh_ptr, row0, N, s_qh, g0, g_end, BLOCK_N, G)[:, :, None]
                 lo |= _spread1((hw >> (4 * jj)) & 15)
                 hi |= _spread1((hw >> (16 + 4 * jj)) & 15)
             if QTYPE == "q6_k":
-                h0 = tl.load(qh_ptr + row3 * s_qh + 2 * grp3, mask=gmask3, other=0)
-                h1 = tl.load(qh_ptr + row3 * s_qh + 2 * grp3 + 1, mask=gmask3, other=0)
+                # the group's two high-bit words are adjacent: one 64-bit load
+                h01 = _row_tile(qh_ptr.to(tl.pointer_type(tl.int64)), row0, N, s_qh // 2, g0,
+                                g_end, BLOCK_N, G)[:, :, None]
+                h0 = (h01 & 0xFFFFFFFF).to(tl.int32)
+                h1 = ((h01 >> 32) & 0xFFFFFFFF).to(tl.int32)
                 lo |= _spread2((h0 >> (8 * jj)) & 255)
                 hi |= _spread2((h1 >> (8 * jj)) & 255)
                 s_lo = tl.sum(_dp4a(lo, x_lo, zero, ASM), 2)             # [BN, G] int32
                 s_hi = tl.sum(_dp4a(hi, x_hi, zero, ASM), 2)
             else:
                 s_lo = tl.sum(_dp4a(hi, x_hi, _dp4a(lo, x_lo, zero, ASM), ASM), 2)
-        if K_QUANT:
-            d = tl.load(d_ptr + row2 * s_d + grp // 8, mask=gmask, other=0.0).to(tl.float32)
+        if PAIRED:  # q4_k / q5_k in `quant.pair_scales` form: (d, dmin) and (sc, mn) pairs
+            dd = _shared_tile(d_ptr.to(tl.pointer_type(tl.int32)), row0, N, s_d // 2, g0,
+                              g_end, BLOCK_N, G, 8)
+            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = ((dd >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            scmn = _row_tile(sc_ptr.to(tl.pointer_type(tl.int16)), row0, N, s_sc // 2, g0,
+                             g_end, BLOCK_N, G).to(tl.int32)
+            sc = (scmn & 0xFF).to(tl.float32)
+            mn = ((scmn >> 8) & 0xFF).to(tl.float32)
+        elif K_QUANT:
+            d = _shared_tile(d_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G, 8).to(tl.float32)
+        elif QTYPE == "q8_0":
+            d = _shared_tile(d_ptr, row0, N, s_d, g0 * 2, g_end * 2, BLOCK_N, GH,
+                             2).to(tl.float32)
         else:
-            d = tl.load(d_ptr + row2 * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
-        x_sum = sum_lo + sum_hi
+            d = _row_tile(d_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)
+        if QTYPE != "q8_0":
+            x_sum = sum_lo + sum_hi
         if QTYPE == "q4_0":
             acc += (d * xs) * (s_lo - 8 * x_sum).to(tl.float32)
         elif QTYPE == "q5_0":
@@ -167,21 +212,23 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
         elif QTYPE == "q8_0":
             acc += (d * xs) * s_lo.to(tl.float32)
         elif QTYPE == "q4_1" or QTYPE == "q5_1":
-            mm = tl.load(m_ptr + row2 * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
+            mm = _row_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)
             acc += xs * (d * s_lo.to(tl.float32) + mm * x_sum.to(tl.float32))
         elif QTYPE == "q6_k":
             # a group's two int8 sub-scales are adjacent: one 16-bit load (little-endian)
-            pair = tl.load(sc_ptr.to(tl.pointer_type(tl.int16)) + row2 * (s_sc // 2) + grp,
-                           mask=gmask, other=0).to(tl.int32)
+            pair = _row_tile(sc_ptr.to(tl.pointer_type(tl.int16)), row0, N, s_sc // 2, g0,
+                             g_end, BLOCK_N, G).to(tl.int32)
             sc_lo = ((pair << 24) >> 24).to(tl.float32)
             sc_hi = (pair >> 8).to(tl.float32)
             acc += (d * xs) * (sc_lo * (s_lo - 32 * sum_lo).to(tl.float32)
                                + sc_hi * (s_hi - 32 * sum_hi).to(tl.float32))
         else:  # q4_k, q5_k: (d * sc) * q - dmin * mn
-            sc = tl.load(sc_ptr + row2 * s_sc + grp, mask=gmask, other=0).to(tl.float32)
-            mn = tl.load(mn_ptr + row2 * s_sc + grp, mask=gmask, other=0).to(tl.float32)
-            dmin = tl.load(m_ptr + row2 * s_d + grp // 8, mask=gmask, other=0.0).to(tl.float32)
-            acc += xs * ((d * sc) * s_lo.to(tl.float32) - (dmin * mn) * x_sum.to(tl.float32))
+            if not PAIRED:
+                sc = _row_tile(sc_ptr, row0, N, s_sc, g0, g_end, BLOCK_N, G)
+                mn = _row_tile(mn_ptr, row0, N, s_sc, g0, g_end, BLOCK_N, G)
+                dmin = _shared_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G, 8)
+            acc += xs * ((d * sc.to(tl.float32)) * s_lo.to(tl.float32)
+                         - (dmin.to(tl.float32) * mn.to(tl.float32)) * x_sum.to(tl.float32))
 
     y = tl.sum(acc, 1)                                                   # [BN]
     if SPLIT:
@@ -221,17 +268,18 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [K] (K % 32 == 0) -> (xq int8 [2, K/32, 16] in two planes, scale fp32 [K/32], xq
-    sums int32 [2, K/32]); see `_quantize_x_kernel`."""
+def quantize_x(x: torch.Tensor, planes: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [K] (K % 32 == 0) -> (xq int8 [K] (two planes, or group order), scale fp32 [K/32],
+    xq sums int32 [2, K/32]); see `_quantize_x_kernel`."""
     k = x.numel()
     kg = k // 32
-    xq = torch.empty((2, kg, 16), dtype=torch.int8, device=x.device)
+    xq = torch.empty(k, dtype=torch.int8, device=x.device)
     xs = torch.empty(kg, dtype=torch.float32, device=x.device)
     xsum = torch.empty((2, kg), dtype=torch.int32, device=x.device)
     block_g = 16
     _quantize_x_kernel[(triton.cdiv(kg, block_g),)](x, xq, xs, xsum, kg, BLOCK_G=block_g,
-                                                   num_warps=4)
+                                                   PLANES=planes, num_warps=4)
     return xq, xs, xsum
 
 
@@ -241,9 +289,17 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     `weights` / `strides` as `quant_triton._weight_args` gives them, with qs as int32 words;
     `split_k(cfg, n_programs, k_tiles)` -> (splits, tiles per split). Two launches: x's
     quantization and the GEMV (split-K partials are summed by the GEMV's last split)."""
-    if qtype == "q6_k" and weights[4].data_ptr() % 2:  # sub-scales are read in pairs
-        weights = (*weights[:4], weights[4].clone(), weights[5])
-    xq, xs, xsum = quantize_x(x2.reshape(-1))
+    from .quant_triton import paired
+    qs, qh, d, m, sc, mn = weights
+    if qtype == "q6_k":  # sub-scales are read in pairs, high-bit words two at a time
+        qh = qh.clone() if qh.data_ptr() % 8 else qh
+        sc = sc.clone() if sc.data_ptr() % 2 else sc
+    pair = qtype in ("q4_k", "q5_k") and paired(d, m) and paired(sc, mn)
+    if not pair and d.stride(-1) != 1:  # half of a pair: the plain kernel reads stride 1
+        d, m, sc, mn = (t.contiguous() for t in (d, m, sc, mn))
+    s_qs, s_qh = strides[0], qh.stride(0)
+    s_d, s_sc = d.stride(0), sc.stride(0)
+    xq, xs, xsum = quantize_x(x2.reshape(-1), planes=qtype != "q8_0")
     g = max(1, cfg.gemv_block_k // 32)
     kg = k // 32
     n_programs = triton.cdiv(n, cfg.gemv_block_n)
@@ -253,10 +309,10 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     has_bias = bias is not None
     bias_arg = bias if has_bias else out2
     _gemv_kernel[(n_programs, split)](
-        xq.view(torch.int32), xs, xsum, *weights, bias_arg, out2, part, counters, n, kg,
-        tiles * g, *strides, QTYPE=qtype, BLOCK_N=cfg.gemv_block_n, G=g,
+        xq.view(torch.int32), xs, xsum, qs, qh, d, m, sc, mn, bias_arg, out2, part, counters,
+        n, kg, tiles * g, s_qs, s_qh, s_d, s_sc, QTYPE=qtype, BLOCK_N=cfg.gemv_block_n, G=g,
         PREFETCH=cfg.gemv_prefetch, ASM=use_asm, SPLIT=split > 1, HAS_BIAS=has_bias,
-        num_warps=cfg.gemv_num_warps)
+        PAIRED=pair, num_warps=cfg.gemv_num_warps)
 
 
 def quantize_x_ref(x: torch.Tensor) -> torch.Tensor:

@@ -56,11 +56,12 @@ def _as_float(q, zero: tl.constexpr):
 
 @triton.jit
 def _quant_tile(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG,
-                s_qs, s_qh, s_d, s_sc, QTYPE: tl.constexpr, G: tl.constexpr):
+                s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr):
     """Groups g0 .. g0+G-1 of `row` ([BLOCK_N, 1] int64): (lo, hi), fp32 [BLOCK_N, G, 16] codes
     minus the zero point, and (scale_lo, scale_hi, offset), fp32 [BLOCK_N, G]: a weight is
     scale * code - offset, scale_hi for the hi half (differs from scale_lo only for q6_k).
-    Rows >= N and groups >= KG read as 0."""
+    Rows >= N and groups >= KG read as 0. `e_d` / `e_sc`: element strides of d, m / sc, mn
+    (1, or 2 in the paired form of `quant.pair_scales`)."""
     grp = g0 + tl.arange(0, G)[None, :]                                   # [1, G]
     j = tl.arange(0, 16)[None, None, :]
     gmask = nmask[:, None] & (grp < KG)                                   # [BLOCK_N, G]
@@ -93,7 +94,7 @@ def _quant_tile(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG
             lo, hi = _as_float(q_lo, 0.0), _as_float(q_hi, 0.0)
 
     if QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k":  # d (and dmin) per 8 groups
-        d = tl.load(d_ptr + row * s_d + grp // 8, mask=gmask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0).to(tl.float32)
     else:
         d = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
     scale_lo = d
@@ -102,9 +103,10 @@ def _quant_tile(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG
     if QTYPE == "q4_1" or QTYPE == "q5_1":                 # d * q + m
         offset = -tl.load(m_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
     if QTYPE == "q4_k" or QTYPE == "q5_k":                 # (d * sc) * q - dmin * mn
-        sc = tl.load(sc_ptr + row * s_sc + grp, mask=gmask, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + row * s_sc + grp, mask=gmask, other=0).to(tl.float32)
-        dmin = tl.load(m_ptr + row * s_d + grp // 8, mask=gmask, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
+        dmin = tl.load(m_ptr + row * s_d + (grp // 8) * e_d, mask=gmask,
+                       other=0.0).to(tl.float32)
         scale_lo = d * sc
         scale_hi = scale_lo
         offset = dmin * mn
@@ -140,7 +142,7 @@ def _dot_acc(acc, x, w, DOT_IEEE: tl.constexpr):
 @triton.jit
 def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                    part_ptr, M, N, K, KG, tiles_per_split, s_xm, s_om,
-                   s_qs, s_qh, s_d, s_sc,
+                   s_qs, s_qh, s_d, s_sc, e_d, e_sc,
                    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
                    DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -186,7 +188,7 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
         else:
             lo, hi, scale_lo, scale_hi, offset = _quant_tile(
                 qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
-                s_qs, s_qh, s_d, s_sc, QTYPE, G)
+                s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G)
             if USE_DOT:
                 w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
                 cols = k0 + lo_cols
@@ -245,7 +247,7 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
 
 @triton.jit
 def _dequant_kernel(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, KG,
-                    s_qs, s_qh, s_d, s_sc, s_o,
+                    s_qs, s_qh, s_d, s_sc, e_d, e_sc, s_o,
                     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     G: tl.constexpr = BLOCK_K // 32
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,7 +256,7 @@ def _dequant_kernel(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, KG
     g0 = tl.program_id(1) * G
     lo, hi, scale_lo, scale_hi, offset = _quant_tile(
         qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG,
-        s_qs, s_qh, s_d, s_sc, QTYPE, G)
+        s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G)
     w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
     grp = g0 + tl.arange(0, G)[None, :]
     off = (row * s_o + grp * 32)[:, :, None] + tl.arange(0, 16)[None, None, :]
@@ -276,15 +278,34 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_args(w: QuantWeight) -> tuple:
-    """(pointers qs, qh, d, m, sc, mn; row strides s_qs, s_qh, s_d, s_sc), qh as int32 words;
-    absent arrays are replaced by qs (never read: the QTYPE branches skip them)."""
+    """(pointers qs, qh, d, m, sc, mn; strides s_qs, s_qh, s_d, s_sc (rows), e_d, e_sc (elements
+    of d/m and of sc/mn)), qh as int32 words; absent arrays are replaced by qs (never read: the
+    QTYPE branches skip them). The paired form of `quant.pair_scales` passes as it is (element
+    stride 2); any other non-contiguous array is made contiguous."""
     qs = w.qs.contiguous()
     qh = _words(w.qh) if w.qh is not None else qs
-    d = w.d.contiguous()
-    m = w.m.contiguous() if w.m is not None else d
-    sc = w.sc.contiguous() if w.sc is not None else qs
-    mn = w.mn.contiguous() if w.mn is not None else qs
-    return (qs, qh, d, m, sc, mn), (qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0))
+    d, m = _pair_or_contiguous(w.d, w.m)
+    sc, mn = _pair_or_contiguous(w.sc, w.mn)
+    m = m if m is not None else d
+    sc = sc if sc is not None else qs
+    mn = mn if mn is not None else qs
+    return (qs, qh, d, m, sc, mn), (qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0),
+                                    d.stride(1), sc.stride(1))
+
+
+def _pair_or_contiguous(a, b):
+    if a is None:
+        return a, b
+    if b is not None and paired(a, b):
+        return a, b
+    return a.contiguous(), (b.contiguous() if b is not None else None)
+
+
+def paired(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the two halves of one [N, G, 2] array (`quant.pair_scales`)."""
+    return (a.dim() == 2 and a.stride(1) == 2 and b.stride() == a.stride()
+            and a.stride(0) == 2 * a.shape[1] and a.dtype == b.dtype
+            and b.data_ptr() == a.data_ptr() + a.element_size())
 
 
 def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int) -> tuple[int, int]:
@@ -371,7 +392,7 @@ def dense_matmul_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """x [..., K] @ weight [N, K]^T + bias, with the skinny kernel (any K, any float weight)."""
     n, k = weight.shape
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    return _skinny(x, (weight,) * 6, (weight.stride(0), 0, 0, 0), DENSE, n, k, bias, out)
+    return _skinny(x, (weight,) * 6, (weight.stride(0), 0, 0, 0, 1, 1), DENSE, n, k, bias, out)
 
 
 def dequantize_triton(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -141,6 +141,8 @@ class Embedding(nn.Module):
         self.qweight, self.out_dtype, self.weight = value.to(device), dtype, None
         if tied:
             self.head_part = kernels.prepare_weight(self.qweight, dtype)
+            if isinstance(self.head_part, QuantWeight):  # the GPU form: one copy for both uses
+                self.qweight = self.head_part
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
