@@ -95,13 +95,26 @@ class Tokenizer:
                             tools: list | None = None, **kwargs) -> str:
         """Renders OpenAI-shaped `messages` (assistant `tool_calls`, `tool` results) and `tools`
         (the OpenAI list, passed to the template as is) through the model's template; `kwargs`
-        reach the template too (`enable_thinking=False` for Qwen3)."""
+        reach the template as extra variables (`enable_thinking=False` for Qwen3), none of them
+        one of `TEMPLATE_VARIABLES`."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API")
-        template = _compile_template(self.chat_template)
+        taken = sorted(set(kwargs) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the renderer, not a template kwarg")
+        template = _compile_template(self.chat_template)[0]
         special = {k: v for k, v in self.special_tokens.items() if v is not None}
         return template.render(messages=[_template_message(m) for m in messages], tools=tools,
                                add_generation_prompt=add_generation_prompt, **special, **kwargs)
+
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (none without a template)."""
+        return _compile_template(self.chat_template)[1] if self.chat_template else frozenset()
+
+
+# what the renderer gives every template: its arguments, the special tokens, the globals
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                      "unk_token", "pad_token", "raise_exception", "strftime_now")
 
 
 class _JsonArguments(dict):
@@ -158,16 +171,19 @@ _TEMPLATES: dict = {}
 
 
 def _compile_template(source: str):
-    """Same environment as transformers: sandboxed, trim/lstrip blocks, loop controls,
-    `raise_exception`, `strftime_now` and a non-ASCII-escaping `tojson`."""
+    """(template, the variables it reads). Same environment as transformers: sandboxed,
+    trim/lstrip blocks, loop controls, `raise_exception`, `strftime_now` and a non-ASCII-escaping
+    `tojson`."""
     if source not in _TEMPLATES:
+        from jinja2 import meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _TEMPLATES[source] = env.from_string(source)
+        variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
+        _TEMPLATES[source] = env.from_string(source), variables
     return _TEMPLATES[source]
 
 

@@ -1,12 +1,13 @@
 """Fill-in-the-middle prompts (luceio/server/fim.py): Qwen2.5-Coder's against token ids written
 out by hand (text pieces as transformers' GGUF tokenizer encodes them), the other families on
-character-level synthetic tokenizers whose ids are plain to read, and llama.cpp /infill bodies."""
+character-level synthetic tokenizers whose ids are plain to read, and the prompt of a llama.cpp
+/infill body (the rest of /infill: test_server_infill.py)."""
 from __future__ import annotations
 
 import pytest
 
-from luceio.server.fim import FimFormat, FimUnsupported, build_fim_prompt, parse_infill
-from luceio.server.protocol import APIError
+from luceio.server.fim import FimFormat, FimUnsupported, build_fim_prompt
+from luceio.server.infill import parse_infill
 from luceio.tokenizer import Tokenizer
 
 # Qwen2.5-Coder's special tokens
@@ -147,23 +148,6 @@ def test_no_fim_tokens_is_refused_naming_them():
 
 
 # llama.cpp /infill bodies --------------------------------------------------------------------
-def test_parse_infill_fields_and_llama_cpp_defaults():
-    req = parse_infill({"input_prefix": "ab", "input_suffix": "c", "prompt": "d",
-                        "input_extra": [{"filename": "x.py", "text": "e", "time": 3},
-                                        {"text": "f"}],
-                        "n_predict": 32, "temperature": 0.2, "top_k": 0, "stop": ["\n\n"],
-                        "seed": 7, "stream": True, "cache_prompt": True, "id_slot": 0})
-    assert (req.input_prefix, req.input_suffix, req.prompt) == ("ab", "c", "d")
-    assert req.input_extra == [{"filename": "x.py", "text": "e"}, {"filename": "tmp", "text": "f"}]
-    assert (req.max_tokens, req.stream) == (32, True)
-    assert req.sampling == dict(temperature=0.2, top_k=0, top_p=0.95, min_p=0.05, seed=7,
-                                stop=["\n\n"], ignore_eos=False)
-    bare = parse_infill({"input_prefix": "ab"})
-    assert (bare.input_suffix, bare.max_tokens, bare.stream) == ("", None, False)
-    assert bare.sampling["temperature"] == 0.8 and bare.sampling["top_k"] == 40
-    assert bare.sampling["seed"] is None and parse_infill({"seed": -1}).sampling["seed"] is None
-
-
 def test_infill_request_builds_prompt_and_stop_tokens():
     tok = char_tokenizer(["<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
                           "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"])
@@ -172,25 +156,3 @@ def test_infill_request_builds_prompt_and_stop_tokens():
     assert req.prompt_token_ids(fmt, tok) == build_fim_prompt(tok, "ab", "c", prompt="d")
     kw = req.sampling_kwargs(fmt)
     assert kw["stop_token_ids"] == list(fmt.stop_token_ids) and kw["top_p"] == 0.95
-
-
-@pytest.mark.parametrize("body, param", [
-    ({"input_prefix": "a", "n_indent": 4}, "n_indent"),
-    ({"samplers": ["top_k"]}, "samplers"),
-    ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
-    ({"repeat_penalty": 1.1}, "repeat_penalty"),
-    ({"no_such_field": 1}, "no_such_field"),
-    ({"input_prefix": 3}, "input_prefix"),
-    ({"prompt": [1, 2]}, "prompt"),
-    ({"input_extra": {"text": "a"}}, "input_extra"),
-    ({"input_extra": [{"filename": "a"}]}, "input_extra[0]"),
-    ({"input_extra": [{"text": "a", "filename": 1}]}, "input_extra[0]"),
-    ({"n_predict": 0}, "n_predict"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"stream": "yes"}, "stream"),
-])
-def test_parse_infill_refuses_naming_the_field(body, param):
-    with pytest.raises(APIError) as error:
-        parse_infill(body)
-    assert error.value.status == 400 and error.value.param == param
-    assert param.split("[")[0] in error.value.message

@@ -249,8 +249,8 @@ def test_fim_refused_without_fim_tokens(tiny):
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
         r = http.post("/infill", json={"input_prefix": "def f(", "input_suffix": "\n"})
         assert r.status_code == 400 and "cannot fill in the middle" in r.text
-        r = http.post("/infill", json={"input_prefix": "x", "n_indent": 4})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n_indent"
+        r = http.post("/infill", json={"input_prefix": "x", "repeat_penalty": 1.1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repeat_penalty"
 
 
 # Anthropic Messages on the tiny model ------------------------------------------------------------

@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 from .deltas import Delta, ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
-from .protocol import APIError
+from .fields import APIError
 
 Event = tuple[str, dict]  # (SSE event name, its data)
 

@@ -30,7 +30,8 @@ from .driver import generate, read_json
 from .fim import FimFormat
 from .metrics import ServerMetrics
 from .openapi import openapi_schema
-from .protocol import APIError, ModelContext, parse_chat, parse_completion
+from .fields import APIError
+from .protocol import ModelContext, parse_chat, parse_completion
 from .reasoning import get_reasoning_parser
 from .routes_assist import assist_routes, is_anthropic
 from .tool_parsers import get_tool_parser

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..outputs import RequestOutput
-from .protocol import APIError, ParsedRequest, bad
+from .fields import APIError, bad
+from .protocol import ParsedRequest
 from .responses import ResponseBuilder
 from .run import Run
 
@@ -38,8 +39,11 @@ Event = dict | str | tuple[str, dict]
 class Wire(Protocol):
     """One API's shape of a run's outputs: `start()` once the run is admitted, `step()` per
     output, then `end()` (or `fail()` when the engine failed mid-stream); `response()` is the
-    non-streaming body once `end()` was called."""
+    non-streaming body once `end()` was called. A wire whose own rule ends the output early
+    (llama.cpp's n_indent on /infill) sets `stop_reason` in `step()`: the run is stopped there
+    and its choices are counted as finished with that reason."""
     ping_event: tuple[str, dict] | None  # a keep-alive event; None: SSE comments
+    stop_reason: str | None
 
     def start(self) -> list[Event]: ...
     def step(self, prompt_index: int, ro: RequestOutput) -> list[Event]: ...
@@ -134,10 +138,16 @@ async def generate(request: Request, state: ServerState, req: ParsedRequest,
                 lambda: ServerSentEvent(dumps(ping[1]), event=ping[0], sep="\n"),
                 shutdown_grace_period=min(SHUTDOWN_GRACE_S, state.args.timeout_graceful_shutdown),
                 background=BackgroundTask(run.close))  # also if the stream never started
+        outputs = run.outputs()
         try:
-            async for i, o in run.outputs():
+            async for i, o in outputs:
                 wire.step(i, o)
+                if wire.stop_reason is not None:
+                    await run.stop(wire.stop_reason)
+                    break
         finally:
+            with contextlib.suppress(RuntimeError):
+                await outputs.aclose()
             await run.close()
         wire.end()
         return JSONResponse(wire.response())
@@ -168,6 +178,9 @@ async def _sse(run: Run, wire: Wire, state: ServerState, shutdown: anyio.Event):
             async for i, o in outputs:
                 for ev in wire.step(i, o):
                     yield _sse_event(ev)
+                if wire.stop_reason is not None:
+                    await run.stop(wire.stop_reason)
+                    break
         except Exception as e:  # noqa: BLE001  an engine failure ends the stream with an error
             logger.exception("request %s failed mid-stream", run.req.id)
             tail = wire.fail(f"generation failed: {e}")

@@ -19,14 +19,18 @@ Rules
   Unlike llama.cpp, a request with no chunks and no repository name gets the plain FIM prompt,
   not an empty repository header, and BOS leads the prompt rather than following the chunks.
 - Nothing is truncated: a prompt longer than the context is refused like any other prompt.
-- `parse_infill` honours the fields listed in `HONOURED`; any other field is refused with a 400
-  naming it (`protocol.APIError`, the error every request parser here raises).
+- `fim_prompts` reads `/v1/completions`' `prompt` and `suffix`; `infill.py` reads llama.cpp's
+  `/infill` bodies.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .protocol import _boolean, _integer, _number, _seed, _show, _stop, bad
+from .fields import bad, show
+
+if TYPE_CHECKING:
+    from .protocol import ModelContext
 
 _REPO_PLACEHOLDER = "myproject"
 _FILE_PLACEHOLDER = "filename"
@@ -172,117 +176,16 @@ def _encode_bare(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-# llama.cpp's POST /infill ------------------------------------------------------------------------
-# llama.cpp's /completion defaults, which its /infill shares
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
-_CHUNK_FILENAME = "tmp"  # llama.cpp's name for a chunk that gives none
-
-HONOURED = {
-    "input_prefix": "text before the gap (default empty)",
-    "input_suffix": "text after the gap (default empty)",
-    "input_extra": "other files' chunks, [{filename (default 'tmp'), text}]; other chunk keys "
-                   "(llama.vim's `time`) carry nothing for the prompt and are not read",
-    "prompt": "the typed part of the current line, encoded after the prefix (text only)",
-    "n_predict": "max_tokens; -1 (default) runs until a stop or the end of the context",
-    "temperature": "default 0.8", "top_k": "default 40; <= 0 disables",
-    "top_p": "default 0.95", "min_p": "default 0.05",
-    "stop": "stop strings", "seed": "-1 (default) draws a random seed", "stream": "default false",
-    "ignore_eos": "default false",
-    "cache_prompt": "accepted: luceio always reuses cached prefixes",
-    "id_slot": "accepted: luceio has no slots; its prefix cache serves every request",
-    "model": "the served model's name",
-}
-"""What luceio honours of `/infill`. luceio samples in vLLM's order (temperature, then min_p,
-top_k, top_p), not llama.cpp's default chain with temperature last: with temperature != 1,
-min_p and top_p keep a different set of tokens than llama.cpp would."""
-
-_REFUSED_WHY = {
-    "n_indent": "stopping on the next line's indentation is not implemented",
-    "t_max_predict_ms": "generation time limits are not implemented",
-    "t_max_prompt_ms": "prompt time limits are not implemented",
-    "samplers": "luceio's sampler chain is fixed (temperature, min_p, top_k, top_p)",
-    "response_fields": "responses carry all their fields",
-    "repeat_penalty": "llama.cpp's penalty covers only the last repeat_last_n tokens",
-    "presence_penalty": "llama.cpp's penalty covers only the last repeat_last_n tokens",
-    "frequency_penalty": "llama.cpp's penalty covers only the last repeat_last_n tokens",
-    "grammar": "grammar-constrained decoding is not implemented",
-    "json_schema": "grammar-constrained decoding is not implemented",
-}
-
-
-@dataclass(frozen=True)
-class InfillRequest:
-    input_prefix: str
-    input_suffix: str
-    input_extra: list[dict]  # [{"filename": str, "text": str}]
-    prompt: str
-    max_tokens: int | None  # n_predict; None: until a stop or the end of the context
-    stream: bool
-    model: str | None
-    sampling: dict  # SamplingParams keyword arguments, max_tokens and stop_token_ids aside
-
-    def prompt_token_ids(self, fmt: FimFormat, tokenizer) -> list[int]:
-        return fmt.build(tokenizer, self.input_prefix, self.input_suffix, self.input_extra,
-                         prompt=self.prompt)
-
-    def sampling_kwargs(self, fmt: FimFormat) -> dict:
-        """SamplingParams keyword arguments (all but max_tokens), the format's stop tokens added."""
-        return {**self.sampling, "stop_token_ids": list(fmt.stop_token_ids)}
-
-
-def parse_infill(body: dict) -> InfillRequest:
-    """A llama.cpp `/infill` body; raises `protocol.APIError` (400, `param` = the field) for a
-    field it does not honour (see `HONOURED`) or a value of the wrong type."""
-    if not isinstance(body, dict):
-        raise bad("body", "the request body must be a JSON object")
-    for name in body:
-        if name not in HONOURED:
-            why = _REFUSED_WHY.get(name, "luceio's /infill does not honour it")
-            raise bad(name, f"'{name}' is not supported: {why}")
-    n_predict = _integer(body, "n_predict", -1)
-    if n_predict != -1 and n_predict < 1:
-        raise bad("n_predict", f"'n_predict' must be -1 (no limit) or at least 1, got {n_predict}")
-    _boolean(body, "cache_prompt", True)
-    _integer(body, "id_slot", -1)
-    sampling = dict(
-        temperature=_number(body, "temperature", DEFAULTS["temperature"]),
-        top_k=max(_integer(body, "top_k", DEFAULTS["top_k"]), 0),
-        top_p=_number(body, "top_p", DEFAULTS["top_p"]),
-        min_p=_number(body, "min_p", DEFAULTS["min_p"]),
-        seed=None if body.get("seed") in (None, -1) else _seed(body),
-        stop=_stop(body),
-        ignore_eos=_boolean(body, "ignore_eos", False),
-    )
-    return InfillRequest(_text(body, "input_prefix"), _text(body, "input_suffix"),
-                         _chunks(body.get("input_extra")), _text(body, "prompt"),
-                         None if n_predict == -1 else n_predict, _boolean(body, "stream", False),
-                         _optional_text(body, "model"), sampling)
-
-
-def _text(body: dict, name: str) -> str:
-    return _optional_text(body, name) or ""
-
-
-def _optional_text(body: dict, name: str) -> str | None:
-    v = body.get(name)
-    if v is not None and not isinstance(v, str):
-        raise bad(name, f"'{name}' must be a string, got {_show(v)}")
-    return v
-
-
-def _chunks(extra) -> list[dict]:
-    if extra is None:
-        return []
-    if not isinstance(extra, list):
-        raise bad("input_extra", f"'input_extra' must be a list of {{filename, text}} objects, "
-                  f"got {_show(extra)}")
-    chunks = []
-    for i, chunk in enumerate(extra):
-        where = f"input_extra[{i}]"
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
-            raise bad(where, f"'{where}' must be an object with a string 'text'")
-        filename = chunk.get("filename", _CHUNK_FILENAME)
-        if not isinstance(filename, str):
-            raise bad(where, f"'{where}.filename' must be a string, got {_show(filename)}")
-        chunks.append({"filename": filename, "text": chunk["text"]})
-    return chunks
+def fim_prompts(prompt, suffix, ctx: ModelContext) -> list[tuple[None, list[int]]]:
+    """/v1/completions' text prompt(s) and `suffix` → the model's fill-in-the-middle prompt ids
+    (the prompt's text is not kept: it is not the model's input)."""
+    if not isinstance(suffix, str):
+        raise bad("suffix", f"'suffix' must be a string, got {show(suffix)}")
+    if ctx.fim is None:
+        raise bad("suffix", missing_fim_tokens(ctx.tokenizer) if ctx.tokenizer is not None
+                  else "this model has no tokenizer, so it cannot fill in the middle")
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not (isinstance(texts, list) and texts and all(isinstance(p, str) for p in texts)):
+        raise bad("prompt", "with 'suffix', 'prompt' must be text (a string or a list of "
+                  "strings): the fill-in-the-middle prompt is built from the text")
+    return [(None, ctx.fim.build(ctx.tokenizer, p, suffix)) for p in texts]

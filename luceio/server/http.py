@@ -19,7 +19,7 @@ import math
 from http import HTTPStatus
 
 from .args import ServerArgs
-from .protocol import error_body
+from .fields import error_body
 
 logger = logging.getLogger("luceio.server")
 

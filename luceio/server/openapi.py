@@ -7,7 +7,7 @@ streaming, best_of == n) are in the descriptions only. Built per server so the t
 and the auth requirement match the model and flags being served."""
 from __future__ import annotations
 
-from .protocol import MAX_N
+from .fields import MAX_N
 
 _INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
@@ -172,12 +172,25 @@ def _assist_requests(sampling: dict, tools: bool, fim: bool) -> dict:
         out["InfillRequest"] = {"type": "object", "additionalProperties": False, "properties": {
             **{k: _null(_STRING) for k in ("input_prefix", "input_suffix", "prompt", "model")},
             "input_extra": _null({"type": "array", "items": chunk}),
-            "n_predict": _any_null({"type": "integer", "enum": [-1]},
-                                   {"type": "integer", "minimum": 1, "maximum": _INT64_MAX},
-                                   description="-1: no limit"),
+            "n_predict": _int(-1, _INT64_MAX, description="-1: no limit; 0: one token, as "
+                              "llama.cpp"),
             "top_k": _int(_INT64_MIN, _INT64_MAX, description="<= 0: no top-k"),
             "seed": _int(_INT64_MIN, _INT64_MAX, description="-1: a random seed"),
             "id_slot": _int(_INT64_MIN, _INT64_MAX), "cache_prompt": _BOOL,
+            "samplers": _any_null(
+                {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": [
+                    "temperature", "min_p", "top_k", "top_p"]}},
+                {"type": "string", "pattern": "^[tmkp]*$"},
+                description="the stages that run; pairs that do not commute in luceio's order "
+                            "(temperature, min_p, top_k, top_p) must be listed in it"),
+            "n_indent": _int(_INT64_MIN, _INT64_MAX, description="stop at a line after the "
+                             "first with less indentation (llama.cpp's rule)"),
+            "t_max_predict_ms": _int(_INT64_MIN, _INT64_MAX, description="after this long, "
+                                     "stop at the next newline"),
+            "t_max_prompt_ms": _int(_INT64_MIN, _INT64_MAX, description="accepted, not "
+                                    "applied (as in llama.cpp)"),
+            "response_fields": _null({"type": "array", "items": _STRING,
+                                      "description": "paths of the final response's fields"}),
             **{k: sampling[k] for k in ("temperature", "top_p", "min_p", "stop", "stream",
                                         "ignore_eos")}}}
     return out
@@ -266,6 +279,8 @@ def openapi_schema(model_names: list[str], vocab_size: int, max_model_len: int,
             "top_logprobs": _int(0, 20, description="needs logprobs: true"),
             "add_generation_prompt": _BOOL,
             "parallel_tool_calls": _BOOL,
+            "chat_template_kwargs": _null({"type": "object", "description": "extra variables "
+                                           "for the chat template, e.g. enable_thinking"}),
             **({"tools": _null({"type": "array", "items": _TOOL}),
                 "tool_choice": _null({"anyOf": [
                     {"type": "string", "enum": ["none", "auto", "required"]},

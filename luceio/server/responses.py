@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from .deltas import Delta, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
-from .protocol import ParsedRequest, error_body
+from .fields import error_body
+from .protocol import ParsedRequest
 from .reasoning import ChatTextParser
 from .tool_parsers import collect_deltas
 
@@ -80,6 +81,7 @@ class ResponseBuilder:
     (`driver.Wire`): `start()`, `step()` per output, then `end()` or `fail()`; `response()`."""
 
     ping_event = None  # keep-alives are SSE comments
+    stop_reason = None  # runs until the engine finishes
 
     def __init__(self, req: ParsedRequest, tokenizer):
         self.req = req

@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from .deltas import Delta, ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
-from .protocol import bad
+from .fields import bad
 
 Event = tuple[str, dict]  # (SSE event name, its data)
 

@@ -1,6 +1,6 @@
 """Routes for editor coding assistants: Anthropic Messages (Claude Code), OpenAI Responses (Codex)
 and llama.cpp's `/infill` (llama.vim, llama.vscode). Each turns its body into the request
-`protocol.py` parses (`anthropic.py`, `responses_api.py` and `fim.py` translate), runs it through
+`protocol.py` parses (`anthropic.py`, `responses_api.py` and `infill.py` translate), runs it through
 `driver.generate`, and shapes the output with its own wire below.
 
 Rules
@@ -31,9 +31,12 @@ from starlette.routing import Route
 from ..outputs import RequestOutput
 from .anthropic import (MessageStream, count_tokens_request, count_tokens_response,
                         messages_to_chat)
+from .chat import chat_prompt
 from .driver import generate, read_json
-from .fim import missing_fim_tokens, parse_infill
-from .protocol import APIError, ParsedRequest, _build_params, _model, bad, chat_prompt, parse_chat
+from .fields import APIError, bad
+from .fim import missing_fim_tokens
+from .infill import InfillWire, parse_infill
+from .protocol import ParsedRequest, build_params, parse_chat, resolve_model
 from .responses import ResponseBuilder
 from .responses_api import ResponseStream, responses_to_chat
 from .run import Run
@@ -61,6 +64,7 @@ class _DeltaWire(abc.ABC):
     """The builder's deltas fed to an API's event stream (`MessageStream`, `ResponseStream`);
     subclasses say how the stream finishes and what the whole response is."""
     ping_event = None
+    stop_reason = None  # runs until the engine finishes
 
     def __init__(self, builder: ResponseBuilder, cached: int, stream):
         self.builder, self.cached, self.stream, self.aborted = builder, cached, stream, False
@@ -125,58 +129,6 @@ class _ResponsesWire(_DeltaWire):
         return self.stream.response()
 
 
-class _InfillWire:
-    """llama.cpp's /infill response: `content`, `stop`, the token counts, `stop_type`
-    (eos, limit or word) with the `stopping_word`, and `timings`. `tokens_cached` counts the
-    prompt tokens read from the prefix cache."""
-    ping_event = None
-
-    def __init__(self, builder: ResponseBuilder, run: Run, model: str):
-        self.builder, self.model, self.cached = builder, model, _cached_tokens(run)
-        self.text: list[str] = []
-        self.metrics = None
-
-    def start(self) -> list:
-        return []
-
-    def step(self, prompt_index: int, ro: RequestOutput) -> list:
-        self.metrics = ro.metrics
-        pieces = [d.text for d in self.builder.absorb(prompt_index, ro)]
-        self.text += pieces
-        return [{"content": text, "stop": False} for text in pieces]
-
-    def end(self) -> list:
-        return [self._final("")]
-
-    @staticmethod
-    def fail(message: str) -> list:
-        return [{"error": {"code": 500, "message": message, "type": "server_error"}}]
-
-    def response(self) -> dict:
-        return self._final("".join(self.text))
-
-    def _final(self, content: str) -> dict:
-        reason, word = self.builder.finish()
-        usage = self.builder.usage()
-        stop_type = "limit" if reason == "length" else "word" if word is not None else "eos"
-        return {"content": content, "stop": True, "model": self.model,
-                "tokens_predicted": usage["completion_tokens"],
-                "tokens_evaluated": usage["prompt_tokens"], "tokens_cached": self.cached,
-                "truncated": False, "stop_type": stop_type, "stopping_word": word or "",
-                "timings": self._timings(usage["prompt_tokens"] - self.cached,
-                                         usage["completion_tokens"])}
-
-    def _timings(self, prompt_n: int, predicted_n: int) -> dict:
-        m = self.metrics
-        first = m.first_token_time if m is not None else None
-        prompt_s = first - m.arrival_time if first is not None else 0.0
-        predicted_s = m.finished_time - first if first is not None and m.finished_time else 0.0
-        return {"prompt_n": prompt_n, "prompt_ms": prompt_s * 1e3,
-                "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
-                "predicted_n": predicted_n, "predicted_ms": predicted_s * 1e3,
-                "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0}
-
-
 # routes -------------------------------------------------------------------------------------------
 def assist_routes(state: ServerState, endpoint) -> list[Route]:
     """The routes, each wrapped by `endpoint` (app.py's error handling)."""
@@ -227,18 +179,18 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
     async def infill(request: Request) -> Response:
         body = await read_json(request, limit)
         fill = parse_infill(body)
-        model = _model(body, ctx)
+        model = resolve_model(body, ctx)
         if ctx.fim is None:
             raise bad(None, missing_fim_tokens(ctx.tokenizer) if ctx.tokenizer is not None
                       else "this model has no tokenizer, so it cannot fill in the middle")
         ids = fill.prompt_token_ids(ctx.fim, ctx.tokenizer)
-        params = _build_params(fill.sampling_kwargs(ctx.fim), ctx, ids, fill.max_tokens,
-                               "input_prefix", "n_predict")
+        params = build_params(fill.sampling_kwargs(ctx.fim), ctx, ids, fill.max_tokens,
+                              "input_prefix", "n_predict")
         req = ParsedRequest(False, f"infill-{uuid.uuid4().hex}", model,
                             [{"prompt": None, "prompt_token_ids": ids}], [""], [params],
-                            fill.stream, False)
-        return await generate(request, state, req,
-                              lambda builder, run: _InfillWire(builder, run, model))
+                            fill.stream, False, warnings=fill.warnings)
+        return await generate(request, state, req, lambda builder, run: InfillWire(
+            builder, fill, model, _cached_tokens(run)))
 
     return [Route(ANTHROPIC_PATH, messages, methods=["POST"]),
             Route(ANTHROPIC_PATH + "/count_tokens", count_tokens, methods=["POST"]),

@@ -13,7 +13,8 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import QueueFullError
 from ..structured import GrammarError
-from .protocol import APIError, ParsedRequest, bad
+from .fields import APIError, bad
+from .protocol import ParsedRequest
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -29,6 +30,7 @@ class _Track:
     last: float | None = None
     admitted: bool = False
     reasons: dict[int, str] = field(default_factory=dict)
+    output: object = None  # the last RequestOutput seen
 
 
 class Run:
@@ -148,6 +150,7 @@ class Run:
             m.itl.observe(now - t.last)
         if new_tokens:
             t.last = now
+        t.output = o
         for c in o.outputs:
             if c.finish_reason is not None:
                 t.reasons[c.index] = c.finish_reason
@@ -172,6 +175,16 @@ class Run:
         logger.info("request %s finished: prompt %d tokens, output %d tokens, ttft %s, "
                     "%.1f tokens/s, finish %s", rid, n_prompt, n_out, ttft,
                     n_out / elapsed if elapsed > 0 else 0.0, ",".join(reasons))
+
+    async def stop(self, reason: str) -> None:
+        """The wire has all it wants (its own stop rule fired): the unfinished engine requests
+        are aborted and their choices counted as finished with `reason`."""
+        for rid in list(self.live):
+            t = self.live[rid]
+            for i in range(self.req.n):
+                t.reasons.setdefault(i, reason)
+            await self.state.engine.abort(rid)
+            self._finished(rid, t.output, time.monotonic())
 
     async def abort(self) -> None:
         """The client went away: abort what runs, admit nothing more."""
