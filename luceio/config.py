@@ -130,12 +130,23 @@ class EngineArgs(CliArgs):
                                    "prompt scores; needs --draft-model) or recency",
                                    choices=["keys", "spec", "recency"])
     kv_rescore_interval: int = _opt(16, "keys policy: decode steps between re-scorings")
+    async_scheduling: bool | None = _opt(None, "overlapped scheduling: the host schedules and "
+                                         "builds step N+1 while the device runs step N (sampled "
+                                         "tokens stay on the device and feed the next step's "
+                                         "inputs there); steps whose next step needs the tokens "
+                                         "on the host (speculation, structured output, a KV pool "
+                                         "about to preempt, bounded residency) run synchronously. "
+                                         "Default: on for GPUs, off on the CPU, where the host "
+                                         "runs the step itself and there is nothing to overlap")
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}[self.dtype]
+
+    def resolved_async_scheduling(self, device: torch.device) -> bool:
+        return device.type != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -173,7 +184,7 @@ def add_field_arg(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None
     kw = {"default": f.default, "help": meta.get("help", "")}
     if "choices" in meta:
         kw["choices"] = meta["choices"]
-    if f.type in ("bool", bool):
+    if f.type in ("bool", bool, "bool | None"):  # None: --flag / --no-flag left unsaid
         kw["action"] = argparse.BooleanOptionalAction
     else:
         kw["type"] = _parse_type(str(f.type))

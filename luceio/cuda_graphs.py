@@ -122,25 +122,31 @@ class StepGraphs:
             lens[:n] = seq_lens + (q - q_lens)
         return tok.reshape(3, -1), tables, lens
 
-    def _fill(self, tok, tables, lens) -> None:
+    def _fill(self, tok, tables, lens, extra=()) -> list[torch.Tensor]:
         """One pinned host→device copy (the runner's staging), then on-device copies into the
-        static inputs."""
-        t, b, l_ = self.staging.to_device(np.int64, [tok, tables, lens])
+        static inputs. Returns the `extra` int64 arrays, copied along, on the device."""
+        t, b, l_, *extra = self.staging.to_device(np.int64, [tok, tables, lens, *extra])
         n_tok, bs = tok.shape[1], lens.size
         self.tok[:, :n_tok].copy_(t.view(3, n_tok))
         self.tables[:bs].copy_(b.view(bs, self.max_blocks))
         self.lens[:bs].copy_(l_)
+        return extra
 
-    def run(self, h):
+    def run(self, h, ids_from=None):
         """Replays the graph for host batch `h`; returns (hidden [bs*q, H], device row index of
-        each logits row)."""
+        each logits row). `ids_from` (a `runner.DeviceTokenIds`): input ids taken on the device
+        from the previous step's sampled ids (overlapped scheduling)."""
         bs, q = self._bucket(h)
         q_lens = h.q_lens
-        self._fill(*self._pad(h.input_ids, h.positions, h.slot_mapping, h.block_tables,
-                              h.seq_lens, q_lens, bs, q))
-        self.graphs[bs, q].replay()
         # token t of request r sits at row r * q + (t - query_start_loc[r]) after padding
         r = np.repeat(np.arange(len(q_lens)), q_lens)
         rows_of_tok = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], q_lens))
-        rows = torch.from_numpy(rows_of_tok[h.logits_indices]).to(self.device, non_blocking=True)
+        extra = [rows_of_tok[h.logits_indices]]
+        if ids_from is not None:
+            extra += [ids_from.src, rows_of_tok[ids_from.dst]]
+        rows, *gather = self._fill(*self._pad(h.input_ids, h.positions, h.slot_mapping,
+                                              h.block_tables, h.seq_lens, q_lens, bs, q), extra)
+        if gather:
+            self.tok[0].index_copy_(0, gather[1], ids_from.token_ids[gather[0]])
+        self.graphs[bs, q].replay()
         return self.outputs[bs, q], rows

@@ -1,9 +1,9 @@
 """LLMEngine.step(): schedule → run → sample → update → outputs.
 
-A step is split in three so the async engine can run the middle part on a worker thread while
-only the event-loop thread touches engine state: `schedule_step()` (scheduler + batch tensors),
-`execute(batch)` (forward + sampling, tensors only) and `finish_step(batch, result)` (token
-appends, stop checks, outputs).
+A step's phases: `schedule_step()` (scheduler + batch tensors), `execute(batch)` (forward +
+sampling, launched on the device; tensors only) and `finish_step(batch, result)` (token appends,
+stop checks, outputs). `pipeline.StepPipeline` orders them, overlapping the next step's
+scheduling with the step in flight where it can.
 
 Constrained requests (`SamplingParams.structured_outputs`): `add_request` compiles the grammar
 and starts a matcher per sample; `execute` fills the step's grammar masks on the host after
@@ -16,7 +16,8 @@ import itertools
 import os
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,31 +30,16 @@ from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .models import build_model
-from .runner import ModelRunner, StepInputs, kv_bytes_per_block
-from .sampler import Sampler
+from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
+from .runner import ModelRunner, kv_bytes_per_block
+from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
 from .spec import build_spec_decoder, build_spec_prefill
-from .structured import GrammarBatch, StructuredOutputs
+from .structured import StructuredOutputs
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("luceio")
-
-
-@dataclass
-class Batch:
-    sched: SchedulerOutput
-    inputs: StepInputs
-    grammar: GrammarBatch | None = None  # the constrained rows, with their matchers
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
-    kv_scores: dict = field(default_factory=dict)  # residency keys policy: id -> block scores
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,14 +94,18 @@ class LLMEngine:
             raise ValueError("--kv-resident-policy spec scores blocks with the draft model: "
                              "give --draft-model")
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
-        self.sampler = Sampler(args.seed)
+        self.sampler = Sampler(args.seed, piece=_token_piece(tokenizer))
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
         self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len)
         self.structured = StructuredOutputs(tokenizer, self.runner.cfg.vocab_size)
         self.states: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.pipeline = StepPipeline(self, args.resolved_async_scheduling(device))
+        # steps: launched; sync_steps: per reason, steps processed before the next was
+        # scheduled (pipeline.py); discarded_tokens: computed for requests already finished
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+                      "overlapped_steps": 0, "sync_steps": Counter(), "discarded_tokens": 0}
         logger.info("%s", self.memory_stats())
         logger.info("weights stored as %s", ", ".join(self.runner.model.weight_types()))
 
@@ -186,6 +176,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None and \
                 self.spec_prefill_keep(len(ids), params) is not None:
             raise ValueError("prompt_logprobs cannot be combined with speculative prefill")
+        if params.infill_sampler and self.tokenizer is None:
+            raise ValueError("infill_sampler compares the candidates' text: it needs a tokenizer")
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
@@ -252,16 +244,12 @@ class LLMEngine:
             self._emit(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs) or \
+            self.pipeline.busy
 
     # one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.plan_drafts()
-        if plan is not None:
-            self.apply_drafts(plan, self.run_drafts(plan))
-        batch = self.schedule_step()
-        result = self.execute(batch) if batch is not None else None
-        return self.finish_step(batch, result)
+        return self.pipeline.step()
 
     # speculation: plan and apply on the loop thread, draft on the worker thread
     def plan_drafts(self):
@@ -284,24 +272,29 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.release(rid)
 
-    def schedule_step(self) -> Batch | None:
+    def schedule_step(self, previous: DeviceSamples | None = None) -> Batch | None:
+        """`previous`: the sampled rows of the step in flight, which hold the input ids of this
+        step's tokens still on the device."""
         sched = self.scheduler.schedule()
         if not sched:
             if sched.swap_out or sched.kv_moves:  # blocks were freed but nothing runs: copy now
                 self.runner.swap(sched)
             return None
         inputs = self.runner.prepare(sched, self.kv)
-        return Batch(sched, inputs, self.structured.plan(sched.scheduled, inputs.row_slices,
-                                                         len(inputs.host.logits_indices)))
+        if inputs.device_ids:
+            inputs.ids_from = previous.ids_for(inputs.device_ids)
+        return Batch.of(sched, inputs, self.structured.plan(sched.scheduled, inputs.row_slices,
+                                                            len(inputs.host.logits_indices)))
 
     def execute(self, batch: Batch) -> StepResult:
-        """Forward and sampling. Reads request state, writes only tensors: safe off-loop."""
-        t0 = time.perf_counter()
+        """Forward and sampling, launched on the device: plain rows' tokens and logprobs stay
+        there (their host copy starts, unwaited); speculative verify rows come back at once.
+        Reads request state, writes only tensors: safe off-loop."""
+        res = StepResult(started=time.perf_counter())
         self.runner.swap(batch.sched)
         logits = self.runner.execute(batch.inputs)
         # host work while the device runs the forward
         bitmask = batch.grammar.fill() if batch.grammar is not None else None
-        res = StepResult()
         rows = batch.inputs.row_slices
         by_id = {s.req.request_id: s for s in batch.sched.scheduled}
         if self.spec is not None and any(s.spec_token_ids for s in batch.sched.scheduled):
@@ -312,28 +305,29 @@ class LLMEngine:
         if plain:
             starts = [rows[r.request_id].start for r in plain]
             picked = logits if starts == list(range(len(logits))) else \
-                logits[torch.tensor(starts, device=logits.device)]
-            out = self.sampler(picked, plain, bitmask[starts] if bitmask is not None else None)
-            for r, tok, lp in zip(plain, out.token_ids, out.logprobs):
-                res.sampled[r.request_id] = [tok]
-                res.logprobs[r.request_id] = [lp]
+                logits[device_tensor(starts, torch.int64, logits.device)]
+            out = self.sampler(picked, plain, bitmask[starts] if bitmask is not None else None,
+                               pending_tokens(batch.inputs, plain))
+            res.samples = DeviceSamples([r.request_id for r in plain], out.token_ids,
+                                        out.logprobs, [r.params.logprobs for r in plain])
         for rid, (sl, first) in batch.inputs.prompt_row_slices.items():
             req = by_id[rid].req
-            nxt = torch.tensor(req.all_token_ids[first + 1:first + 1 + sl.stop - sl.start],
-                               device=logits.device)
+            nxt = device_tensor(req.all_token_ids[first + 1:first + 1 + sl.stop - sl.start],
+                                torch.int64, logits.device)
             n = req.params.prompt_logprobs
-            res.prompt_logprobs[rid] = self.sampler.logprobs(logits[sl], nxt, [n] * len(nxt))
+            res.device_prompt_logprobs[rid] = (
+                self.sampler.logprob_tensors(logits[sl], nxt, [n] * len(nxt)), n)
         res.kv_scores = batch.inputs.kv_scores or {}
-        res.seconds = time.perf_counter() - t0
+        res.start_copy()
+        self.stats["steps"] += 1
+        self.stats["prompt_tokens"] += batch.num_prompt_tokens
         return res
 
     def finish_step(self, batch: Batch | None, result: StepResult | None) -> list[RequestOutput]:
+        """Processes a step (when given; waits for its tokens); returns every output ready."""
         if batch is not None:
+            result.resolve()
             self._record_prompt_logprobs(batch, result)
-            self.stats["steps"] += 1
-            self.stats["prompt_tokens"] += sum(
-                min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.req.num_computed_tokens, 0))
-                for s in batch.sched.scheduled)
             if self.spec is not None:
                 self._observe_spec(batch, result)
             for rid, scores in result.kv_scores.items():
@@ -372,7 +366,7 @@ class LLMEngine:
     def _observe_spec(self, batch: Batch, result: StepResult) -> None:
         """Feeds decode-only steps' throughput to the speculation cost model."""
         sched = batch.sched.scheduled
-        if any(s.req.num_computed_tokens < s.req.num_tokens - 1 for s in sched):
+        if not batch.decode_only:
             return  # a prefill chunk rode along: not comparable
         drafted = any(s.spec_token_ids for s in sched)
         seconds = result.seconds + (self.spec.last_draft_seconds if drafted else 0.0)
@@ -414,6 +408,14 @@ class LLMEngine:
             self._pending_outputs.append(out)
         if state.finished:
             self.states.pop(state.request_id, None)
+
+
+def _token_piece(tokenizer):
+    """token id -> its text as UTF-8 bytes, empty for special tokens (llama.cpp's
+    token_to_piece without specials): what the infill sampler stage compares."""
+    if tokenizer is None:
+        return None
+    return lambda t: tokenizer.decode([t], skip_special_tokens=True).encode()
 
 
 def _resolve(model: str | None) -> str:

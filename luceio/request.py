@@ -45,6 +45,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.spec_token_ids: list[int] = []  # drafts scheduled for verification
+        # overlapped scheduling: tokens a step in flight samples, counted as computed work
+        # before their ids reach the host (then `Scheduler.update` appends them)
+        self.num_pending_tokens = 0
         self.draft_probs = None  # [len(spec_token_ids), vocab] when a draft model sampled them
         self.arrival_time = arrival_time or time.monotonic()
         self.first_token_time: float | None = None
@@ -80,7 +83,9 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+        """The count `num_computed_tokens` catches up with: known tokens, those still on the
+        device (overlapped scheduling) and drafts to verify."""
+        return len(self.all_token_ids) + self.num_pending_tokens + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,7 @@ holds (logged), down to `MIN_FITTED_CONTEXT` tokens."""
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,10 +45,23 @@ class HostBatch:
 
 
 @dataclass
+class DeviceTokenIds:
+    """Input ids that exist only on the device (overlapped scheduling): flat token `dst[i]` of
+    the step takes `token_ids[src[i]]`, sampled by the step before it and not yet on the host."""
+    token_ids: torch.Tensor  # [rows] int64, the previous step's sampled ids
+    src: np.ndarray  # [n] int64
+    dst: np.ndarray  # [n] int64
+
+
+@dataclass
 class StepInputs:
     host: HostBatch
     row_slices: dict[str, slice]  # request id -> its rows among the logits (sample/verify)
     prompt_row_slices: dict[str, tuple[slice, int]]  # request id -> (rows, first prompt index)
+    # overlapped scheduling: request id -> flat index of its token still on the device (its
+    # host input id is a placeholder 0), and where the device takes those ids from
+    device_ids: dict[str, int] = field(default_factory=dict)
+    ids_from: DeviceTokenIds | None = None
     # residency `keys` policy: request id -> token row whose queries score its blocks, and
     # (a copy of its block table, number of full blocks before the step's tail)
     score_rows: dict[str, int] = field(default_factory=dict)
@@ -74,8 +88,7 @@ class ModelRunner:
                                                                fit_context)
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
-        self.kv_caches = [torch.zeros((2, *shape), dtype=dtype, device=device)
-                          for _ in range(self.cfg.num_layers)]
+        self.kv_caches = list(_zeros_pool((self.cfg.num_layers, 2, *shape), dtype, device))
         self.staging = Staging(device)
         self.host_kv: dict[str, torch.Tensor] = {}  # swapped-out requests' blocks
         # bounded residency's host copies (and, for the keys policy, pooled keys)
@@ -158,6 +171,7 @@ class ModelRunner:
         logits_idx: list[int] = []
         rows: dict[str, slice] = {}
         prompt_rows: dict[str, tuple[slice, int]] = {}
+        device_ids: dict[str, int] = {}
         bs = self.block_size
         for s in out.scheduled:
             r = s.req
@@ -165,6 +179,9 @@ class ModelRunner:
             tokens = r.all_token_ids + s.spec_token_ids if s.spec_token_ids else r.all_token_ids
             base = len(ids)
             ids.extend(tokens[start:end])
+            if end > len(tokens):  # its last token is still on the device (one at most)
+                device_ids[r.request_id] = len(ids)
+                ids.append(0)
             pos.extend(r.positions(start, end))
             table, skipped = kv.attention_table(r.request_id)
             seq_lens.append(end - skipped)
@@ -194,7 +211,7 @@ class ModelRunner:
         host = HostBatch(np.asarray(ids, dtype=np.int64), pos_np, slots, bt,
                          np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
                          np.asarray(logits_idx, dtype=np.int64))
-        inp = StepInputs(host, rows, prompt_rows)
+        inp = StepInputs(host, rows, prompt_rows, device_ids)
         index = {s.req.request_id: i for i, s in enumerate(out.scheduled)}
         for rid in out.kv_score_ids:
             i = index[rid]
@@ -261,10 +278,13 @@ class ModelRunner:
     def _forward(self, inp: StepInputs, probe, graphed: bool) -> torch.Tensor:
         h = inp.host
         if graphed:
-            hidden, rows = self.graphs.run(h)
+            hidden, rows = self.graphs.run(h, inp.ids_from)
         else:
-            ids, pos, slots, rows = self.staging.to_device(
-                np.int64, [h.input_ids, h.positions, h.slot_mapping, h.logits_indices])
+            gather = [inp.ids_from.src, inp.ids_from.dst] if inp.ids_from is not None else []
+            ids, pos, slots, rows, *gather = self.staging.to_device(
+                np.int64, [h.input_ids, h.positions, h.slot_mapping, h.logits_indices, *gather])
+            if gather:
+                ids.index_copy_(0, gather[1], inp.ids_from.token_ids[gather[0]])
             bt, seq_lens, qsl = self.staging.to_device(
                 np.int32, [h.block_tables.reshape(-1), h.seq_lens, h.query_start_loc])
             meta = AttnMetadata(slots, bt.view(h.block_tables.shape), seq_lens, qsl,
@@ -284,18 +304,36 @@ class ModelRunner:
                 and len(h.input_ids) == len(h.seq_lens) and kernels.kernel_mode() == "auto")
 
 
+def _zeros_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool. On the CPU it is one anonymous mapping in small pages: the OS maps a
+    page on its first write, so the process holds the KV it has used rather than the whole pool
+    from the start (`torch.zeros` writes every page; huge pages would map 2 MiB per layer for
+    the first token)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, max(1, int(np.prod(shape)) * dtype.itemsize))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     return (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim *
             torch.tensor([], dtype=dtype).element_size())
 
 
 class Staging:
-    """Host→device transfers of many small int arrays as one copy per dtype, through a
-    persistent pinned buffer (allocating pinned memory per step costs more than the copy)."""
+    """Host→device transfers of many small int arrays as one copy per dtype, through persistent
+    pinned buffers (allocating pinned memory per step costs more than the copy). Each dtype has
+    `NUM_BUFFERS` buffers taken in turn, each with an event recorded after its last copy: before
+    a buffer is rewritten the host waits for that copy alone, never for the device's other work,
+    so the next step is staged while the device still runs this one."""
+    NUM_BUFFERS = 2
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.buffers: dict = {}
+        self.buffers: dict = {}  # dtype -> [(pinned buffer, event of its last copy)]
+        self.turn: dict = {}  # dtype -> index of the buffer to use next
 
     def to_device(self, dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
@@ -303,12 +341,18 @@ class Staging:
         if self.device.type == "cpu":
             flat = torch.from_numpy(packed)
         else:
-            buf = self.buffers.get(dtype)
+            ring = self.buffers.setdefault(dtype, [None] * self.NUM_BUFFERS)
+            i = self.turn.get(dtype, 0)
+            self.turn[dtype] = (i + 1) % self.NUM_BUFFERS
+            buf, event = ring[i] or (None, None)
+            if event is not None:
+                event.synchronize()  # the last copy out of this buffer has left it
             if buf is None or buf.numel() < packed.size:
                 buf = torch.empty(max(packed.size, 1 << 16), dtype=torch.from_numpy(packed[:0]).dtype,
                                   pin_memory=True)
-                self.buffers[dtype] = buf
-            torch.cuda.current_stream(self.device).synchronize()  # the last copy has left buf
             buf[:packed.size].numpy()[:] = packed
             flat = buf[:packed.size].to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            ring[i] = (buf, event)
         return list(flat.split(sizes))

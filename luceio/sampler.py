@@ -8,9 +8,16 @@ one masked fill and one scatter-add over the whole batch. Greedy rows take the a
 penalised logits. A draw is `argmax(probs / E)` with `E ~ Exp(1)` — an exact sample from `probs`
 — where seeded requests draw E from their own generator, so their output does not depend on the
 batch. Logprobs are of the raw model distribution (before any processing, the grammar's mask
-included)."""
+included).
+
+No host round trip: everything stays on the logits' device — the sampled ids and the logprob
+tensors come back as device tensors, per-row parameters go up through pinned memory without
+waiting for the device (`device_tensor`), and a row's token still in flight (overlapped
+scheduling, `Pending`) joins the penalty counts on the device. The host reads the results only
+at output processing (`LogprobTensors.to_dicts`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,45 +27,93 @@ from .structured import apply_token_bitmask
 
 
 @dataclass
+class LogprobTensors:
+    """Per row: the logprob and rank (1 = most likely) of one token, and the top-k tokens."""
+    token_ids: torch.Tensor  # [rows] int64
+    chosen: torch.Tensor  # [rows] fp32
+    ranks: torch.Tensor  # [rows] int64
+    top_values: torch.Tensor  # [rows, k] fp32
+    top_ids: torch.Tensor  # [rows, k] int64
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def to_dicts(self, num: list[int | None]) -> list[dict[int, tuple[float, int]] | None]:
+        """{token: (logprob, rank)} for each row that asked for `num[i]` alternatives (read these
+        tensors on the host)."""
+        tokens, chosen, ranks = self.token_ids.tolist(), self.chosen.tolist(), self.ranks.tolist()
+        top_v, top_i = self.top_values.tolist(), self.top_ids.tolist()
+        out = []
+        for i, n in enumerate(num):
+            if n is None:
+                out.append(None)
+                continue
+            d = {tokens[i]: (chosen[i], ranks[i])}
+            for j in range(n):
+                d.setdefault(top_i[i][j], (top_v[i][j], j + 1))
+            out.append(d)
+        return out
+
+
+@dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, tuple[float, int]] | None]  # per row: {token: (logprob, rank)}
+    token_ids: torch.Tensor  # [rows] int64, on the logits' device
+    logprobs: LogprobTensors | None  # None when no row asked
+
+
+@dataclass
+class Pending:
+    """Rows whose latest token is still on the device (overlapped scheduling): row `rows[i]`
+    of the batch has token `token_ids[i]` [len(rows)], not yet in its request's token list."""
+    rows: list[int]
+    token_ids: torch.Tensor
+
+
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device: through pinned memory and
+    a non-blocking copy (a pageable copy would first wait for all queued work)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, piece=None):
         self.seed = seed
         self._global: dict[torch.device, torch.Generator] = {}
+        self.piece = piece  # token id -> its text as bytes (the infill stage's prefix test)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+                 bitmask: torch.Tensor | None = None,
+                 pending: Pending | None = None) -> SamplerOutput:
         raw = logits
-        logits = self.process(logits, reqs, bitmask)
+        logits = self.process(logits, reqs, bitmask, pending)
         tokens = self.draw(logits, reqs)
-        logprobs = self.logprobs(raw, tokens, [r.params.logprobs for r in reqs])
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return SamplerOutput(tokens, self.logprob_tensors(raw, tokens,
+                                                          [r.params.logprobs for r in reqs]))
 
     # processing --------------------------------------------------------------------------------
     def process(self, logits: torch.Tensor, reqs: list[Request],
-                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+                bitmask: torch.Tensor | None = None,
+                pending: Pending | None = None) -> torch.Tensor:
         """Grammar masks, penalties, min_tokens, temperature and truncation; returns processed
         logits (greedy rows keep temperature 1 and no truncation). `bitmask`: [rows, words]
-        int32 on the host, one bit per token id (1: allowed), or None."""
+        int32 on the host, one bit per token id (1: allowed), or None. `pending`: tokens of
+        these rows still on the device, which count as output tokens."""
         logits = logits.clone()
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
         self._restrict_and_bias(logits, reqs)
         self._mask_min_tokens(logits, reqs)
-        if any(_has_penalty(r) for r in reqs):
-            self._apply_penalties(logits, reqs)
+        if any(has_penalty(r) for r in reqs):
+            self._apply_penalties(logits, reqs, pending)
         p = [r.params for r in reqs]
         if all(x.greedy for x in p):
             return logits
         dev = logits.device
-        temp = torch.tensor([1.0 if x.greedy else x.temperature for x in p], device=dev)
+        temp = device_tensor([1.0 if x.greedy else x.temperature for x in p], torch.float32, dev)
         logits.div_(temp[:, None])
         if any(x.min_p > 0 for x in p):
-            min_p = torch.tensor([0.0 if x.greedy else x.min_p for x in p], device=dev)
+            min_p = device_tensor([0.0 if x.greedy else x.min_p for x in p], torch.float32, dev)
             probs = logits.softmax(-1)
             logits.masked_fill_(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
                                 float("-inf"))
@@ -75,38 +130,54 @@ class Sampler:
                    if r.params.allowed_token_ids]
         if limited:
             banned = torch.zeros_like(logits, dtype=torch.bool)
-            banned[torch.tensor([i for i, _ in limited], device=dev)] = True
-            rows = torch.tensor([i for i, ids in limited for _ in ids], device=dev)
-            cols = torch.tensor([t for _, ids in limited for t in ids], device=dev)
+            banned[device_tensor([i for i, _ in limited], torch.int64, dev)] = True
+            rows = device_tensor([i for i, ids in limited for _ in ids], torch.int64, dev)
+            cols = device_tensor([t for _, ids in limited for t in ids], torch.int64, dev)
             banned[rows, cols] = False
             logits.masked_fill_(banned, float("-inf"))
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
-            rows = torch.tensor([i for i, bias in biased for _ in bias], device=dev)
-            cols = torch.tensor([t for _, bias in biased for t in bias], device=dev)
-            values = torch.tensor([v for _, bias in biased for v in bias.values()],
-                                  dtype=logits.dtype, device=dev)
+            rows = device_tensor([i for i, bias in biased for _ in bias], torch.int64, dev)
+            cols = device_tensor([t for _, bias in biased for t in bias], torch.int64, dev)
+            values = device_tensor([v for _, bias in biased for v in bias.values()],
+                                   logits.dtype, dev)
             logits.index_put_((rows, cols), values, accumulate=True)
 
-    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+    @staticmethod
+    def _mask_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
+        rows, cols = [], []
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
-                banned = list(r.eos_token_ids | set(r.params.stop_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
+            if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
+                banned = r.eos_token_ids | set(r.params.stop_token_ids)
+                rows += [i] * len(banned)
+                cols += banned
+        if rows:
+            dev = logits.device
+            logits[device_tensor(rows, torch.int64, dev),
+                   device_tensor(cols, torch.int64, dev)] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request],
+                         pending: Pending | None) -> None:
         n, vocab = logits.shape
         dev = logits.device
         counts = torch.zeros(n, vocab, device=dev)
         seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
-        for i, r in enumerate(reqs):
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
-            counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-            seen[i, torch.tensor(r.all_token_ids, dtype=torch.long, device=dev)] = True
-        rep = torch.tensor([r.params.repetition_penalty for r in reqs], device=dev)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in reqs], device=dev)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in reqs], device=dev)[:, None]
+        out_rows = device_tensor([i for i, r in enumerate(reqs) for _ in range(r.num_output_tokens)],
+                                 torch.int64, dev)
+        out_ids = device_tensor([t for r in reqs for t in r.output_token_ids], torch.int64, dev)
+        counts.index_put_((out_rows, out_ids), torch.ones(len(out_ids), device=dev),
+                          accumulate=True)
+        seen[device_tensor([i for i, r in enumerate(reqs) for _ in range(r.num_tokens)],
+                           torch.int64, dev),
+             device_tensor([t for r in reqs for t in r.all_token_ids], torch.int64, dev)] = True
+        if pending is not None:
+            rows = device_tensor(pending.rows, torch.int64, dev)
+            counts.index_put_((rows, pending.token_ids), torch.ones(len(pending.rows), device=dev),
+                              accumulate=True)
+            seen[rows, pending.token_ids] = True
+        rep = device_tensor([r.params.repetition_penalty for r in reqs], torch.float32, dev)[:, None]
+        freq = device_tensor([r.params.frequency_penalty for r in reqs], torch.float32, dev)[:, None]
+        pres = device_tensor([r.params.presence_penalty for r in reqs], torch.float32, dev)[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
         logits.sub_(freq * counts + pres * (counts > 0))
@@ -117,11 +188,40 @@ class Sampler:
         flags = [r.params.greedy for r in reqs]
         if all(flags):
             return argmax
-        greedy = torch.tensor(flags, device=logits.device)
+        greedy = device_tensor(flags, torch.bool, logits.device)
         probs = logits.softmax(-1)
         noise = self.exponential(probs, reqs)
         sampled = (probs / noise).argmax(-1)
-        return torch.where(greedy, argmax, sampled)
+        tokens = torch.where(greedy, argmax, sampled)
+        if any(r.params.infill_sampler for r in reqs):
+            tokens = self._infill(logits, reqs, tokens)
+        return tokens
+
+    def _infill(self, logits: torch.Tensor, reqs: list[Request], tokens: torch.Tensor):
+        """Rows with llama.cpp's infill stage (`luceio.infill_sampling`) draw again from the
+        distribution it leaves over their top-k / top-p candidates: on the host, since the
+        stage compares the candidates' text (a host round trip only for these rows)."""
+        from .infill_sampling import infill_filter
+        tokens = tokens.clone()
+        for i, r in enumerate(reqs):
+            if not r.params.infill_sampler:
+                continue
+            row = logits[i].float()
+            top = row.topk(min(r.params.top_k, row.numel()))  # greedy rows skipped truncation
+            cand = top.indices[torch.isfinite(top.values)]
+            eog = r.eos_token_ids | set(r.params.stop_token_ids)
+            eot = min(r.eos_token_ids) if r.eos_token_ids else int(row.argmax())
+            ids, probs = infill_filter(cand.tolist(), row[cand].tolist(), eog.__contains__,
+                                       self.piece, eot)
+            if r.params.greedy or len(ids) == 1:
+                pick = ids[max(range(len(ids)), key=probs.__getitem__)]
+            else:
+                gen = (self.request_generator(r, row.device) if r.params.seed is not None
+                       else self._global_gen(row.device))
+                e = torch.empty(len(ids), device=row.device).exponential_(generator=gen)
+                pick = ids[int((torch.tensor(probs, device=row.device) / e).argmax())]
+            tokens[i] = pick
+        return tokens
 
     def exponential(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Exp(1) noise shaped like `probs`; seeded rows from their request's generator."""
@@ -143,29 +243,27 @@ class Sampler:
 
     # logprobs ----------------------------------------------------------------------------------
     @staticmethod
-    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, num: list[int | None]):
-        """For rows that asked: the chosen token's logprob and rank (1 = most likely) and the
-        top-n alternatives."""
+    def logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor,
+                        num: list[int | None]) -> LogprobTensors | None:
+        """On the device: each row's `tokens[i]` logprob and rank and the top-max(num) tokens;
+        None when no row asked (`num[i]` None)."""
         if all(k is None for k in num):
-            return [None] * len(num)
+            return None
         lp = raw.float().log_softmax(-1)
         chosen = lp.gather(1, tokens[:, None])[:, 0]
         ranks = (lp > chosen[:, None]).sum(-1) + 1
-        k = max(x or 0 for x in num)
-        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-        out = []
-        for i, n in enumerate(num):
-            if n is None:
-                out.append(None)
-                continue
-            d = {int(tokens[i]): (float(chosen[i]), int(ranks[i]))}
-            for j in range(n):
-                d.setdefault(int(top_i[i, j]), (float(top_v[i, j]), j + 1))
-            out.append(d)
-        return out
+        top_v, top_i = lp.topk(max(x or 0 for x in num), dim=-1)
+        return LogprobTensors(tokens, chosen, ranks, top_v, top_i)
+
+    @classmethod
+    def logprobs(cls, raw: torch.Tensor, tokens: torch.Tensor, num: list[int | None]):
+        """For rows that asked: the chosen token's logprob and rank (1 = most likely) and the
+        top-n alternatives, read on the host at once (speculative verify steps)."""
+        lps = cls.logprob_tensors(raw, tokens, num)
+        return [None] * len(num) if lps is None else lps.to_dicts(num)
 
 
-def _has_penalty(r: Request) -> bool:
+def has_penalty(r: Request) -> bool:
     p = r.params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
@@ -173,10 +271,10 @@ def _has_penalty(r: Request) -> bool:
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     sorted_logits, order = logits.sort(-1, descending=True)
     vocab = logits.shape[-1]
-    k = torch.tensor([x if x > 0 else vocab for x in top_k], device=logits.device)
+    k = device_tensor([x if x > 0 else vocab for x in top_k], torch.int64, logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
-    p = torch.tensor(top_p, device=logits.device)
+    p = device_tensor(top_p, torch.float32, logits.device)
     probs = sorted_logits.softmax(-1)
     mass_before = probs.cumsum(-1) - probs
     sorted_logits.masked_fill_(mass_before > p[:, None], float("-inf"))

@@ -5,7 +5,13 @@ When the pool runs dry the newest running request is preempted (recompute: its b
 freed and it is re-prefilled later, its tokens kept so its output does not change; or swap).
 With bounded KV residency, each running request's blocks are planned before its slots are
 allocated (cold blocks offloaded, selected ones reloaded) and prefill chunks are capped at half
-the residency budget."""
+the residency budget.
+
+Overlapped scheduling (`launched`): a step still running on the device counts as done — its
+tokens computed, each sampling request one token pending — so the next step is scheduled before
+its tokens are known; `update` appends them once they reach the host. A request whose pending
+tokens reach its length limit is not scheduled again. The engine schedules such a step only when
+`fits_without_preemption()` holds: preemption decisions are made with every token known."""
 from __future__ import annotations
 
 from collections import deque
@@ -39,6 +45,7 @@ class SchedulerOutput:
     # bounded residency: block copies before the forward, and requests whose blocks to score
     kv_moves: KVMoves = field(default_factory=KVMoves)
     kv_score_ids: list[str] = field(default_factory=list)
+    launched: bool = False  # overlapped scheduling: counted as computed when launched
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -100,14 +107,12 @@ class Scheduler:
         score_ids: list[str] = []
         res = self.kv.residency
 
-        # decodes first, then unfinished prefills, each in arrival order
-        for req in sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens):
+        for req in self._running_in_order():
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget,
-                          self._chunk_cap)
+            num_new = self._num_wanted(req, budget)
             if num_new <= 0:
                 continue
             if res is not None:  # keys policy: the last prompt chunk is scored, then redone
@@ -133,6 +138,33 @@ class Scheduler:
                               res.take_moves() if res is not None else KVMoves(), score_ids)
         self._swap_out, self._swap_in = [], []
         return out
+
+    def _running_in_order(self) -> list[Request]:
+        """Decodes first, then unfinished prefills, each in arrival order."""
+        return sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
+
+    def _num_wanted(self, req: Request, budget: int) -> int:
+        """Tokens a running request would compute this step (before residency's adjustments)."""
+        if req.num_pending_tokens and \
+                req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+            return 0  # it finishes when its pending tokens land
+        return min(req.num_tokens_with_spec - req.num_computed_tokens, budget, self._chunk_cap)
+
+    def fits_without_preemption(self) -> bool:
+        """Whether `schedule()` would find blocks for every running request it schedules (so
+        it preempts none): the blocks the running requests' next chunks need, within the token
+        budget, against the free pool. Admissions never preempt."""
+        budget, need = self.config.max_num_batched_tokens, 0
+        for req in self._running_in_order():
+            if budget <= 0:
+                break
+            num_new = self._num_wanted(req, budget)
+            if num_new <= 0:
+                continue
+            num_blocks = -(-(req.num_computed_tokens + num_new) // self.kv.block_size)
+            need += max(num_blocks - len(self.kv.blocks_of(req.request_id)), 0)
+            budget -= num_new
+        return need <= self.kv.pool.num_free_blocks
 
     @property
     def _chunk_cap(self) -> int:
@@ -162,7 +194,8 @@ class Scheduler:
                 break
             leader = req.prefill_leader
             if leader is not None and not leader.is_finished and \
-                    leader.num_computed_tokens < leader.num_prompt_tokens:
+                    (leader.num_computed_tokens < leader.num_prompt_tokens or
+                     leader.num_output_tokens == 0 and leader.num_pending_tokens):
                 continue  # n > 1: wait for the first sample's prompt to be cached, then share it
             if req.request_id in self.swapped:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
@@ -206,17 +239,28 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # after the model ran -----------------------------------------------------------------------
+    def launched(self, out: SchedulerOutput) -> None:
+        """Overlapped scheduling: the step runs on the device; count its tokens as computed and
+        each sampling request's next token as pending, so the next step can be scheduled now."""
+        for s in out.scheduled:
+            samples = s.samples  # before the counts below move
+            s.req.num_computed_tokens += s.num_new_tokens
+            s.req.num_pending_tokens += samples
+        out.launched = True
+
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advances computed counts, appends sampled/accepted tokens, finishes requests.
-        `sampled[request_id]` holds the tokens to append (accepted drafts + one more).
-        Returns the requests whose token lists changed."""
+        """Advances computed counts (unless `launched` did), appends sampled/accepted tokens,
+        finishes requests. `sampled[request_id]` holds the tokens to append (accepted drafts +
+        one more). Returns the requests whose token lists changed."""
         changed = []
         for s in out.scheduled:
             req = s.req
             if req.is_finished or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
+                continue  # aborted while the step ran (a launched step's token is dropped)
+            if not out.launched:
+                req.num_computed_tokens += s.num_new_tokens
             if req.request_id in sampled:
+                req.num_pending_tokens -= out.launched
                 tokens = sampled[req.request_id]
                 rejected = len(s.spec_token_ids) - (len(tokens) - 1)
                 req.num_computed_tokens -= rejected

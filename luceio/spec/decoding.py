@@ -73,10 +73,24 @@ class SpecDecoder:
         return 1 if batch_size <= 32 else 0
 
     def eligible(self, r: Request) -> bool:
+        return r.num_computed_tokens == r.num_tokens - 1 and self._allowed(r)
+
+    @staticmethod
+    def _allowed(r: Request) -> bool:
+        """Params and progress that allow drafting once the request's tokens are all known."""
         p = r.params
-        return (p.use_speculation and r.num_computed_tokens == r.num_tokens - 1
-                and r.num_output_tokens >= p.min_tokens and p.repetition_penalty == 1.0
-                and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+        return (p.use_speculation and r.num_output_tokens + r.num_pending_tokens >= p.min_tokens
+                and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                and p.presence_penalty == 0.0)
+
+    def may_draft(self, running: list[Request]) -> bool:
+        """Whether the next `plan` may draft for `running` once their tokens still on the device
+        have landed (no side effects). Drafts start from a request's latest token, so overlapped
+        scheduling waits for the step in flight before such a step."""
+        n = len(running)
+        return bool(self.batch_cap(n)) and self.pays(n, self._step + 1) and any(
+            self._allowed(r) and (r.num_pending_tokens or r.num_computed_tokens == r.num_tokens - 1)
+            for r in running)
 
     def k_for(self, r: Request, cap: int) -> int:
         room = min(r.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens) - 1
@@ -104,15 +118,16 @@ class SpecDecoder:
         return [r for r, k in zip(reqs, ks) if k], [k for k in ks if k]
 
     # cost model: does speculation pay at this batch size on this machine? -------------------
-    def pays(self, batch_size: int) -> bool:
+    def pays(self, batch_size: int, step: int | None = None) -> bool:
         """Drafting pays when the tokens a drafting step is expected to emit per request,
         (1 - a^(k+1)) / (1 - a) for acceptance rate a and k drafts, exceed the measured cost of
         a drafting step relative to a plain step of the same batch-size bucket. `a` is counted
         over the last ~50 verified drafts, so one unlucky step does not switch drafting off.
         Every `_PROBE_EVERY * 2` steps one plain step refreshes the baseline cost and one drafting
-        step re-measures the other side (and acceptance, while drafting is off)."""
+        step re-measures the other side (and acceptance, while drafting is off). `step`: the
+        plan step asked about (default: the current one)."""
         b = _bucket(batch_size)
-        phase = self._step % (2 * _PROBE_EVERY)
+        phase = (self._step if step is None else step) % (2 * _PROBE_EVERY)
         if phase == 0:
             return False  # measure plain decoding
         if phase == _PROBE_EVERY:
