@@ -30,6 +30,9 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+INFILL_MAX_TOP_K = 1024
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -56,6 +59,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None
+    # llama.cpp's `infill` sampler stage after top-k / top-p (luceio.infill_sampling), as
+    # llama.vim's /infill requests ask for; needs top_k in 1..INFILL_MAX_TOP_K
+    infill_sampler: bool = False
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None  # vLLM's older name of the same
@@ -107,6 +113,9 @@ class SamplingParams:
             ("structured_outputs", self.structured_outputs is None or
              isinstance(self.structured_outputs, StructuredOutputsParams),
              "must be a StructuredOutputsParams"),
+            ("top_k", not self.infill_sampler or 0 < self.top_k <= INFILL_MAX_TOP_K,
+             f"must be in 1..{INFILL_MAX_TOP_K} with the infill sampler (it compares every pair "
+             "of the candidates top-k leaves)"),
             ("min_tokens", self.structured_outputs is None or self.min_tokens == 0,
              "cannot be combined with structured_outputs (the grammar decides where the output "
              "ends)"),

@@ -63,8 +63,10 @@ def test_parse_infill_fields_and_llama_cpp_defaults():
     ({"t_max_predict_ms": 0.5}, "t_max_predict_ms"),
     ({"t_max_prompt_ms": "soon"}, "t_max_prompt_ms"),
     ({"response_fields": "content"}, "response_fields"),
-    ({"samplers": ["top_k", "top_p", "infill"]}, "samplers"),  # llama.vim's: no infill sampler
-    ({"samplers": "kpi"}, "samplers"),
+    ({"samplers": ["top_k", "infill", "top_p"]}, "samplers"),  # infill runs last here
+    ({"samplers": ["top_p", "infill"]}, "samplers"),  # infill needs top_k before it
+    ({"samplers": "kpi", "top_k": 0}, "samplers"),
+    ({"samplers": ["top_k", "dry"]}, "samplers"),
     ({"samplers": ["top_k", "top_k"]}, "samplers"),
     ({"samplers": [1]}, "samplers"),
     ({"samplers": ["top_p", "top_k"]}, "samplers"),  # top_k 40, top_p 0.95: order matters
@@ -82,8 +84,11 @@ def test_samplers_switch_off_what_they_leave_out():
     assert parse_infill({"samplers": "kp", "top_p": 0.9}).sampling == kept
     none = parse_infill({"samplers": [], "temperature": 0.0}).sampling  # llama.vim's ring update
     assert (none["temperature"], none["min_p"], none["top_k"], none["top_p"]) == (1.0, 0.0, 0, 1.0)
-    message = str(_refusal({"samplers": ["top_k", "top_p", "infill"]}))
-    assert "'infill'" in message and "temperature, min_p, top_k, top_p" in message
+    message = str(_refusal({"samplers": ["top_k", "dry"]}))
+    assert "'dry'" in message and "temperature, min_p, top_k, top_p" in message
+    vim = parse_infill({"samplers": ["top_k", "top_p", "infill"], "top_p": 0.9}).sampling
+    assert vim == {**kept, "infill_sampler": True} and kept["infill_sampler"] is False
+    assert parse_infill({"samplers": "kpi", "top_p": 0.9}).sampling == vim
 
 
 def _refusal(body: dict) -> APIError | None:
@@ -282,18 +287,15 @@ def _greedy_tokens(http: httpx.Client, max_tokens: int) -> list[str]:
 @pytest.mark.registry
 def test_llama_vim_requests(qwen):
     """llama.vim's ring update is answered as written (its reply: no fields); the FIM request it
-    makes next reads that context from the prefix cache. Its FIM body as written is refused on
-    `samplers` alone (llama.cpp's `infill` sampler); without `infill` it is answered with just
-    the fields it asked for, its text within the indentation rule."""
+    makes next reads that context from the prefix cache. Its FIM body, as written (llama.cpp's
+    `infill` sampler stage included), is answered with just the fields it asked for, its text
+    within the indentation rule."""
     ring = {**RING_UPDATE, "input_extra": EXTRA}
     r = qwen.post("/infill", json=ring)
     assert (r.status_code, r.json()) == (200, {})
     n_ring = qwen.post("/infill", json={**ring, "response_fields": None}).json()
     assert n_ring["tokens_predicted"] == 1 and n_ring["stop_type"] in ("limit", "eos")
     r = qwen.post("/infill", json=llama_vim_fim(extra=EXTRA))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "samplers"
-    assert "'infill'" in r.json()["error"]["message"]
-    r = qwen.post("/infill", json={**llama_vim_fim(extra=EXTRA), "samplers": ["top_k", "top_p"]})
     assert r.status_code == 200, r.text
     reply = r.json()
     assert set(reply) == set(LLAMA_VIM_FIELDS) and reply["truncated"] is False

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..outputs import RequestOutput
+from ..sampling_params import INFILL_MAX_TOP_K
 from .fields import bad, boolean, integer, number, seed, show, stop_strings, string_list, text
 from .fim import FimFormat
 from .responses import ResponseBuilder
@@ -170,13 +171,24 @@ def _samplers(value, sampling: dict) -> dict:
     else:
         raise bad("samplers", f"'samplers' must be a list of sampler names or a string of "
                   f"their letters, got {show(value)}")
+    infill = "infill" in names
+    if infill:  # llama.cpp's infill stage runs here after the whole chain: it must come last
+        if names[-1] != "infill":
+            raise bad("samplers", "'samplers': luceio runs the infill stage after temperature, "
+                      "min_p, top_k and top_p; list it last")
+        if not 0 < sampling["top_k"] <= INFILL_MAX_TOP_K or "top_k" not in names:
+            raise bad("samplers", f"'samplers': the infill stage needs top_k in "
+                      f"1..{INFILL_MAX_TOP_K} before it (it compares every pair of candidates)")
+        names = names[:-1]
     for name in names:
         if name not in CHAIN:
             raise bad("samplers", f"'samplers': luceio has no {show(name)} sampler; it runs "
-                      f"{', '.join(CHAIN)} in that order, and samplers may name only those")
+                      f"{', '.join(CHAIN)} in that order (then infill), and samplers may name "
+                      "only those")
     if len(set(names)) < len(names):
         raise bad("samplers", f"'samplers' names a sampler twice: {show(value)}")
-    sampling = {**sampling, **{k: v for k, v in _OFF.items() if k not in names}}
+    sampling = {**sampling, **{k: v for k, v in _OFF.items() if k not in names},
+                "infill_sampler": infill}
     if sampling["temperature"] <= 0:  # greedy
         return sampling
     active = [n for n in names if sampling[n] != _OFF[n]]
