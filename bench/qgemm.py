@@ -155,6 +155,7 @@ def main(argv=None) -> int:
                     help="folder for qgemm.json")
     ap.add_argument("--quick", action="store_true", help="3 matrices, q4_k and bf16, M = 1, 16")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rows", default=None, help="comma-separated M values (default 1,4,8,16)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a KernelConfig field (integers), e.g. gemv_block_n=32")
     args = ap.parse_args(argv)
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
         [(model, name) for model, mats in MODELS.items() for name in mats]
     qtypes = QUICK["qtypes"] if args.quick else QTYPES
     rows = QUICK["rows"] if args.quick else ROWS
+    if args.rows:
+        rows = [int(v) for v in args.rows.split(",")]
 
     copy_bps = copy_bandwidth(dev)
     cfg = configs.get_config(dev)

@@ -8,6 +8,7 @@
 #   llamacpp        random-weight GGUFs at Qwen2.5 0.5B/1.5B/7B shapes, quantized to Q4_K_M and
 #                   Q8_0 by llama-quantize, llama-bench on them at depth 0 and 8192
 #                   ($OUT/llamacpp_cuda.json, llamacpp_cuda_d8192.json)
+#   final           GPU tests; decode at batch 1 from random weights (no files); qgemm at M = 1
 #   decode          luceio on the same files at contexts 512 and 8192, beside llama-bench's
 #                   numbers ($OUT/decode_gguf.json)
 # Needs carry: .llamacpp/src .llamacpp/bench.sh .llamacpp/build.sh .llamacpp/make_gguf.py
@@ -40,5 +41,11 @@ case $1 in
     shapes=$(echo $SHAPES | tr ' ' ',')
     python bench/decode_gguf.py --gguf-dir "$GGUF_DIR" --llamacpp "${LLAMACPP_JSON:-$GGUF_DIR/llamacpp_cuda.json,$GGUF_DIR/llamacpp_cuda_d8192.json}" \
       --shapes "$shapes" --types Q4_K_M,Q8_0 --contexts ${CONTEXTS:-512,8192} --out "$OUT" ;;
+  final)  # the GPU tests, decode from random-weight Q4_K_M / Q8_0 at real shapes, one-row kernels
+    timeout ${TEST_S:-240} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+    timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
+      --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8
+    timeout ${QGEMM_S:-110} python bench/qgemm.py --rows 1 --repeats 10 --out "$OUT" 2>&1 | tail -3 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
