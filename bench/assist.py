@@ -17,7 +17,8 @@ run by the AsyncEngine, shaped by the response builder; no HTTP).
 TTFT is the engine's own (first token time - arrival), as the server logs it. Writes
 bench/results/cpu/assist.json.
 
-    python bench/assist.py [--quick] [--threads N]
+    python bench/assist.py [--quick] [--threads N] [--sections fim,structured,agent]
+        [--turns N] [--agent-context TOKENS] [--out FILE]
 """
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ READ_LINES = {"type": "function", "function": {
 
 
 class Bench:
-    def __init__(self, threads: int | None):
+    def __init__(self, threads: int | None, max_model_len: int = 8192):
         args = EngineArgs(model=resolve_model("qwen2.5-coder-0.5b"), device="cpu",
-                          max_model_len=8192, cpu_threads=threads)
+                          max_model_len=max_model_len, cpu_threads=threads)
         self.engine = AsyncEngine.from_engine_args(args)
         self.state = ServerState(self.engine, ServerArgs())
         self.tok = self.state.ctx.tokenizer
@@ -88,14 +89,24 @@ class Bench:
 
 # (a) ---------------------------------------------------------------------------------------------
 def source_lines(tok, target: int) -> tuple[str, list[str]]:
-    """A standard-library module's first lines, about `target` tokens of them."""
+    """Standard-library source, about `target` tokens of it: textwrap.py's first lines, or past
+    its length further modules appended whole (argparse, then json.decoder, ...)."""
+    import argparse as m1
+    import json.decoder as m2
     import textwrap
-    path = inspect.getsourcefile(textwrap)
-    with open(path) as f:
-        lines = f.read().splitlines(keepends=True)
+    import typing as m3
+    lines: list[str] = []
+    paths = []
+    for module in (textwrap, m1, m2, m3):
+        path = inspect.getsourcefile(module)
+        with open(path) as f:
+            lines += f.read().splitlines(keepends=True)
+        paths.append(path)
+        if len(tok.encode("".join(lines), add_special_tokens=False)) > target:
+            break
     while len(tok.encode("".join(lines), add_special_tokens=False)) > target:
         lines = lines[:int(len(lines) * 0.95)]
-    return path, lines
+    return ", ".join(paths), lines
 
 
 async def bench_fim(b: Bench, out: dict) -> None:
@@ -154,8 +165,8 @@ async def bench_schema(b: Bench, out: dict, repeats: int, max_tokens: int) -> No
 
 
 # (c) ---------------------------------------------------------------------------------------------
-async def bench_agent(b: Bench, out: dict, turns: int) -> None:
-    _, lines = source_lines(b.tok, 1024)
+async def bench_agent(b: Bench, out: dict, turns: int, context: int = 1024) -> None:
+    _, lines = source_lines(b.tok, context)
     system = ("You are a coding agent working in a repository. Call read_lines to read what you "
               "need. The file under review, wrap.py:\n\n" + "".join(lines))
     messages = [{"role": "system", "content": system},
@@ -194,8 +205,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer runs: under ~8 minutes on 2 cores")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (engine default)")
+    ap.add_argument("--sections", default="fim,structured,agent")
+    ap.add_argument("--turns", type=int, default=None, help="agent turns (default 4, quick; 6)")
+    ap.add_argument("--agent-context", type=int, default=1024,
+                    help="tokens of source in the agent's system prompt (the shared prefix)")
+    ap.add_argument("--out", default=RESULTS)
     a = ap.parse_args()
     repeats, decode_tokens, turns = (3, 128, 4) if a.quick else (6, 128, 6)
+    turns = a.turns or turns
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(__file__)).stdout.strip()
     results = {"env": env_info(), "git_head": head, "quick": a.quick,
@@ -204,12 +221,13 @@ def main() -> None:
 
     async def run() -> None:
         t = time.perf_counter()
-        b = Bench(a.threads)
+        b = Bench(a.threads, max(8192, a.agent_context + 4096))
         results["load_s"] = round(time.perf_counter() - t, 1)
         results["torch_threads"] = torch.get_num_threads()
         loop = asyncio.get_running_loop()
         sections = [("fim", bench_fim, ()), ("structured", bench_schema, (repeats, decode_tokens)),
-                    ("agent", bench_agent, (turns,))]
+                    ("agent", bench_agent, (turns, a.agent_context))]
+        sections = [x for x in sections if x[0] in a.sections.split(",")]
         todo = []
         for name, fn, extra in sections:
             results[name] = {}
@@ -217,7 +235,7 @@ def main() -> None:
             def section(fn=fn, name=name, extra=extra) -> None:
                 asyncio.run_coroutine_threadsafe(fn(b, results[name], *extra), loop).result()
             todo.append((name, section))
-        await loop.run_in_executor(None, run_sections, todo, results, RESULTS)
+        await loop.run_in_executor(None, run_sections, todo, results, a.out)
         await b.engine.shutdown()
 
     asyncio.run(run())
