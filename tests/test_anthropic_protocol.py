@@ -177,7 +177,7 @@ def _user(*blocks) -> dict:
     ({**_hello(), "messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "Bash", "input": "ls"}]},
         {"role": "user", "content": "x"}]}, "messages.0.content.0.input"),
-    ({**_hello(), "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({**_hello(), "messages": [{"role": "developer", "content": "x"}]}, "messages.0.role"),
     ({**_hello(), "messages": []}, "messages"),
     (_hello(system=7), "system"),
     (_hello(system=[{"type": "image"}]), "system.0"),

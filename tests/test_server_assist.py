@@ -1,6 +1,7 @@
 """The editor-assistant side of the server (issue 15) end to end: tool calls on chat completions,
 Anthropic Messages, OpenAI Responses, fill-in-the-middle (`suffix`, `/infill`), logit_bias /
-allowed_token_ids, prefix-cache hits in usage, and every refused or warned field.
+allowed_token_ids, prefix-cache hits in usage, every refused or warned field, and the shapes of
+requests captured from Claude Code and Codex CLI.
 
 Servers run in-process on a thread (uvicorn, 127.0.0.1, a free port): a tiny random-weight llama
 (context 256) for the protocol rules, and the real Qwen2.5-Coder-0.5B GGUF (marked `registry`,
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from conftest import make_tiny_model, running
 from luceio import LLM, SamplingParams
 from luceio.outputs import CompletionOutput, RequestOutput
+from luceio.server.anthropic import messages_to_chat
 from luceio.server.protocol import ModelContext, parse_chat
 from luceio.server.reasoning import ThinkParser
 from luceio.server.responses import ResponseBuilder
@@ -334,6 +336,61 @@ def test_anthropic_errors_auth_and_routes(tiny):
                                                                    "code"}
 
 
+# The first request of Claude Code 2.1.197 (`claude -p`), as captured: every field, block and header
+# it sent, with its texts cut short to fit the tiny context and its tools left out (the tiny
+# template has no tool format). It puts a `system` message after the first user turn.
+CLAUDE_CODE_HEADERS = {
+    "x-api-key": KEY, "anthropic-version": "2023-06-01", "x-app": "cli",
+    "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                      "thinking-token-count-2026-05-13,context-management-2025-06-27,"
+                      "prompt-caching-scope-2026-01-05,mid-conversation-system-2026-04-07,"
+                      "effort-2025-11-24"}
+CLAUDE_CODE_BODY = {
+    "model": "qwen2.5-coder-0.5b",
+    "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>\n</system-reminder>\n"},
+            {"type": "text", "text": "List the files.",
+             "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Agent types:"}],
+    "system": [
+        {"type": "text", "text": "cc_version=2.1.197;"},
+        {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+    "metadata": {"user_id": "{\"device_id\":\"26f1\",\"account_uuid\":\"\",\"session_id\":\"ebe6\"}"},
+    "max_tokens": 32000, "thinking": {"type": "adaptive"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"}, "stream": True}
+
+
+def test_claude_code_request_with_a_mid_conversation_system_message(tiny, llm):
+    """The system message stays where Claude Code put it: after the user's turn, as the chat
+    template renders a later system message (the same greedy text as `LLM.chat` on that order)."""
+    body = CLAUDE_CODE_BODY
+    system = "\n".join(b["text"] for b in body["system"])
+    user = "\n".join(b["text"] for b in body["messages"][0]["content"])
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": user},
+            {"role": "system", "content": body["messages"][1]["content"]}]
+    assert messages_to_chat(body)[0]["messages"] == chat
+    ref = llm.chat(chat, SamplingParams(max_tokens=6, temperature=0))[0]
+    r = httpx.post(tiny + "/v1/messages?beta=true", headers=CLAUDE_CODE_HEADERS, timeout=60,
+                   json={**body, **GREEDY, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    events = _events(r.text)
+    _check_anthropic_events(events)
+    text = "".join(d["delta"]["text"] for n, d in events
+                   if n == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    assert text == ref.outputs[0].text
+    usage = events[0][1]["message"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(ref.prompt_token_ids)
+    # a system message takes text only
+    tool_result = {"type": "tool_result", "tool_use_id": "t", "content": "x"}
+    bad = {**body, "stream": False,
+           "messages": [body["messages"][0], {"role": "system", "content": [tool_result]}]}
+    r = httpx.post(tiny + "/v1/messages", headers=CLAUDE_CODE_HEADERS, json=bad, timeout=60)
+    assert r.status_code == 400 and "messages.1.content.0" in r.json()["error"]["message"]
+
+
 # OpenAI Responses on the tiny model ---------------------------------------------------------------
 def test_responses(tiny, llm):
     instructions, user = "Be brief.", "Tell me more."
@@ -561,6 +618,71 @@ def test_qwen_responses_function_call(qwen):
                                           stream=True))
     names = "".join(f"{e.type} " for e in events)
     assert RESPONSES_ORDER.fullmatch(names) and "function_call_arguments.delta" in names, names
+
+
+# The second request of a `codex exec` turn (Codex CLI 0.171.0), as captured: every field and item
+# kind it sent, with its texts and tool list cut short (its 40 KB prompt would not fit the test's
+# 4K context). The namespace and web_search tools are not offered to the model.
+EXEC_COMMAND = {"type": "function", "name": "exec_command", "strict": False,
+                "description": "Runs a command in a PTY, returning output or a session ID.",
+                "parameters": {"type": "object", "properties": {
+                    "cmd": {"type": "string", "description": "Shell command to execute."}},
+                    "required": ["cmd"], "additionalProperties": False}}
+CODEX_BODY = {
+    "model": "qwen", "stream": True,
+    "input": [
+        {"type": "message", "role": "developer", "content": [
+            {"type": "input_text", "text": "You are Codex, a coding agent."}]},
+        {"type": "message", "role": "developer", "content": [
+            {"type": "input_text", "text": "<permissions>read-only</permissions>"},
+            {"type": "input_text", "text": "<collaboration_mode>default</collaboration_mode>"}]},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "<environment_context>bash</environment_context>"}]},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Run ls with the exec_command tool."}]},
+        {"type": "function_call", "status": "completed", "id": "fc_752e", "name": "exec_command",
+         "arguments": '{"cmd": "ls -l"}', "call_id": "call_f146"},
+        {"type": "function_call_output", "id": "fco_01a2", "call_id": "call_f146",
+         "output": "Process exited with code 0\nOutput:\ntotal 8\na.txt\nb.py\n"}],
+    "tools": [EXEC_COMMAND,
+              {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+               "tools": [{**EXEC_COMMAND, "name": "close_agent"}]},
+              {"type": "web_search", "external_web_access": False}],
+    "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto"},
+    "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "01a22fd9",
+    "client_metadata": {"thread_id": "01a22fd9", "turn_id": "01a22fd9-6f42"}}
+
+
+@pytest.mark.registry
+def test_qwen_codex_turn_with_a_tool_result(qwen):
+    """Answered as the chat-completions request written by hand from it: developer messages as
+    system ones, the call as the assistant's tool_calls, its output as a tool message, only the
+    function tool offered."""
+    inputs = CODEX_BODY["input"]
+    tool = {k: EXEC_COMMAND[k] for k in ("name", "description", "parameters", "strict")}
+    chat = {"model": "qwen", "max_tokens": 16, **GREEDY,
+            "tools": [{"type": "function", "function": tool}], "messages": [
+        {"role": "system", "content": "You are Codex, a coding agent."},
+        {"role": "system", "content": "<permissions>read-only</permissions>\n"
+                                      "<collaboration_mode>default</collaboration_mode>"},
+        {"role": "user", "content": "<environment_context>bash</environment_context>"},
+        {"role": "user", "content": "Run ls with the exec_command tool."},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_f146", "type": "function",
+            "function": {"name": "exec_command", "arguments": '{"cmd": "ls -l"}'}}]},
+        {"role": "tool", "tool_call_id": "call_f146", "content": inputs[5]["output"]}]}
+    with httpx.Client(base_url=qwen, headers=AUTH, timeout=120) as http:
+        want = http.post(CH, json=chat).json()
+        r = http.post("/v1/responses", json={**CODEX_BODY, "max_output_tokens": 16, **GREEDY})
+    assert r.status_code == 200, r.text
+    events = _events(r.text)
+    names = "".join(f"{name} " for name, _ in events)
+    assert RESPONSES_ORDER.fullmatch(names), names
+    done = events[-1][1]["response"]
+    assert done["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+    text = "".join(p["text"] for o in done["output"] if o["type"] == "message"
+                   for p in o["content"])
+    assert text == (want["choices"][0]["message"]["content"] or "")
 
 
 # Qwen2.5-Coder's FIM tokens and text ids, from transformers' tokenizer of the same GGUF

@@ -19,6 +19,9 @@ Request fields
   assistant message (a prefill: the chat template would close that turn, not continue it).
 
 Content blocks (the text blocks of a message or of a tool result are joined with "\n")
+- system (a message with role `system` inside `messages`: Claude Code sends one after the first
+  user turn, beta `mid-conversation-system-2026-04-07`): a string or text blocks, kept in its
+  place as a chat system message; a chat template that allows system only first answers 400.
 - user: `text`; each `tool_result` becomes a `tool` message, placed before the user's text (OpenAI
   wants tool messages right after the calls), prefixed "Error: " when `is_error` is true.
 - assistant: `text`; `tool_use` → `tool_calls` (input as JSON text); `thinking` → the message's
@@ -161,13 +164,14 @@ def _messages(msgs, warnings: list[str]) -> list[dict]:
         if not isinstance(m, dict):
             raise _bad(where, "must be an object with 'role' and 'content'")
         _warn_unknown(m, f"{where}.", {"role", "content"}, warnings)
-        blocks = _blocks(m.get("content"), where, warnings)
-        if m.get("role") == "user":
-            out += _user(blocks)
+        if m.get("role") == "system":
+            out.append({"role": "system", "content": _joined(m.get("content"), f"{where}.content")})
+        elif m.get("role") == "user":
+            out += _user(_blocks(m.get("content"), where, warnings))
         elif m.get("role") == "assistant":
-            out.append(_assistant(blocks))
+            out.append(_assistant(_blocks(m.get("content"), where, warnings)))
         else:
-            raise _bad(f"{where}.role", "must be 'user' or 'assistant'")
+            raise _bad(f"{where}.role", "must be 'user', 'assistant' or 'system'")
     if msgs[-1]["role"] == "assistant":
         raise _bad(f"messages.{len(msgs) - 1}", "a final assistant message (prefill) is unsupported")
     return out
