@@ -22,6 +22,13 @@ and the high half (h = 1) of a group.
 `dp4a` is PTX inline assembly on NVIDIA GPUs (sm_61 and later); elsewhere (ROCm, the CPU
 interpreter) `_dp4a` runs the same product with shifts and multiplies, exactly.
 
+Layout: one warp per program, one thread per 32-group (16 bytes of codes; q8_0 as two 16-byte
+half-groups), the program's BLOCK_N rows in each thread's registers. Every tile is loaded from
+addresses contiguous along the thread axis (`_row_tile`, `_shared_tile`, `_x_tile`), so
+Triton gives the load the layout the dot products use: with a tie between rows and groups in its
+contiguity order, Triton 3.6 put threads across rows and moved each tile through shared memory,
+which held this kernel at ~37% of copy bandwidth (`bench/results/h200/gemv_sweep_history/`).
+
 The grid is (cdiv(N, BLOCK_N), SPLIT_K); with SPLIT_K > 1 the programs write fp32 partials and
 the last one of a row block to arrive sums them in split order (deterministic), in the same
 launch.
