@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 from luceio.kernels import configs, quant, quant_triton as qt  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
+from luceio.kernels.quant_args import paired  # noqa: E402
 from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
 
 INTERPRETED = type(qt._skinny_kernel).__name__ == "InterpretedFunction"
@@ -101,8 +102,8 @@ def test_paired_scales_change_nothing_but_the_layout(gen, qtype):
     n, k = 33, 512
     w = weight(gen, qtype, n, k)
     wp = quant.pair_scales(w)
-    assert qt.paired(wp.sc, wp.mn) and qt.paired(wp.d, wp.m)
-    assert not qt.paired(w.sc, w.mn)
+    assert paired(wp.sc, wp.mn) and paired(wp.d, wp.m)
+    assert not paired(w.sc, w.mn)
     assert quant.nbytes(wp) == quant.nbytes(w)
     assert torch.equal(dequantize(wp), dequantize(w))
     assert torch.equal(qt.dequantize_triton(wp), qt.dequantize_triton(w))
@@ -112,7 +113,7 @@ def test_paired_scales_change_nothing_but_the_layout(gen, qtype):
             plain, pair = qt.quant_matmul_skinny(x, w), qt.quant_matmul_skinny(x, wp)
         assert torch.equal(plain, pair), f"{qtype} M={m} split={split} (seed {gen.seed_value})"
     rows = quant.permute_rows(wp, [3, 1, 2])  # row operations give back the plain layout
-    assert not qt.paired(rows.sc, rows.mn) and torch.equal(dequantize(rows), dequantize(w)[[3, 1, 2]])
+    assert not paired(rows.sc, rows.mn) and torch.equal(dequantize(rows), dequantize(w)[[3, 1, 2]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

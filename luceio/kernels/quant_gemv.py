@@ -293,10 +293,10 @@ def quantize_x(x: torch.Tensor, planes: bool = True
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
          split_k, use_asm: bool) -> None:
     """out2 [1, N] = x2 [1, K] @ W^T (+ bias), x quantized to int8 per group on the way.
-    `weights` / `strides` as `quant_triton._weight_args` gives them, with qs as int32 words;
+    `weights` / `strides` as `quant_args.weight_args` gives them, with qs as int32 words;
     `split_k(cfg, n_programs, k_tiles)` -> (splits, tiles per split). Two launches: x's
     quantization and the GEMV (split-K partials are summed by the GEMV's last split)."""
-    from .quant_triton import paired
+    from .quant_args import paired
     qs, qh, d, m, sc, mn = weights
     if qtype == "q6_k":  # sub-scales are read in pairs, high-bit words two at a time
         qh = qh.clone() if qh.data_ptr() % 8 else qh
