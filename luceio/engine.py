@@ -24,6 +24,7 @@ import torch
 
 from .cache import KVCacheManager
 from .config import EngineArgs
+from .infill_sampling import token_piece
 from .inputs import PromptType, split_prompt
 from .loader import load_checkpoint
 from .output_processor import RequestState
@@ -94,7 +95,7 @@ class LLMEngine:
             raise ValueError("--kv-resident-policy spec scores blocks with the draft model: "
                              "give --draft-model")
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
-        self.sampler = Sampler(args.seed, piece=_token_piece(tokenizer))
+        self.sampler = Sampler(args.seed, piece=token_piece(tokenizer))
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
         self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len)
         self.structured = StructuredOutputs(tokenizer, self.runner.cfg.vocab_size)
@@ -334,7 +335,7 @@ class LLMEngine:
                 if rid in self.scheduler.requests:
                     self.kv.residency.set_scores(rid, scores)
             changed = self.scheduler.update(batch.sched, result.sampled)
-            self._advance_grammars(changed)
+            self.structured.advance(changed, self.scheduler.finish)
             now = time.monotonic()
             for req in changed:
                 self._record_sample(req, result, now)
@@ -345,23 +346,6 @@ class LLMEngine:
             self.runner.drop_host_kv(rid)  # finished or aborted (also mid swap-out) while swapped
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
-
-    def _advance_grammars(self, changed: list[Request]) -> None:
-        """Feeds each constrained request's new tokens to its matcher; ends the request when the
-        grammar terminates (tokens after that, which only speculation could add, are dropped)."""
-        for req in changed:
-            matcher = self.structured.matcher(req.request_id)
-            if matcher is None or req.is_finished:
-                continue
-            new = req.output_token_ids[matcher.num_accepted:]
-            taken = matcher.accept(new)
-            if matcher.is_terminated:
-                req.drop_last_tokens(len(new) - taken)
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            elif taken < len(new):  # the mask made this impossible; end it rather than go on
-                logger.error("request %s: token %d is outside its grammar; request aborted",
-                             req.request_id, new[taken])
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
 
     def _observe_spec(self, batch: Batch, result: StepResult) -> None:
         """Feeds decode-only steps' throughput to the speculation cost model."""
@@ -408,14 +392,6 @@ class LLMEngine:
             self._pending_outputs.append(out)
         if state.finished:
             self.states.pop(state.request_id, None)
-
-
-def _token_piece(tokenizer):
-    """token id -> its text as UTF-8 bytes, empty for special tokens (llama.cpp's
-    token_to_piece without specials): what the infill sampler stage compares."""
-    if tokenizer is None:
-        return None
-    return lambda t: tokenizer.decode([t], skip_special_tokens=True).encode()
 
 
 def _resolve(model: str | None) -> str:

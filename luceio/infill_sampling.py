@@ -71,3 +71,11 @@ def infill_filter(ids: Sequence[int], logits: Sequence[float], is_eog: Callable[
     keep = [i for i in keep if eog[i] or q[i] >= thold]
     s = sum(q[i] for i in keep)
     return [ids[i] for i in keep], [q[i] / s for i in keep]
+
+
+def token_piece(tokenizer):
+    """token id -> its text as UTF-8 bytes, empty for special tokens (llama.cpp's
+    token_to_piece without specials): what the infill stage compares; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda t: tokenizer.decode([t], skip_special_tokens=True).encode()

@@ -43,6 +43,8 @@ Rules:
 """
 from __future__ import annotations
 
+import logging
+
 import functools
 import json
 import re
@@ -51,6 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("luceio")
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (an agent's tool sets, a service's schemas)
 # consecutive whitespace characters allowed between JSON tokens: enough for pretty-printing seven
@@ -298,6 +302,25 @@ class StructuredOutputs:
 
     def matcher(self, request_id: str) -> Matcher | None:
         return self._matchers.get(request_id)
+
+    def advance(self, changed, finish) -> None:
+        """Feeds each constrained request's new tokens to its matcher; ends the request through
+        `finish(request_id, status)` when the grammar terminates (tokens after that, which only
+        speculation could add, are dropped)."""
+        from .request import RequestStatus
+        for req in changed:
+            matcher = self.matcher(req.request_id)
+            if matcher is None or req.is_finished:
+                continue
+            new = req.output_token_ids[matcher.num_accepted:]
+            taken = matcher.accept(new)
+            if matcher.is_terminated:
+                req.drop_last_tokens(len(new) - taken)
+                finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            elif taken < len(new):  # the mask made this impossible; end it rather than go on
+                logger.error("request %s: token %d is outside its grammar; request aborted",
+                             req.request_id, new[taken])
+                finish(req.request_id, RequestStatus.FINISHED_ABORTED)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
