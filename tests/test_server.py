@@ -406,8 +406,11 @@ def test_metrics(server, client):
     assert m["luceio_prompt_tokens_total"] > before["luceio_prompt_tokens_total"]
     assert m["luceio_time_to_first_token_seconds_count"] == \
         before["luceio_time_to_first_token_seconds_count"] + 2
-    assert m["luceio_inter_token_latency_seconds_count"] >= \
-        before["luceio_inter_token_latency_seconds_count"] + 14
+    # one observation per output that brings new tokens after the first: 7 per request when each
+    # token comes alone, fewer when a slow event loop gets several in one output
+    itl = m["luceio_inter_token_latency_seconds_count"] - \
+        before["luceio_inter_token_latency_seconds_count"]
+    assert 2 <= itl <= 14
     assert m["luceio_engine_generation_tokens_total"] >= \
         before["luceio_engine_generation_tokens_total"] + 16
     # the second identical prompt is served from the prefix cache... if it spans a full block;
