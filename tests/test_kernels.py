@@ -133,6 +133,61 @@ def test_write_kv_skips_negative_slots(gen, dtype):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"seed {gen.seed_value}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads,norm", [(64, 14, 2, False), (128, 12, 4, True),
+                                                          (64, 6, 6, True)])
+def test_qkv_rope_cache_equals_the_sequence(gen, dtype, head_dim, heads, kv_heads, norm):
+    """Split, [q/k norm,] rotary and the KV write in one launch == the reference sequence: the
+    same q, the same cache (skipped slots untouched), the projection output unchanged."""
+    from luceio.kernels.qkv_rope import qkv_rope_cache_ref
+    T, blocks, bs = 7, 6, 16
+    cs = build_cos_sin_cache(head_dim, 2048, 1000000.0).to(DEVICE)
+    wide = rnd(gen, T, (heads + 2 * kv_heads) * head_dim + 8, dtype=dtype)
+    qkv = wide[:, 8:]  # a strided view, as a part of a wider buffer
+    before = qkv.clone()
+    pos = torch.randint(0, 2048, (T,), generator=gen.g).to(DEVICE)
+    slots = torch.tensor([5, -1, 17, blocks * bs - 1, 40, 41, -1]).to(DEVICE)
+    kc, vc = (rnd(gen, blocks, bs, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    norms = (1 + 0.1 * rnd(gen, head_dim, dtype=dtype), 1 + 0.1 * rnd(gen, head_dim, dtype=dtype),
+             1e-6) if norm else ()
+    q = triton_ops.qkv_rope_cache(qkv, pos, cs, kc, vc, slots, heads, kv_heads, *norms)
+    q_ref = qkv_rope_cache_ref(qkv, pos, cs, kc_ref, vc_ref, slots, heads, kv_heads, *norms)
+    assert q.shape == (T, heads, head_dim) and q.is_contiguous()
+    check(q, q_ref, TOL[dtype], gen, "q")
+    check(kc, kc_ref, TOL[dtype], gen, "k cache")
+    assert torch.equal(vc, vc_ref), f"v cache, seed {gen.seed_value}"
+    assert torch.equal(qkv, before), "the projection output was modified"
+    if not norm and INTERPRETED:  # same fp32 operations in the same order: exact
+        assert torch.equal(q, q_ref) and torch.equal(kc, kc_ref), f"seed {gen.seed_value}"
+
+
+@pytest.mark.parametrize("layouts", [(True,), (False,), (False, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_producers_also_write_the_gemv_input(gen, layouts, dtype):
+    """`rms_norm` and `silu_and_mul` given `xqs` write the same output as without, and the
+    int8 forms `quantize_x` makes of that output (both layouts, bit for bit)."""
+    from luceio.kernels.elementwise_triton import xq_layouts
+    from luceio.kernels.quant_gemv import quantize_x
+    n, d = 224, 1088  # 7 groups (one norm program, masked tail); 34 groups over two programs
+    x, r, w = rnd(gen, 1, n, dtype=dtype), rnd(gen, 1, n, dtype=dtype), rnd(gen, n, dtype=dtype)
+    gu = rnd(gen, 1, 2 * d, dtype=dtype)
+    xqs = xq_layouts(layouts, 1, n, DEVICE)
+    out, res = triton_ops.rms_norm(x, w, 1e-6, r, xqs=xqs)
+    plain, plain_res = triton_ops.rms_norm(x, w, 1e-6, r)
+    assert torch.equal(out, plain) and torch.equal(res, plain_res)
+    act_xqs = xq_layouts(layouts, 1, d, DEVICE)
+    act = triton_ops.silu_and_mul(gu, xqs=act_xqs)
+    assert torch.equal(act, triton_ops.silu_and_mul(gu))
+    for y, made in ((out, xqs), (act, act_xqs)):
+        assert sorted(made) == sorted(layouts)
+        for planes, got in made.items():
+            want = quantize_x(y.reshape(-1), planes=planes)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (planes, gen.seed_value)
+    with pytest.raises(ValueError, match="one row"):
+        xq_layouts((True,), 2, n, DEVICE)
+
+
 # ------------------------------------------------------------------------------------ attention
 
 def make_batch(g, q_lens, ctx_lens, num_kv_heads, group, head_dim, dtype, block_size=16):

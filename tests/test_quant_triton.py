@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 triton = pytest.importorskip("triton")
 
-from luceio.kernels import configs, quant, quant_triton as qt  # noqa: E402
+from luceio.kernels import configs, quant, quant_gemv, quant_triton as qt  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
 from luceio.kernels.quant_args import paired  # noqa: E402
@@ -162,6 +162,26 @@ def test_gemv_error_within_the_int8_bound(gen, qtype):
     assert err.max() > 0  # x really went through int8 (a check that can fail on a float path)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_parts_write_one_output(gen, m, monkeypatch):
+    """A projection stored as parts of different types (q4_k, q6_k, q8_0, q4_k) equals the
+    concatenation of the parts' references, bias included; at one row x is quantized once per
+    layout (the 4-bit planes and q8_0's group order), not once per part."""
+    k, sizes = 512, [24, 8, 16, 9]
+    ws = [weight(gen, q, n, k) for q, n in zip(["q4_k", "q6_k", "q8_0", "q4_k"], sizes)]
+    bias = gen.randn(sum(sizes))
+    x = gen.randn(m, k)
+    calls = []
+    quantize = quant_gemv.quantize_x
+    monkeypatch.setattr(quant_gemv, "quantize_x",
+                        lambda *a, **kw: calls.append(kw.get("planes")) or quantize(*a, **kw))
+    with configs.use_config(SMALL):
+        out = qt.quant_matmul_parts(x, ws, bias)
+    ref = torch.cat([quant_linear_ref(gemv_input(x), w) for w in ws], dim=-1) + bias
+    check(out, ref, TOL[torch.float32], gen, f"parts M={m}")
+    assert calls == ([True, False] if m == 1 else [])
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_triton_is_exact(gen, qtype):
     k = 512 if qtype.endswith("_k") else 160
@@ -197,7 +217,7 @@ def test_linear_dispatch_goes_to_triton(gen, monkeypatch):
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
     called = []
     orig = qt.quant_matmul
-    monkeypatch.setattr(qt, "quant_matmul", lambda *a: called.append(1) or orig(*a))
+    monkeypatch.setattr(qt, "quant_matmul", lambda *a, **kw: called.append(1) or orig(*a, **kw))
     w = weight(gen, "q8_0", 7, 64)
     x = gen.randn(2, 64)
     with configs.use_config(SMALL):

@@ -13,9 +13,10 @@ import torch
 from .activation import silu_and_mul_ref
 from .attention import paged_attention_ref, write_kv_ref
 from .norm import rms_norm_ref
+from .qkv_rope import qkv_rope_cache_ref
 from .rotary import build_cos_sin_cache, rotary_ref
 
-__all__ = ["rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention",
+__all__ = ["rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
            "build_cos_sin_cache", "use_triton"]
 
 
@@ -59,6 +60,7 @@ silu_and_mul = _impl("silu_and_mul", silu_and_mul_ref)
 rotary = _impl("rotary", rotary_ref)
 write_kv = _impl("write_kv", write_kv_ref)
 paged_attention = _impl("paged_attention", paged_attention_ref)
+qkv_rope_cache = _impl("qkv_rope_cache", qkv_rope_cache_ref)
 
 
 # linear layers: dense or quantized weights -----------------------------------------------------
@@ -75,18 +77,49 @@ def prepare_weight(w, act_dtype: torch.dtype):
     return w
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T + bias for a dense weight, a QuantWeight or a CPU-packed weight."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
+           xqs: dict | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias for a dense weight, a QuantWeight or a CPU-packed weight. `xqs`: x
+    already quantized for the one-row GEMV (`gemv_input_buffers`), filled by x's producer."""
     if isinstance(w, torch.Tensor):
         return torch.nn.functional.linear(x, w, bias)
     from .quant import QuantWeight, quant_linear_ref
     if isinstance(w, QuantWeight):
         if use_triton(x):
             from .quant_triton import quant_matmul
-            return quant_matmul(x, w, bias)
+            return quant_matmul(x, w, bias, xqs=xqs)
         return quant_linear_ref(x, w, bias)
     from .quant_cpu import cpu_quant_linear
     return cpu_quant_linear(x, w, bias)
+
+
+def linear_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
+                 xqs: dict | None = None) -> torch.Tensor:
+    """y = x @ [W_0; W_1; ...]^T + bias for a projection stored as several row segments: on
+    GPUs, segments that are all quantized write one output (quant_triton.quant_matmul_parts);
+    otherwise one matmul per segment, concatenated."""
+    from .quant import QuantWeight
+    if use_triton(x) and all(isinstance(p, QuantWeight) for p in parts):
+        from .quant_triton import quant_matmul_parts
+        return quant_matmul_parts(x, parts, bias, xqs=xqs)
+    out = torch.cat([linear(x, p) for p in parts], dim=-1)
+    return out + bias if bias is not None else out
+
+
+def gemv_input_buffers(parts: list, rows: int, k: int, device: torch.device) -> dict:
+    """Empty buffers for the int8 forms of a [rows, K] input that the one-row quantized GEMV
+    of `parts` reads (`quant_gemv.quantize_x`: True = two planes, False = q8_0's group order),
+    when that GEMV is what will run (one row, quantized parts, Triton); else {}. The kernel
+    that produces the input (`rms_norm`, `silu_and_mul` with `xqs=`) fills them in the same
+    launch, which saves the GEMV's own quantizing launch."""
+    from .quant import QuantWeight
+    if rows != 1 or not parts or k % 32 or not all(isinstance(p, QuantWeight) for p in parts):
+        return {}
+    if kernel_mode() == "torch" or not _HAS_TRITON or not (
+            kernel_mode() == "triton" or torch.device(device).type == "cuda"):
+        return {}
+    from .elementwise_triton import xq_layouts
+    return xq_layouts(sorted({p.qtype != "q8_0" for p in parts}), rows, k, device)
 
 
 def weight_nbytes(w) -> int:

@@ -9,14 +9,32 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant_gemv import store_xq, xq_buffers
+
 
 def _warps(block: int) -> int:
     return min(16, max(1, block // 512))
 
 
 @triton.jit
+def _emit_xq(y, g0, KG, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK: tl.constexpr,
+             XQ_PLANES: tl.constexpr, XQ_GROUPS: tl.constexpr):
+    """A produced GEMV input y [BLOCK] (groups g0 ...) also quantized, in the layouts asked for."""
+    if XQ_PLANES or XQ_GROUPS:
+        grp = g0 + tl.arange(0, BLOCK // 32)[:, None]
+        gmask = grp < KG
+        yg = tl.reshape(y, [BLOCK // 32, 32])
+        if XQ_PLANES:
+            store_xq(yg, grp, gmask, xq0, xs0, xsum0, KG, BLOCK // 32, True)
+        if XQ_GROUPS:
+            store_xq(yg, grp, gmask, xq1, xs1, xsum1, KG, BLOCK // 32, False)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     xq0, xs0, xsum0, xq1, xs1, xsum1,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                     XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -29,13 +47,18 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps)
     y = (h * rstd).to(x.dtype).to(tl.float32)          # HF: normalise in fp32, cast back, scale
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * s_o + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    o = (w * y).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * s_o + offs, o, mask=mask)
+    _emit_xq(o.to(tl.float32), 0, N // 32, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK,
+             XQ_PLANES, XQ_GROUPS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None, xqs: dict | None = None):
     """Same contract as `rms_norm_ref`: `out`, or `(out, x + residual)` with a residual.
-    Inputs are not modified."""
+    Inputs are not modified. `xqs` (from `xq_layouts`, one row only): filled with `out`
+    quantized for the GEMV that reads it, in the same launch."""
+    xqs = xqs or {}
     shape = x.shape
     n = shape[-1]
     x2 = x.reshape(-1, n)
@@ -56,14 +79,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), out, res_out, float(eps),
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-                                  N=n, BLOCK=block, HAS_RES=residual is not None,
-                                  num_warps=_warps(block))
+                                  *_xq_args(xqs, out), N=n, BLOCK=block,
+                                  HAS_RES=residual is not None, num_warps=_warps(block),
+                                  **_xq_flags(xqs))
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))
 
 
+def xq_layouts(layouts, rows: int, n: int, device) -> dict:
+    """The int8 forms (`quant_gemv.quantize_x` layouts: True = two planes, False = group
+    order) that a one-row output is also written in, as empty buffers for the kernel to fill."""
+    if not layouts:
+        return {}
+    if rows != 1 or n % 32:
+        raise ValueError(f"a quantized GEMV input is one row of a multiple of 32 elements, "
+                         f"got [{rows}, {n}]")
+    return {planes: xq_buffers(n, device) for planes in layouts}
+
+
+def _xq_args(xqs: dict, dummy: torch.Tensor) -> list:
+    args = []
+    for planes in (True, False):
+        args.extend(xqs.get(planes, (dummy,) * 3))
+    return args
+
+
+def _xq_flags(xqs: dict) -> dict:
+    return {"XQ_PLANES": True in xqs, "XQ_GROUPS": False in xqs} if xqs else {}
+
+
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1,
+                         D: tl.constexpr, BLOCK: tl.constexpr,
+                         XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -71,20 +119,25 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.co
     u = tl.load(x_ptr + t * s_x + D + offs, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype, then * up
-    tl.store(out_ptr + t * s_o + offs, (s * u).to(dt), mask=mask)
+    o = (s * u).to(dt)
+    tl.store(out_ptr + t * s_o + offs, o, mask=mask)
+    _emit_xq(o.to(tl.float32), tl.program_id(1) * (BLOCK // 32), D // 32, xq0, xs0, xsum0,
+             xq1, xs1, xsum1, BLOCK, XQ_PLANES, XQ_GROUPS)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2 * d] as [gate | up] → silu(gate) * up, [..., d]."""
+def silu_and_mul(x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
+    """x: [..., 2 * d] as [gate | up] → silu(gate) * up, [..., d]. `xqs`: as `rms_norm`'s."""
+    xqs = xqs or {}
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
-        block = min(1024, triton.next_power_of_2(d))
+        block = max(32, min(1024, triton.next_power_of_2(d)))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=_warps(block))
+            x2, out, x2.stride(0), out.stride(0), *_xq_args(xqs, out), D=d, BLOCK=block,
+            num_warps=_warps(block), **_xq_flags(xqs))
     return out.view(*x.shape[:-1], d)
 
 

@@ -41,19 +41,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
-                       PLANES: tl.constexpr):
-    """x [K] -> xq int8 [K], scale fp32 [K/32], and int32 sums of xq [2, K/32] (elements 0-15
-    and 16-31 of each group). xq is in group order, or with PLANES in two planes [2, K/32, 16]
-    (elements 0-15, then 16-31, of every group), which keeps the 4-bit GEMV's x loads
-    contiguous: its code word j meets x words j of both planes."""
-    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]          # [BG, 1]
-    gmask = grp < KG
+def store_xq(x, grp, gmask, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
+             PLANES: tl.constexpr):
+    """Quantizes fp32 groups x [BLOCK_G, 32] (groups `grp` [BLOCK_G, 1], `gmask` the real ones)
+    and stores them as `quantize_x` lays them out. Shared with the kernels that produce a
+    GEMV's input and hand it over already quantized (elementwise_triton.py)."""
     col = tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + grp * 32 + col, mask=gmask, other=0.0).to(tl.float32)  # [BG, 32]
     amax = tl.max(tl.abs(x), 1)                                                 # [BG]
     scale = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # no 1/0 anywhere
     t = x * inv[:, None]
     q = tl.where(t >= 0, t + 0.5, t - 0.5).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -127), 127)
@@ -66,6 +62,20 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexp
     halves = tl.reshape(q, [BLOCK_G, 2, 16])
     sums = tl.sum(halves, 2)                                                    # [BG, 2]
     tl.store(xsum_ptr + tl.arange(0, 2)[None, :] * KG + grp, sums, mask=gmask)
+
+
+@triton.jit
+def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
+                       PLANES: tl.constexpr):
+    """x [K] -> xq int8 [K], scale fp32 [K/32], and int32 sums of xq [2, K/32] (elements 0-15
+    and 16-31 of each group). xq is in group order, or with PLANES in two planes [2, K/32, 16]
+    (elements 0-15, then 16-31, of every group), which keeps the 4-bit GEMV's x loads
+    contiguous: its code word j meets x words j of both planes."""
+    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]          # [BG, 1]
+    gmask = grp < KG
+    col = tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + grp * 32 + col, mask=gmask, other=0.0).to(tl.float32)  # [BG, 32]
+    store_xq(x, grp, gmask, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G, PLANES)
 
 
 @triton.jit
@@ -275,15 +285,21 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def xq_buffers(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (xq, scale, sums) for a K-element x: what `quantize_x` returns."""
+    kg = k // 32
+    return (torch.empty(k, dtype=torch.int8, device=device),
+            torch.empty(kg, dtype=torch.float32, device=device),
+            torch.empty((2, kg), dtype=torch.int32, device=device))
+
+
 def quantize_x(x: torch.Tensor, planes: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [K] (K % 32 == 0) -> (xq int8 [K] (two planes, or group order), scale fp32 [K/32],
     xq sums int32 [2, K/32]); see `_quantize_x_kernel`."""
     k = x.numel()
     kg = k // 32
-    xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    xs = torch.empty(kg, dtype=torch.float32, device=x.device)
-    xsum = torch.empty((2, kg), dtype=torch.int32, device=x.device)
+    xq, xs, xsum = xq_buffers(k, x.device)
     block_g = 16
     _quantize_x_kernel[(triton.cdiv(kg, block_g),)](x, xq, xs, xsum, kg, BLOCK_G=block_g,
                                                    PLANES=planes, num_warps=4)
@@ -291,11 +307,13 @@ def quantize_x(x: torch.Tensor, planes: bool = True
 
 
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
-         split_k, use_asm: bool) -> None:
+         split_k, use_asm: bool, xqs: dict | None = None) -> None:
     """out2 [1, N] = x2 [1, K] @ W^T (+ bias), x quantized to int8 per group on the way.
     `weights` / `strides` as `quant_args.weight_args` gives them, with qs as int32 words;
     `split_k(cfg, n_programs, k_tiles)` -> (splits, tiles per split). Two launches: x's
-    quantization and the GEMV (split-K partials are summed by the GEMV's last split)."""
+    quantization and the GEMV (split-K partials are summed by the GEMV's last split). `xqs`:
+    quantized forms of this x already made (layout -> `quantize_x`'s triple), shared by the
+    parts of a fused projection, which then quantize x once."""
     from .quant_args import paired
     qs, qh, d, m, sc, mn = weights
     if qtype == "q6_k":  # sub-scales are read in pairs, high-bit words two at a time
@@ -306,7 +324,13 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
         d, m, sc, mn = (t.contiguous() for t in (d, m, sc, mn))
     s_qs, s_qh = strides[0], qh.stride(0)
     s_d, s_sc = d.stride(0), sc.stride(0)
-    xq, xs, xsum = quantize_x(x2.reshape(-1), planes=qtype != "q8_0")
+    planes = qtype != "q8_0"
+    if xqs is not None and planes in xqs:
+        xq, xs, xsum = xqs[planes]
+    else:
+        xq, xs, xsum = quantize_x(x2.reshape(-1), planes=planes)
+        if xqs is not None:
+            xqs[planes] = (xq, xs, xsum)
     g = max(1, cfg.gemv_block_k // 32)
     kg = k // 32
     n_programs = triton.cdiv(n, cfg.gemv_block_n)

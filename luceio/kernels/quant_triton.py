@@ -284,7 +284,8 @@ def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int) -> tuple[in
 
 
 def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int, k: int,
-            bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            bias: torch.Tensor | None, out: torch.Tensor | None,
+            xqs: dict | None = None) -> torch.Tensor:
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]")
     lead = x.shape[:-1]
@@ -317,7 +318,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         qs, *rest = weights
         gemv(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,
              bias.contiguous() if bias is not None else None, out2, cfg, skinny_split_k,
-             use_asm=x.is_cuda and torch.version.hip is None and not interp)
+             use_asm=x.is_cuda and torch.version.hip is None and not interp, xqs=xqs)
         return out
     n_programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))
@@ -341,12 +342,14 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
 
 
 def quant_matmul_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, xqs: dict | None = None
+                        ) -> torch.Tensor:
     """x [..., K] (at most 16 rows; fp16, bf16 or fp32) @ w^T + bias -> [..., N] in x's dtype,
-    into `out` when given (a [..., N] tensor with a contiguous last dim)."""
+    into `out` when given (a [..., N] tensor with a contiguous last dim). `xqs`: x's int8 forms
+    when its producer made them (one row; see `kernels.gemv_input_buffers`)."""
     n, k = w.shape
     weights, strides = _weight_args(w)
-    return _skinny(x, weights, strides, w.qtype, n, k, bias, out)
+    return _skinny(x, weights, strides, w.qtype, n, k, bias, out, xqs)
 
 
 def dense_matmul_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -355,6 +358,29 @@ def dense_matmul_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     n, k = weight.shape
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     return _skinny(x, (weight,) * 6, (weight.stride(0), 0, 0, 0, 1, 1), DENSE, n, k, bias, out)
+
+
+def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
+                       xqs: dict | None = None) -> torch.Tensor:
+    """x [..., K] @ [W_0; W_1; ...]^T + bias: a fused projection whose row segments are
+    quantized in different types (a Q4_K_M file's q/k in Q4_K, v in Q6_K). Up to
+    `skinny_max_m` rows each part writes its columns of one output (no concatenation, the
+    bias added by the kernels), and at one row x is quantized once for all the parts."""
+    num_m = x.numel() // max(x.shape[-1], 1)
+    if num_m > min(get_config(x.device).skinny_max_m, 16):
+        out = torch.cat([quant_matmul(x, w) for w in parts], dim=-1)
+        return out + bias if bias is not None else out
+    n = sum(w.shape[0] for w in parts)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    xqs = {} if xqs is None else xqs
+    start = 0
+    for w in parts:
+        stop = start + w.shape[0]
+        weights, strides = _weight_args(w)
+        _skinny(x, weights, strides, w.qtype, w.shape[0], w.shape[1],
+                bias[start:stop] if bias is not None else None, out[..., start:stop], xqs)
+        start = stop
+    return out
 
 
 def dequantize_triton(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -374,15 +400,15 @@ def dequantize_triton(w: QuantWeight, dtype: torch.dtype = torch.float32) -> tor
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, xqs: dict | None = None) -> torch.Tensor:
     """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_max_m` rows,
     else a dequantized scratch copy of w and torch's GEMM."""
     num_m = x.numel() // max(x.shape[-1], 1)
     if num_m <= min(get_config(x.device).skinny_max_m, 16):
-        return quant_matmul_skinny(x, w, bias, out)
+        return quant_matmul_skinny(x, w, bias, out, xqs)
     y = F.linear(x, dequantize_triton(w, x.dtype), bias)
     return y if out is None else out.copy_(y)
 
 
-__all__ = ["quant_matmul", "quant_matmul_skinny", "dense_matmul_skinny", "dequantize_triton",
+__all__ = ["quant_matmul", "quant_matmul_parts", "quant_matmul_skinny", "dense_matmul_skinny", "dequantize_triton",
            "skinny_split_k"]

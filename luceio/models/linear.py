@@ -95,13 +95,19 @@ class Linear(nn.Module):
             self.parts = []
 
     # forward -----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
+        """`xqs`: x's int8 forms for the one-row GEMV, made by x's producer (`int8_input`)."""
         if not self.parts:
             return kernels.linear(x, self.weight, self.bias)
         if len(self.parts) == 1:
-            return kernels.linear(x, self.parts[0], self.bias)
-        out = torch.cat([kernels.linear(x, p) for p in self.parts], dim=-1)
-        return out + self.bias if self.bias is not None else out
+            return kernels.linear(x, self.parts[0], self.bias, xqs=xqs)
+        return kernels.linear_parts(x, self.parts, self.bias, xqs=xqs)
+
+    def int8_input(self, rows: int, device: torch.device) -> dict:
+        """Buffers for the int8 forms of a [rows, in_features] input that this layer's one-row
+        quantized GEMV reads, for the kernel producing that input to fill; {} when no such
+        GEMV runs (see `kernels.gemv_input_buffers`)."""
+        return kernels.gemv_input_buffers(self.parts, rows, self.in_features, device)
 
     @property
     def quantized(self) -> bool:

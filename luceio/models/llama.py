@@ -71,7 +71,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, xqs: dict | None = None):
+        """`xqs` (from the next layer's `Linear.int8_input`): also filled with the output's
+        int8 forms, in the same launch."""
+        if xqs:
+            return kernels.rms_norm(x, self.weight, self.eps, residual, xqs=xqs)
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -87,19 +91,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None):
+    def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None,
+                xqs: dict | None = None):
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = q.contiguous(), k.contiguous()
-        kernels.rotary(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
+            if self.q_norm is not None else ()
+        # split into heads, q/k norm, RoPE, k and v into the cache: one launch on GPUs
+        q = kernels.qkv_rope_cache(self.qkv_proj(x, xqs), positions, cos_sin, k_cache, v_cache,
+                                   meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
         if probe is not None:  # speculative prefill reads the attention of the last window
             probe(q, k_cache, meta, self.scale)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -114,8 +114,12 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x):
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x, xqs: dict | None = None):
+        gate_up = self.gate_up_proj(x, xqs)
+        down_xqs = self.down_proj.int8_input(x.shape[0], x.device)
+        if down_xqs:  # the activation also written in int8 for the down GEMV
+            return self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs)
+        return self.down_proj(kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -127,14 +131,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None):
+        # at one row on quantized weights the norms also write their output in int8 for the
+        # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch
+        rows, device = x.shape[0], x.device
+        xqs = self.self_attn.qkv_proj.int8_input(rows, device)
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, xqs=xqs)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin, probe)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, residual, xqs=xqs)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin, probe, xqs)
+        xqs = self.mlp.gate_up_proj.int8_input(rows, device)
+        x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
+        return self.mlp(x, xqs), residual
 
 
 class LlamaForCausalLM(nn.Module):

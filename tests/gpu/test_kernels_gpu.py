@@ -169,6 +169,55 @@ def test_rotary(seed, dtype):
     check(k, k_ref, TOL[dtype], seed, "k")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,norm", [(28, 4, False), (14, 2, False), (32, 8, True)])
+def test_qkv_rope_cache(seed, dtype, heads, kv_heads, norm):
+    """The fused split / [q/k norm] / RoPE / KV write against the sequence of kernels it
+    replaces, on a prefill-sized batch with skipped slots: q and the k cache within an ulp or
+    two (the GPU may fuse the rotation's multiply-add), v copied exactly."""
+    from luceio.kernels.qkv_rope import qkv_rope_cache_ref
+    T, D, blocks, bs = 1000, 128 if heads != 14 else 64, 80, 16
+    cs = build_cos_sin_cache(D, 32768, 1000000.0).to(DEV)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * D, device=DEV).to(dtype)
+    pos = torch.randint(0, 32768, (T,), device=DEV)
+    slots = torch.randperm(blocks * bs, device=DEV)[:T]
+    slots[::7] = -1
+    kc = torch.randn(blocks, bs, kv_heads, D, device=DEV).to(dtype)
+    vc = torch.randn_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    norms = (1 + 0.1 * torch.randn(D, device=DEV).to(dtype),
+             1 + 0.1 * torch.randn(D, device=DEV).to(dtype), 1e-6) if norm else ()
+    q = triton_ops.qkv_rope_cache(qkv, pos, cs, kc, vc, slots, heads, kv_heads, *norms)
+    # the sequence the model ran before (on a GPU: the Triton rms_norm, rotary, write_kv)
+    q_ref = qkv_rope_cache_ref(qkv, pos, cs, kc_ref, vc_ref, slots, heads, kv_heads, *norms)
+    check(q, q_ref, TOL[dtype], seed, "fused q")
+    check(kc, kc_ref, TOL[dtype], seed, "k cache")
+    assert torch.equal(vc, vc_ref), f"v cache (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_producers_write_the_gemv_input(seed, dtype):
+    """rms_norm and silu_and_mul with `xqs` (one row): their output unchanged, and its int8
+    forms equal to what the GEMV's own quantizing launch makes of it, bit for bit."""
+    from luceio.kernels.elementwise_triton import xq_layouts
+    from luceio.kernels.quant_gemv import quantize_x
+    for n in (896, 3584, 5120):
+        x, r = (torch.randn(1, n, device=DEV).to(dtype) for _ in range(2))
+        w = torch.randn(n, device=DEV).to(dtype)
+        xqs = xq_layouts((False, True), 1, n, DEV)
+        out, _ = triton_ops.rms_norm(x, w, 1e-6, r, xqs=xqs)
+        assert torch.equal(out, triton_ops.rms_norm(x, w, 1e-6, r)[0])
+        for planes, got in xqs.items():
+            want = quantize_x(out.reshape(-1), planes=planes)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (n, planes, seed)
+    for d in (4864, 18944):
+        gu = torch.randn(1, 2 * d, device=DEV).to(dtype)
+        xqs = xq_layouts((True,), 1, d, DEV)
+        act = triton_ops.silu_and_mul(gu, xqs=xqs)
+        want = quantize_x(act.reshape(-1), planes=True)
+        assert all(torch.equal(a, b) for a, b in zip(xqs[True], want)), (d, seed)
+
+
 def test_dispatch_uses_triton_on_gpu(monkeypatch):
     monkeypatch.delenv("LUCEIO_KERNELS", raising=False)
     x = torch.randn(4, 64, device=DEV)

@@ -1,0 +1,111 @@
+"""Where a batch-1 decode step's time goes on the GPU: kernels launched per step, their summed
+GPU time, the step's wall time, and the share of the step the GPU sat idle. Random weights at
+real shapes through the load path (decode_gguf.py's `random_model`), CUDA graphs on and off.
+
+    python bench/step_profile.py [--shapes qwen2.5-0.5b,qwen2.5-7b] [--types Q4_K_M]
+                                 [--context 512] [--steps 32] [--out bench/results/h200]
+
+Steps are timed by torch.profiler (CUPTI): with CUDA graphs it still records the kernels the
+graph runs. `idle_fraction` = 1 - (GPU time of the step's kernels, overlaps merged) / (wall
+time per step), over `--steps` consecutive decode steps of one request. `top_kernels`: the
+kernels with the most GPU time per step (name, launches per step, microseconds per step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import env_info  # noqa: E402
+from decode_gguf import random_model  # noqa: E402
+from gpu_bench import make_engine  # noqa: E402
+
+from luceio import SamplingParams  # noqa: E402
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels on other streams may overlap)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def profile_decode(eng, ctx: int, steps: int) -> dict:
+    vocab = eng.runner.cfg.vocab_size
+    eng.add_request(None, torch.randint(0, vocab, (ctx,)).tolist(),
+                    SamplingParams(temperature=0, max_tokens=steps + 24, ignore_eos=True))
+    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(8):  # warm: graphs replayed, allocator settled
+        eng.step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    while eng.has_unfinished_requests():
+        eng.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    copies = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and e.name.startswith(("Memcpy", "Memset"))]
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels + copies]
+    busy = _busy_us(spans)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    step_us = wall * 1e6 / steps
+    return {"steps": steps, "step_us": round(step_us, 1), "tok_s": round(steps / wall, 1),
+            "kernels_per_step": round(len(kernels) / steps, 1),
+            "copies_per_step": round(len(copies) / steps, 1),
+            "gpu_busy_us_per_step": round(busy / steps, 1),
+            "idle_fraction": round(max(0.0, 1 - busy / steps / step_us), 3),
+            "top_kernels": [(name[:90], round(len(v) / steps, 1), round(sum(v) / steps, 1))
+                            for name, v in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-7b")
+    ap.add_argument("--types", default="Q4_K_M")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
+    ap.add_argument("--json-name", default="step_profile.json")
+    a = ap.parse_args()
+    results = {"env": env_info(), "context": a.context, "rows": []}
+    path = os.path.join(a.out, a.json_name)
+    os.makedirs(a.out, exist_ok=True)
+    for shape in a.shapes.split(","):
+        for kind in a.types.split(","):
+            model = random_model(shape, kind, a.context + 1024)
+            for eager in (False, True):
+                eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8,
+                                  enforce_eager=eager)
+                row = {"shape": shape, "type": kind, "cuda_graphs": not eager,
+                       **profile_decode(eng, a.context, a.steps)}
+                print(json.dumps(row), flush=True)
+                results["rows"].append(row)
+                del eng
+                torch.cuda.empty_cache()
+                with open(path, "w") as f:
+                    json.dump(results, f, indent=1)
+            del model
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
