@@ -3,6 +3,9 @@
 # (the lent machine keeps ignored build outputs between calls while it stays warm).
 #   prep            llama.cpp's CUDA build while the F16 GGUFs are written and the quantized-
 #                   kernel GPU tests run
+#   prep-test       llama.cpp's CUDA build and the F16 GGUFs (background) while all the GPU
+#                   tests run ($OUT/gpu_tests.log)
+#   profile         bench/step_profile.py: kernels per decode step, GPU idle share
 #   build-and-test  llama.cpp's CUDA build (background, 16 cores) while `pytest -m gpu tests/gpu`
 #                   runs; test log in $OUT/gpu_tests.log
 #   llamacpp        random-weight GGUFs at Qwen2.5 0.5B/1.5B/7B shapes, quantized to Q4_K_M and
@@ -26,6 +29,14 @@ case $1 in
     timeout 200 python -m pytest tests/gpu/test_quant_gpu.py -q -p no:cacheprovider > "$OUT/gpu_quant_tests.log" 2>&1
     echo "quant gpu tests rc=$?"; tail -2 "$OUT/gpu_quant_tests.log"
     wait; tail -2 "$OUT/llamacpp_build.log" ;;
+  prep-test)  # the build and the F16 files in the background while all the GPU tests run
+    (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
+    (mkdir -p "$GGUF_DIR"; for s in $SHAPES; do python3 .llamacpp/make_gguf.py "$s" "$GGUF_DIR/$s-F16.gguf"; done > "$OUT/make_gguf.log" 2>&1) &
+    timeout ${TEST_S:-420} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+    wait; tail -2 "$OUT/llamacpp_build.log"; ls -la "$GGUF_DIR" ;;
+  profile)  # kernels per decode step and the GPU's idle share, graphs on and off
+    timeout ${PROFILE_S:-200} python bench/step_profile.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
   build-and-test)
     (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
     timeout 500 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
