@@ -154,7 +154,7 @@ def bench_qtypes(threads: list[int], n: int = 4864, k: int = 1024) -> list[dict]
     rows = []
     for qtype in QTYPES:
         w = random_quant_weight(qtype, n, k, generator=torch.Generator().manual_seed(0))
-        packed = qc.prepare_cpu_weight(w, torch.bfloat16)
+        packed = qc.pack_int4(w, torch.bfloat16)  # the int4pack path (qdot: cpu_quant.py --kernels)
         dense = dequantize(w)
         n_ours = copies(packed.nbytes, 320 * MiB)
         ours = [packed] + [qc.CpuPacked(packed.qtype, packed.shape, packed.packed.clone(),

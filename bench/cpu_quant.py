@@ -7,6 +7,11 @@ bench/results/cpu/cpu_quant.json and prints a table.
 
     bash ../shared/tools/llamacpp/build.sh cpu SRC BUILD        # once (~3 min on 2 cores)
     python bench/cpu_quant.py --llama-bench BUILD/bin/llama-bench [--models ...] [--threads 2]
+
+`--kernels` adds, per model, the time of one decode step's linear layers (every quantized
+tensor of the GGUF, the LM head included, M = 1) on each CPU kernel: qdot_cpu.py (each type
+in its own bits, int16-quantized activations) and torch's int4 packed kernel (two 4-bit planes
+for the 5-, 6- and 8-bit types, bf16 activations), alternating, by qtype (medians of 5).
 """
 from __future__ import annotations
 
@@ -62,6 +67,44 @@ def run_one(cfg: dict) -> dict:
             "weight_MiB": round(eng.memory_stats().weight_bytes / 2**20, 1)}
 
 
+def kernels(model: str, threads: int, reps: int = 5) -> dict:
+    """Per qtype: ms per decode step of its tensors on each kernel (medians, interleaved)."""
+    import collections
+    import statistics
+
+    import torch
+
+    from cpu_qlinear import gguf_linears
+    from luceio.kernels import qdot_cpu, quant_cpu
+
+    torch.set_num_threads(threads)
+    weights = list(gguf_linears(model))
+    forms = {"qdot": [qdot_cpu.prepare(w, torch.float32) for w in weights],
+             "int4pack": [quant_cpu.pack_int4(w, torch.bfloat16) for w in weights]}
+    xs = {k: torch.randn(1, k) for k in {w.shape[1] for w in weights}}
+    run = {"qdot": lambda w: quant_cpu.qdot_linear(xs[w.shape[1]], w),
+           "int4pack": lambda w: quant_cpu.packed_mm(xs[w.shape[1]].bfloat16(), w)}
+    times = {name: collections.defaultdict(list) for name in forms}
+    for r in range(reps + 1):
+        for name, ws in forms.items():
+            per_type = collections.Counter()
+            for w in ws:
+                t = time.perf_counter()
+                run[name](w)
+                per_type[w.qtype] += time.perf_counter() - t
+            for qtype, s in per_type.items():
+                if r:  # the first round warms up
+                    times[name][qtype].append(s)
+    out = {}
+    for qtype in times["qdot"]:
+        ms = {name: round(statistics.median(times[name][qtype]) * 1e3, 2) for name in forms}
+        out[qtype] = {"tensors": sum(w.qtype == qtype for w in weights), "ms": ms,
+                      "int4pack_over_qdot": round(ms["int4pack"] / ms["qdot"], 2)}
+    out["MiB"] = {name: round(sum(w.nbytes for w in ws) / 2**20, 1) for name, ws in forms.items()}
+    out["load_avg"] = round(os.getloadavg()[0], 2)
+    return out
+
+
 def luceio(cfg: dict) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
                          capture_output=True, text=True, timeout=1800)
@@ -89,6 +132,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--kernels", action="store_true", help="per-qtype kernel times (above)")
     ap.add_argument("--configs", default="auto:float32,auto:bfloat16,none:float32,none:bfloat16")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu",
                                                   "cpu_quant.json"))
@@ -98,13 +142,17 @@ def main() -> None:
         return
     from luceio.loader.resolve import resolve_model
     results = {"env": env_info(), "cores": os.cpu_count(), "threads": a.threads,
-               "new_tokens": a.new, "models": {}}
+               "new_tokens": a.new, "load_avg_1min": {"start": round(os.getloadavg()[0], 2)},
+               "models": {}}
     for model in a.models.split(","):
         rows = results["models"].setdefault(model, {})
         if a.llama_bench:
             rows["llama.cpp"] = llama_cpp(a.llama_bench, resolve_model(model), a.threads, a.new)
             print(model, "llama.cpp", rows["llama.cpp"], flush=True)
-        for c in a.configs.split(","):
+        if a.kernels:
+            results.setdefault("kernels", {})[model] = k = kernels(model, a.threads)
+            print(model, "kernels", k, flush=True)
+        for c in filter(None, a.configs.split(",")):
             quant, dtype = c.split(":")
             rows[f"luceio {quant} {dtype}"] = r = luceio(
                 {"model": model, "quantization": quant, "dtype": dtype, "threads": a.threads,
@@ -115,6 +163,7 @@ def main() -> None:
             if name != "llama.cpp" and "decode_tok_s" in r and "decode_tok_s" in ref:
                 r["decode_vs_llama_cpp"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 2)
                 r["prefill_vs_llama_cpp"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 2)
+        results["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
         write_json(a.out, results)
     print("\n| model | engine | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp | RSS after load MiB |")
     print("|---|---|---|---|---|---|---|")

@@ -1,9 +1,9 @@
-"""CPU quantized matmuls (kernels/quant_cpu.py) against the fp32 reference `F.linear(x,
-dequantize(w))`, for every qtype, on weights built by `repack_gguf` from GGUF blocks: gguf's own
-quantizer on N(0, 0.02) weights for the 32-element types, random blocks with realistic fp16
-scales for the k-quants. N odd (a 16-row tail block), K = 512; M = 1 and 4 run the packed
-kernel, M = 80 the dense path, M = 33 the packed kernel for the one-plane types (4-bit) and the
-dense path for the two-plane ones (`DENSE_MIN_ROWS`).
+"""The int4pack CPU path (kernels/quant_cpu.py `pack_int4`, what runs without numba) against
+the fp32 reference `F.linear(x, dequantize(w))`, for every qtype, on weights built by
+`repack_gguf` from GGUF blocks: gguf's own quantizer on N(0, 0.02) weights for the 32-element
+types, random blocks with realistic fp16 scales for the k-quants. N odd (a 16-row tail block),
+K = 512; M = 1 and 4 run the packed kernel, M = 80 the dense path, M = 33 the packed kernel
+for the one-plane types (4-bit) and the dense path for the two-plane ones (`DENSE_MIN_ROWS`).
 
 Tolerances: the mapping onto int4 planes is exact in exact arithmetic, so the error is the bf16
 rounding of the activations, of each group's scale and zero, and of the output (dense path: also
@@ -76,7 +76,7 @@ def check(y: torch.Tensor, x: torch.Tensor, w, what: str) -> None:
 def test_matches_dequantized_reference(qtype, m, out_dtype):
     n, k = 203, 512
     w = random_weight(qtype, n, k, seed=m)
-    packed = qc.prepare_cpu_weight(w, out_dtype)
+    packed = qc.pack_int4(w, out_dtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(out_dtype)
     y = qc.cpu_quant_linear(x, packed)
     assert y.dtype == out_dtype
@@ -85,7 +85,7 @@ def test_matches_dequantized_reference(qtype, m, out_dtype):
 
 def test_bias_and_small_n():
     w = random_weight("q5_0", 7, 64)
-    packed = qc.prepare_cpu_weight(w, torch.float32)
+    packed = qc.pack_int4(w, torch.float32)
     x = torch.randn(3, 64)
     bias = torch.randn(7)
     y = qc.cpu_quant_linear(x, packed, bias)
@@ -96,7 +96,7 @@ def test_bias_and_small_n():
 def test_negative_control_wrong_plane_factor(factors):
     """The checks above must fail when the high plane is weighted wrongly."""
     w = random_weight("q8_0", 203, 512)
-    good = qc.prepare_cpu_weight(w, torch.float32)
+    good = qc.pack_int4(w, torch.float32)
     bad = qc.CpuPacked(good.qtype, good.shape, good.packed, good.scales_zeros, good.chunk,
                        factors, good.out_dtype)
     x = torch.randn(4, 512)
@@ -110,7 +110,7 @@ def test_routes_by_rows(monkeypatch):
     dense = qc._dense_linear
     monkeypatch.setattr(qc, "_dense_linear", lambda x, w: calls.append(x.shape[0]) or dense(x, w))
     for qtype in ("q4_0", "q5_0"):
-        packed = qc.prepare_cpu_weight(random_weight(qtype, 64, 64), torch.float32)
+        packed = qc.pack_int4(random_weight(qtype, 64, 64), torch.float32)
         threshold = qc.DENSE_MIN_ROWS[packed.planes]
         for m in (1, threshold - 1, threshold):
             qc.cpu_quant_linear(torch.randn(m, 64), packed)
@@ -121,10 +121,10 @@ def test_nbytes_and_row_chunks(monkeypatch):
     """5 bits per weight and plane (4-bit code, bf16 scale and zero per 32), rows padded to 16;
     packing in row chunks (a multiple of the 64-row block) gives the same bytes."""
     w = random_weight("q6_k", 203, 512)
-    whole = qc.prepare_cpu_weight(w)
+    whole = qc.pack_int4(w)
     assert whole.nbytes == 208 * 512 * whole.planes * 5 // 8
     monkeypatch.setattr(qc, "PACK_ROWS", 64)
-    chunked = qc.prepare_cpu_weight(w)
+    chunked = qc.pack_int4(w)
     assert torch.equal(whole.packed, chunked.packed)
     assert torch.equal(whole.scales_zeros, chunked.scales_zeros)
 

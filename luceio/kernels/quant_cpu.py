@@ -1,11 +1,14 @@
-"""Quantized matmuls on the CPU: every GGUF type through torch's int4 packed kernel.
+"""Quantized matmuls on the CPU: each GGUF type in its own bits (qdot_cpu.py), or, without
+numba, through torch's int4 packed kernel.
 
-`prepare_cpu_weight(w)` turns a `QuantWeight` into a `CpuPacked` once at load;
-`cpu_quant_linear(x, packed, bias)` multiplies. Below `DENSE_MIN_ROWS` rows (decode, verify)
-that is `torch._weight_int4pack_mm_for_cpu` (group 32, bf16 activations and scales); from there
-on (prefill) the packed weight is dequantized to bf16 per call, tile by tile, and multiplied by
-oneDNN's bf16 GEMM (AMX here). The kernels compute in bf16 whatever the engine's dtype: x is cast
-to bf16, the output back to `act_dtype`.
+`prepare_cpu_weight(w)` turns a `QuantWeight` into its CPU form once at load;
+`cpu_quant_linear(x, w, bias)` multiplies. Types in `QDOT_QTYPES` become `qdot_cpu.CpuQuant`:
+the repacked arrays themselves (the GGUF's bytes), multiplied by numba kernels that unpack 32
+codes at a time against int16-quantized activations (~2e-5 relative error per dot product,
+qdot_cpu.py); from `QDOT_DENSE_MIN_ROWS` rows on (prefill) a tile of rows is dequantized to
+bf16 and multiplied by oneDNN's bf16 GEMM. The int4pack path (`CpuPacked`, bf16 activations
+and scales) is what runs without numba; through it the 5-, 6- and 8-bit types cost two 4-bit
+planes each (below): twice the bytes and the time.
 
 The mapping. The kernel dequantizes a code q (0..15) as (q - 8) * scale + zero, one (scale, zero)
 per 32 codes along K. 4-bit types are one plane of codes; 5-, 6- and 8-bit ones two planes, the
@@ -62,22 +65,35 @@ jobs, torch 2.13, weights out of cache, ratios within one interleaved run, 1 thr
   (137 against 134 ms; fp32 273 ms). Two-thread runs are at the mercy of the other jobs here (a
   busy sibling core stalls OpenMP's barriers): rerun before trusting one.
 
-Rules: rows are padded to a multiple of 16 (the packer's requirement) and sliced off the output;
-K must be a multiple of 32 (256 for k-quants, as GGUF has it). The dense path reads torch's
-internal int4pack layout (int4pack_cpu.py); without numba, or on a layout it does not know,
-every M runs on int4pack (correct, slower prefill). The dense
-path dequantizes into one reused 16 MiB buffer: one caller at a time (the model runner).
+Rules: int4pack rows are padded to a multiple of 16 (the packer's requirement) and sliced off
+the output; K must be a multiple of 32 (256 for k-quants, as GGUF has it). The int4pack dense
+path reads torch's internal int4pack layout (int4pack_cpu.py); without numba, or on a layout it
+does not know, every M runs on int4pack (correct, slower prefill). Both dense paths dequantize
+into one reused 16 MiB buffer, and qdot_cpu.py reuses its activation buffers: one caller at a
+time (the model runner).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from . import int4pack_cpu, qdot_cpu
+from .int4pack_cpu import GROUP
+from .qdot_cpu import CpuQuant
 from .quant import QuantWeight, unpacked_codes
 
-from . import int4pack_cpu
-from .int4pack_cpu import GROUP
+QDOT_QTYPES = frozenset(qdot_cpu.KINDS)
+"""The qtypes multiplied by qdot_cpu.py (when numba is there); int4pack takes the rest. All of
+them: torch's int4 kernel is faster per call on the 4-bit types alone (Qwen2.5-0.5B's q4_k
+1.7x, SmolLM2's q4_1 1.4x), but its OpenMP threads and numba's are two pools that spin against
+each other on two cores: with Qwen's q4_k on int4pack a decode step took 41.9 ms, with every
+type here 31.2 ms (one run, per-call profile of the decode step)."""
+QDOT_DENSE_MIN_ROWS = 8
+"""The smallest M that a `CpuQuant` weight multiplies as a dequantized bf16 tile (oneDNN): at
+[4864, 896] q5_0, 2 threads, matvec took 0.21 / 0.60 / 1.23 / 2.59 ms at M = 1 / 4 / 8 / 16,
+the dense path 1.03-1.10 ms at any of them."""
 ROW_ALIGN = 16
 """`_convert_weight_to_int4pack_for_cpu` takes N a multiple of 16: rows are padded with zeros."""
 PACK_ROWS = 8192
@@ -117,9 +133,17 @@ class CpuPacked:
 
 # ---- load: QuantWeight -> planes -> packed --------------------------------------------------
 
-def prepare_cpu_weight(w: QuantWeight, act_dtype: torch.dtype = torch.bfloat16) -> CpuPacked:
-    """Packs `w` (on the CPU) for `cpu_quant_linear`, once at load. The kernel computes with bf16
-    activations and bf16 scales; `act_dtype` is the dtype of the outputs it hands back."""
+def prepare_cpu_weight(w: QuantWeight, act_dtype: torch.dtype = torch.bfloat16):
+    """`w` (on the CPU) in its form for `cpu_quant_linear`, once at load: a `CpuQuant` for the
+    types of `QDOT_QTYPES`, else a `CpuPacked`. `act_dtype`: the dtype of the outputs."""
+    if w.qtype in QDOT_QTYPES and qdot_cpu.available():
+        return qdot_cpu.prepare(w, act_dtype)
+    return pack_int4(w, act_dtype)
+
+
+def pack_int4(w: QuantWeight, act_dtype: torch.dtype = torch.bfloat16) -> CpuPacked:
+    """Packs `w` for torch's int4 kernel. It computes with bf16 activations and bf16 scales;
+    `act_dtype` is the dtype of the outputs it hands back."""
     n, k = w.shape
     chunk, factors = _PLANE_LAYOUT[w.qtype]
     n_pad = -(-n // ROW_ALIGN) * ROW_ALIGN
@@ -184,9 +208,13 @@ def _planes(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 # ---- the matmul -----------------------------------------------------------------------------
 
-def cpu_quant_linear(x: torch.Tensor, w: CpuPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in `w.out_dtype`: the packed kernel for small M (decode, verify), a
-    dense bf16 matmul on a per-call dequantized copy for large M (prefill)."""
+def cpu_quant_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in `w.out_dtype`: the type's own kernel (`CpuQuant`) or the packed
+    kernel for small M (decode, verify), a dense bf16 matmul on a per-call dequantized copy for
+    large M (prefill)."""
+    if isinstance(w, CpuQuant):
+        y = qdot_linear(x, w)
+        return y if bias is None else y + bias
     m, k = x.shape
     n = w.shape[0]
     x = x.to(torch.bfloat16).contiguous()
@@ -195,8 +223,56 @@ def cpu_quant_linear(x: torch.Tensor, w: CpuPacked, bias: torch.Tensor | None = 
     return y if bias is None else y + bias
 
 
-def takes_dense_path(m: int, w: CpuPacked) -> bool:
-    return m >= DENSE_MIN_ROWS[w.planes] and int4pack_cpu.available()
+_PREFILL = [False]
+
+
+@contextlib.contextmanager
+def prefill_rows():
+    """Within it (a step that computes prompt tokens, kept by the model runner) every M takes
+    the dense path: a prompt token's hidden states then come from the same kernel whether its
+    prefill ran in one chunk or as the short tail left by a prefix-cache hit, so a cached
+    prompt gives the same greedy text as a cold one. Decode and verify rows keep the small-M
+    kernels, the same for one row as for several. One caller at a time (the model runner)."""
+    _PREFILL[0] = True
+    try:
+        yield
+    finally:
+        _PREFILL[0] = False
+
+
+def in_prefill() -> bool:
+    return _PREFILL[0]
+
+
+def takes_dense_path(m: int, w) -> bool:
+    if isinstance(w, CpuQuant):
+        return m >= QDOT_DENSE_MIN_ROWS or _PREFILL[0]
+    return (m >= DENSE_MIN_ROWS[w.planes] or _PREFILL[0]) and int4pack_cpu.available()
+
+
+def qdot_linear(x: torch.Tensor, w: CpuQuant, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in `w.out_dtype` (or into `out`, fp32 [M, N], possibly a column slice
+    of a wider buffer). Few rows: `qdot_cpu.matvec` on fp32 activations; from
+    `QDOT_DENSE_MIN_ROWS` on, bf16 tiles of W times bf16 x."""
+    m, n = x.shape[0], w.shape[0]
+    if takes_dense_path(m, w):
+        y = _qdot_dense(x.to(torch.bfloat16).contiguous(), w)
+        return y.to(w.out_dtype) if out is None else out.copy_(y)
+    y = out if out is not None else torch.empty(m, n)
+    qdot_cpu.matvec(x.float().contiguous().numpy(), w, y.numpy())
+    return y if out is not None else y.to(w.out_dtype)
+
+
+def _qdot_dense(x: torch.Tensor, w: CpuQuant) -> torch.Tensor:
+    n, k = w.shape
+    rows = max(1, DENSE_TILE_BYTES // (2 * k))
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        tile = int4pack_cpu.scratch((stop - start) * k).view(stop - start, k)
+        qdot_cpu.dequantize_rows(w, start, tile.view(torch.uint16).numpy())
+        y[:, start:stop] = x @ tile.t()
+    return y
 
 
 def packed_mm(x: torch.Tensor, w: CpuPacked) -> torch.Tensor:

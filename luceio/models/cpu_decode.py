@@ -11,12 +11,17 @@ four kernel calls (kernels/decode_cpu.py):
   add_rms_norm -> qkv_proj -> decode_attention (q/k norm, rotary, KV write, attention)
   -> o_proj -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj
 
-and the step takes ~10.5 ms: matmuls 4.8 + LM head 2.2, attention 1.1, norms and SiLU 0.4,
-the matmuls' wrappers 0.6, this file's own Python 0.7, the engine 0.7. Projections stored as
-packed CPU weights (quant_cpu.py) take their input as the bf16 the kernel before them wrote and
-hand back bf16, which the next kernel reads as is: the conversions the module path does around
-each matmul are folded into the kernels. Other projections (dense weights, batches on the dense
-path) run the module, in fp32.
+and the step took ~10.5 ms: matmuls 4.8 + LM head 2.2, attention 1.1, norms and SiLU 0.4,
+the matmuls' wrappers 0.6, this file's own Python 0.7, the engine 0.7. With every quantized
+type in its own bits (qdot_cpu.py), Qwen2.5-Coder-0.5B Q4_K_M's step (60 cached tokens, two
+threads) took 32.4 ms: gate_up 11.2, LM head 6.6, down 6.5 (q6_k 3.9, q4_k 2.6), q/k/v 2.5,
+o 1.4, attention 1.2 (on numba's threads, one (request, KV head) pair per task), SiLU 0.6,
+norms 0.25, the rest Python and the engine. Projections whose parts
+are in their own bits (qdot_cpu.py) write them side by side into an fp32 buffer kept per batch
+size, from the fp32 buffer the kernel before wrote, numpy views passed along; other projections
+(dense weights, int4-packed parts, batches on the dense path) run the module, in fp32. A
+quantized token embedding is dequantized row by row by qdot_cpu.py, bit for bit as the module
+does.
 
 Measured against the alternatives on the same step (SmolLM2, one request, 100 cached tokens,
 the LM head excluded, medians of interleaved runs): module forward 25.9 ms, the same step in
@@ -33,7 +38,7 @@ Rules:
   references or the Triton kernels, and no probe (speculative prefill, residency scoring)
   needs the per-layer queries.
 - Same arithmetic as the module forward, reduced in another order: hidden states agree to
-  fp32 rounding on dense weights, and to the bf16 roundings of the matmul inputs on packed
+  fp32 rounding on dense weights, and to the int16 roundings of the matmul inputs on quantized
   ones (tests/test_cpu_decode.py).
 - It reads the model's parameters and the runner's KV cache; between steps it keeps only
   scratch buffers.
@@ -43,9 +48,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import decode_cpu
-from ..kernels.decode_cpu import as_numpy
-from ..kernels.quant_cpu import CpuPacked, packed_mm, takes_dense_path
+from ..kernels import decode_cpu, qdot_cpu
+from ..kernels.qdot_cpu import CpuQuant
+from ..kernels.quant_cpu import QDOT_DENSE_MIN_ROWS, in_prefill
 from .linear import Linear
 from .llama import AttnMetadata, LlamaForCausalLM
 
@@ -59,7 +64,10 @@ class CpuDecoder:
         self.kv = [kv.numpy() for kv in kv_caches]
         self.cos_sin = model.cos_sin.numpy()
         self.layers = [_Layer(layer) for layer in model.layers]
-        self._buffers: dict[tuple, tuple[torch.Tensor, np.ndarray]] = {}
+        table = model.embed_tokens.qweight
+        self.embed_rows = qdot_cpu.prepare(table) \
+            if table is not None and table.qtype in qdot_cpu.KINDS else None
+        self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -68,39 +76,48 @@ class CpuDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttnMetadata) -> torch.Tensor:
         """fp32 hidden states [num_seqs, hidden] after the final norm, as `model.forward`."""
+        qdot_cpu.use_torch_threads()  # for attention; the matmuls ask too
         positions, slots = positions.numpy(), meta.slot_mapping.numpy()
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
-        residual = self.model.embed_tokens(input_ids).float().contiguous()  # [num_seqs, hidden]
-        rows = residual.shape[0]
-        x = residual  # what the next norm adds to the residual (nothing before layer 0)
+        residual = self._embed(input_ids)  # fp32 [num_seqs, hidden]
+        rows, hidden = residual.shape
+        x = residual.numpy()  # what the next norm adds to the residual (nothing before layer 0)
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(
-                rows, residual.shape[1], layer.qkv.input_dtype))
-            qkv = layer.qkv(h)
-            o, o_np = self._scratch(rows, layer.o.lin.in_features, layer.o.input_dtype)
-            decode_cpu.decode_attention(as_numpy(qkv), self.cos_sin, positions, self.kv[i], slots,
+            h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(rows, hidden))
+            qkv = layer.qkv(*h)
+            o = self._scratch(rows, layer.o.lin.in_features)
+            decode_cpu.decode_attention(qkv[1], self.cos_sin, positions, self.kv[i], slots,
                                         tables, seq_lens, self.num_heads, *layer.qk_norm,
-                                        self.eps, o_np)
-            h = self._norm(layer.o(o), residual, True, layer.post_norm, self._scratch(
-                rows, residual.shape[1], layer.gate_up.input_dtype))
-            gate_up = layer.gate_up(h)
-            act, act_np = self._scratch(rows, layer.down.lin.in_features, layer.down.input_dtype)
-            decode_cpu.silu_and_mul(as_numpy(gate_up), act_np)
-            x = layer.down(act)
+                                        self.eps, o[1])
+            h = self._norm(layer.o(*o)[1], residual, True, layer.post_norm,
+                           self._scratch(rows, hidden))
+            gate_up = layer.gate_up(*h)
+            act = self._scratch(rows, layer.down.lin.in_features)
+            decode_cpu.silu_and_mul(gate_up[1], act[1])
+            x = layer.down(*act)[1]
         out = torch.empty_like(residual)
-        return self._norm(x, residual, True, self.model.norm.weight.numpy(), (out, out.numpy()))
+        return self._norm(x, residual, True, self.model.norm.weight.numpy(), (out, out.numpy()))[0]
 
-    def _norm(self, x, residual, add: bool, weight: np.ndarray, out) -> torch.Tensor:
-        decode_cpu.add_rms_norm(as_numpy(x), residual.numpy(), add, weight, self.eps, out[1])
-        return out[0]
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_rows is None:
+            return self.model.embed_tokens(input_ids).float().contiguous()
+        out = torch.empty(len(input_ids), self.model.cfg.hidden_size)
+        for i, token in enumerate(input_ids.tolist()):  # the table's row, dequantized
+            qdot_cpu.dequantize_rows(self.embed_rows, token, out[i:i + 1].numpy())
+        return out
 
-    def _scratch(self, rows: int, cols: int, dtype) -> tuple[torch.Tensor, np.ndarray]:
-        """A [rows, cols] buffer and its numpy view, reused from step to step (and within one:
-        each is read by the matmul that follows before it is written again)."""
-        t, a = self._buffers.get((cols, dtype), (None, None))
+    def _norm(self, x: np.ndarray, residual, add: bool, weight: np.ndarray, out):
+        """out (a (tensor, numpy view) pair) = the norm of residual (+= x)."""
+        decode_cpu.add_rms_norm(x, residual.numpy(), add, weight, self.eps, out[1])
+        return out
+
+    def _scratch(self, rows: int, cols: int) -> tuple[torch.Tensor, np.ndarray]:
+        """An fp32 [rows, cols] buffer and its numpy view, reused from step to step (and within
+        one: each is read by the matmul that follows before it is written again)."""
+        t, a = self._buffers.get(cols, (None, None))
         if t is None or t.shape[0] != rows:
-            t = torch.empty(rows, cols, dtype=dtype)
-            t, a = self._buffers[cols, dtype] = t, as_numpy(t)
+            t = torch.empty(rows, cols)
+            t, a = self._buffers[cols] = t, t.numpy()
         return t, a
 
 
@@ -118,19 +135,32 @@ class _Layer:
 
 
 class _Projection:
-    """A `Linear` as the decode step calls it: packed CPU weights straight through the packed
-    kernel (bf16 in, bf16 out, fp32 once a bias is added); dense weights and batches on the
-    dense path through the module (fp32 out)."""
+    """A `Linear` as the decode step calls it: (x, its numpy view) -> (y, its numpy view).
+    Parts in their own bits (`CpuQuant`) write fp32 side by side into a buffer kept per batch
+    size; everything else (dense weights, int4-packed parts, batches on the dense path) runs
+    the module, in fp32."""
 
     def __init__(self, lin: Linear):
         self.lin = lin
-        packed = bool(lin.parts) and all(isinstance(p, CpuPacked) for p in lin.parts)
-        self.parts: list[CpuPacked] = lin.parts if packed else []
-        self.input_dtype = torch.bfloat16 if packed else torch.float32
+        self.parts: list[CpuQuant] = lin.parts \
+            if lin.parts and all(isinstance(p, CpuQuant) for p in lin.parts) else []
+        self._outs: dict[int, tuple] = {}  # rows -> (y, its numpy view, one view per part)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.parts or any(takes_dense_path(x.shape[0], w) for w in self.parts):
-            return self.lin(x)
-        outs = [packed_mm(x, w)[:, :w.shape[0]] for w in self.parts]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return y if self.lin.bias is None else y + self.lin.bias
+    def __call__(self, x: torch.Tensor, x_np: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        rows = x.shape[0]
+        if not self.parts or rows >= QDOT_DENSE_MIN_ROWS or in_prefill():
+            y = self.lin(x)
+            return y, y.numpy()
+        y, y_np, outs = self._out(rows)
+        for w, out in zip(self.parts, outs):
+            qdot_cpu.matvec(x_np, w, out)
+        if self.lin.bias is not None:
+            y.add_(self.lin.bias)
+        return y, y_np
+
+    def _out(self, rows: int):
+        if rows not in self._outs:
+            y = torch.empty(rows, self.lin.out_features)
+            ends = np.cumsum([0] + [w.shape[0] for w in self.parts])
+            self._outs[rows] = (y, y.numpy(), [y.numpy()[:, a:b] for a, b in zip(ends, ends[1:])])
+        return self._outs[rows]

@@ -1,0 +1,167 @@
+"""GGUF-quantized matrix-vector products on the CPU, read straight from the repacked layout.
+
+Every type of `quant.QuantWeight` (q4_0 ... q6_k) is multiplied in its own bits: a row's codes
+are unpacked 32 at a time and multiplied by the activations group by group. The arrays are
+QuantWeight's own, shared with it and row-major: the GGUF's bytes (k-quants +0.125 bit per
+weight: their 6-bit sub-scales as bytes; q6_k's high bits reordered into bit planes).
+
+  qtype  one group of 32 codes q (unsigned, qh's bits above qs's nibble)  w
+  q4_0   qs nibbles                                                       d (q - 8)
+  q4_1   qs nibbles                                                       d q + m
+  q5_0   qs nibbles | qh bit << 4                                          d (q - 16)
+  q5_1   qs nibbles | qh bit << 4                                          d q + m
+  q8_0   qs as int8                                                       d q
+  q4_k   qs nibbles                                                       (d sc) q - dmin mn
+  q5_k   qs nibbles | qh bit << 4                                          (d sc) q - dmin mn
+  q6_k   qs nibbles | qh 2 bits << 4 (two bit planes)                      (d sc) (q - 32), sc per 16
+
+`dequantize_rows` writes w as fp32, equal bit for bit to `quant.dequantize` (the same fp32
+operations; every product is exact), or rounded to bf16 (the prefill path).
+
+`matvec` computes y = x W^T as sum over groups of s * dx * sum(q xq) (+ offset * sum(x)): the
+activations are quantized per group of 32 to int16 (xq = round(x / dx), dx = max|x| / 32767),
+and each group's products summed exactly in int32 by pairs (x86's pmaddwd). The one loss is
+that rounding, at most max|x of the group| / 65534 per element: ~2e-5 relative on a dot
+product (tests/test_qdot_cpu.py bounds it), where bf16 activations lose ~4e-3 (and the int8
+ones of llama.cpp's CPU kernels take steps 258x coarser). Per 32 weights that is 3 vector
+operations after the unpacking, where fp32 arithmetic takes 6 (convert, multiply, scale, for
+two 16-lane halves): 2.1-3.6x faster per call on in-cache matrices (AVX-512, one run).
+
+Why explicit vectors. numba's loop vectorizer does not vectorize a 32-element group loop (it is
+fully unrolled first and numba leaves the SLP vectorizer off) and widens integer arithmetic to
+64 bits, so the unpacking runs scalar. The group decoding is therefore written once per type as
+LLVM vector IR in numba intrinsics (qdot_kernels_cpu.py), with the loops: weight rows on
+numba's threads (`prange`), 4 at a time for one activation row (their chains interleave: q8_0
++20%), each group decoded once for 4 activation rows when there are several.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .quant import QuantWeight
+
+try:
+    import numba
+
+    from .qdot_kernels_cpu import FIELDS, KINDS, dequant_kernel, matvec_kernel
+except ImportError:  # no numba: quant_cpu.py keeps torch's int4 packed kernel for every type
+    numba = None
+    FIELDS = ("qs", "qh", "d", "m", "sc", "mn")
+    KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+
+_HALF_FIELDS = ("d", "m")
+
+
+def available() -> bool:
+    return numba is not None
+
+
+@dataclass
+class CpuQuant:
+    """A QuantWeight as this module reads it: numpy views of its arrays, [N, ...] row-major
+    each, integer fields as uint8 (q8_0's codes and q6_k's scales are int8 to the kernel), the
+    fp16 `d` and `m` as uint16 (numba has no fp16; the kernel widens them); a field the type
+    lacks is an empty [N, 0] array."""
+    qtype: str
+    shape: tuple[int, int]  # (N, K)
+    arrays: tuple[np.ndarray, ...]  # in FIELDS order
+    out_dtype: torch.dtype
+
+    @property
+    def kind(self) -> int:
+        return KINDS.index(self.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32) -> CpuQuant:
+    """`w`'s arrays as views (no copy); compiles the kernels (or reads numba's cache) at the
+    first call, so that loading, not the first request, pays for it."""
+    warm_up()
+    n = w.shape[0]
+    arrays = []
+    for name in FIELDS:
+        t = getattr(w, name)
+        dtype = np.uint16 if name in _HALF_FIELDS else np.uint8
+        if t is None:
+            arrays.append(np.empty((n, 0), dtype))
+        elif name == "qh" and w.qtype == "q6_k":
+            arrays.append(_q6_k_planes(t.numpy()))
+        else:
+            arrays.append(np.ascontiguousarray(t.contiguous().numpy().view(dtype)))
+    return CpuQuant(w.qtype, tuple(w.shape), tuple(arrays), out_dtype)
+
+
+def _q6_k_planes(qh: np.ndarray) -> np.ndarray:
+    """q6_k's high bits, 2 per code (bits 2 (k % 4) and 2 (k % 4) + 1 of byte k / 4), as two
+    32-bit planes per group of 32 codes (bit j of plane p: bit p of code j's pair): the same
+    bytes, read like q5's fifth bits. uint8 [N, K/4] -> uint8 [N, K/4]."""
+    n = qh.shape[0]
+    pairs = (qh[..., None] >> np.arange(0, 8, 2, dtype=np.uint8)) & 3  # [N, K/4, 4]: code k
+    pairs = pairs.reshape(n, -1, 32)  # [N, groups, 32]
+    planes = [np.packbits((pairs >> p) & 1, axis=-1, bitorder="little") for p in (0, 1)]
+    return np.ascontiguousarray(np.stack(planes, axis=2).reshape(n, -1))  # [N, groups, 2, 4]
+
+
+@functools.cache
+def warm_up() -> None:
+    n, k = 4, 32
+    w = CpuQuant("q8_0", (n, k), tuple(np.zeros((n, size), dtype) for size, dtype in (
+        (k, np.uint8), (0, np.uint8), (1, np.uint16), (0, np.uint16), (0, np.uint8),
+        (0, np.uint8))), torch.float32)
+    x, out = np.zeros((2, k), np.float32), np.zeros((2, 2 * n), np.float32)
+    matvec(x, w, out[:, :n])  # a column slice (one part of a fused projection)
+    matvec(x, w, out[:, :n].copy())
+    dequantize_rows(w, 0, np.zeros((n, k), np.float32))
+    dequantize_rows(w, 0, np.zeros((n, k), np.uint16))
+
+
+def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
+    """out[:, :] = x @ W^T. x: fp32 [M, K] C-contiguous; out: fp32 [M, N] (rows may be a
+    strided view). Rows of W run on as many numba threads as torch uses, 4 at a time for one
+    activation row; several activation rows go 4 at a time through each weight row."""
+    use_torch_threads()
+    rows, k = x.shape
+    matvec_kernel(w.kind, *w.arrays, x, *_scratch(rows if rows == 1 else -(-rows // 4) * 4, k), out)
+
+
+_SCRATCH: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+
+
+def _scratch(rows: int, k: int) -> tuple[np.ndarray, ...]:
+    """The quantized activations' buffers (xq, dx, xsum), reused from call to call (an
+    allocation per call costs as much as a small matmul): one caller at a time, as the model
+    runner is."""
+    bufs = _SCRATCH.get((rows, k))
+    if bufs is None:
+        bufs = _SCRATCH[rows, k] = (np.zeros((rows, k), np.int16), np.ones((rows, k // 32), np.float32),
+                                    np.zeros((rows, k // 32), np.float32))
+    return bufs
+
+
+def dequantize_rows(w: CpuQuant, start: int, out: np.ndarray) -> None:
+    """out[r] = row start + r of W (out: [rows, K] C-contiguous, fp32, or uint16 for bf16 bits
+    rounded to nearest even, as `Tensor.to(torch.bfloat16)`)."""
+    use_torch_threads()
+    dequant_kernel(w.kind, *w.arrays, start, out)
+
+
+_THREADS = threading.local()
+
+
+def use_torch_threads() -> None:
+    """Runs numba's parallel kernels on as many threads as torch's (`--cpu-threads`), handing
+    out their iterations one at a time (dynamic scheduling). numba's settings are per calling
+    thread (the engine may step from its own)."""
+    n = torch.get_num_threads()
+    if getattr(_THREADS, "n", None) != n:
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        numba.set_parallel_chunksize(1)
+        _THREADS.n = n

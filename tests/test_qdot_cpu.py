@@ -1,0 +1,162 @@
+"""The CPU kernels that read each GGUF type in its own bits (luceio/kernels/qdot_cpu.py) against
+the torch reference `quant.dequantize` (itself equal to gguf's dequantization), for every qtype,
+N odd, K not a multiple of 256 where the type allows it; on random codes and scales
+(`random_quant_weight`) and on GGUF blocks from gguf's own quantizer (`repack_gguf`).
+
+Tolerances. `dequantize_rows` runs the oracle's fp32 operations: equal bit for bit (and its
+bf16 output equals `Tensor.to(torch.bfloat16)` of that). `matvec` rounds each activation to
+int16 steps of max|x of its group of 32| / 32767 and sums exactly in int32, then scales and
+adds in fp32: each output is held to sum_k (step_k / 2) A_k + K 2^-24 sum_k |x_k| A_k, with
+A = |w| + 2 |offset| the size of the terms summed (`magnitude`; ref in float64); measured
+errors reach 0.04-0.28 of it. A kernel that drops a bit of the codes or reads the wrong type is
+off by far more (the negative controls). The dense path (M >= QDOT_DENSE_MIN_ROWS) rounds x
+and W to bf16 (unit roundoff 2^-8 each): held to 2^-7 sum_k |x_k w_k|, plus the rounding of
+the output to its dtype and of the bias add.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from luceio.kernels import quant_cpu as qc
+from luceio.kernels.quant import QTYPES, dequantize, nbytes, random_quant_weight
+
+qd = pytest.importorskip("luceio.kernels.qdot_cpu")
+if not qd.available():
+    pytest.skip("numba is not installed", allow_module_level=True)
+
+
+def shapes(qtype: str) -> tuple[int, int]:
+    return (37, 768) if qtype.endswith("_k") else (37, 96)
+
+
+def weights(qtype: str, seed: int = 0):
+    """Random codes and scales, then (32-element types) gguf's quantizer on N(0, 0.02) weights."""
+    n, k = shapes(qtype)
+    yield random_quant_weight(qtype, n, k, generator=torch.Generator().manual_seed(seed))
+    if not qtype.endswith("_k"):  # test_quant_cpu's random k-quant blocks come from the above
+        from test_quant_cpu import random_weight
+        yield random_weight(qtype, n, k, seed)
+
+
+def magnitude(w) -> torch.Tensor:
+    """[N, K]: |w| + 2 |offset of its group| (q4_1/q5_1: m; q4_k/q5_k: dmin * mn)."""
+    n, k = w.shape
+    if w.qtype in ("q4_1", "q5_1"):
+        offset = w.m.float()
+    elif w.qtype in ("q4_k", "q5_k"):
+        offset = w.m.float().repeat_interleave(8, dim=1) * w.mn.float()
+    else:
+        offset = torch.zeros(n, k // 32)
+    return dequantize(w).abs() + 2 * offset.abs().repeat_interleave(32, dim=1)
+
+
+def matvec_bound(x: torch.Tensor, w) -> torch.Tensor:
+    a = magnitude(w).double()
+    step = x.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1) / 32767
+    return (step.double() / 2) @ a.t() + x.shape[1] * 2.0 ** -24 * (x.double().abs() @ a.t())
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_rows_is_the_oracle_bit_for_bit(qtype):
+    for w in weights(qtype):
+        cw = qd.prepare(w)
+        n, k = w.shape
+        out = np.empty((n - 3, k), np.float32)
+        qd.dequantize_rows(cw, 3, out)  # rows 3.. of W
+        want = dequantize(w)[3:]
+        assert torch.equal(torch.from_numpy(out), want)
+        bf16 = torch.empty(n - 3, k, dtype=torch.bfloat16)
+        qd.dequantize_rows(cw, 3, bf16.view(torch.uint16).numpy())
+        assert torch.equal(bf16, want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_matvec_within_rounding_bound(qtype, m):
+    for w in weights(qtype, seed=m):
+        cw = qd.prepare(w)
+        x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m))
+        wd = dequantize(w)
+        # into a column slice of a wider buffer, as a fused projection's parts are written
+        buf = np.full((m, w.shape[0] + 5), np.nan, np.float32)
+        qd.matvec(x.numpy(), cw, buf[:, 2:2 + w.shape[0]])
+        y = torch.from_numpy(buf[:, 2:2 + w.shape[0]])
+        err = (y.double() - reference(x, wd)).abs()
+        assert bool((err <= matvec_bound(x, w)).all()), float((err / matvec_bound(x, w)).max())
+        assert np.isnan(buf[:, :2]).all() and np.isnan(buf[:, -3:]).all()
+
+
+@pytest.mark.parametrize("qtype,wrong", [("q5_0", "q4_0"), ("q5_k", "q4_k"), ("q8_0", "q4_0"),
+                                         ("q4_1", "q4_0")])
+def test_negative_control_wrong_type(qtype, wrong):
+    """Reading a weight as a type that drops its high bits or its offset fails the bound."""
+    w = next(weights(qtype))
+    cw = qd.prepare(w)
+    bad = qd.CpuQuant(wrong, cw.shape, cw.arrays, cw.out_dtype)
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(5))
+    y = np.empty((2, w.shape[0]), np.float32)
+    qd.matvec(x.numpy(), bad, y)
+    wd = dequantize(w)
+    err = (torch.from_numpy(y).double() - reference(x, wd)).abs()
+    assert not bool((err <= matvec_bound(x, w)).all())
+
+
+def test_arrays_are_the_quant_weights_own():
+    """No copy: the CPU form holds the QuantWeight's bytes (what the GGUF stores)."""
+    w = random_quant_weight("q5_0", 64, 256)
+    cw = qd.prepare(w)
+    assert cw.nbytes == nbytes(w)
+    assert np.shares_memory(cw.arrays[0], w.qs.numpy())
+
+
+@pytest.mark.parametrize("qtype", ["q5_0", "q6_k", "q8_0"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_linear_routes_by_rows(qtype, out_dtype, monkeypatch):
+    """`cpu_quant_linear` multiplies few rows with `matvec` (fp32 bound) and from
+    QDOT_DENSE_MIN_ROWS on dequantizes bf16 tiles (several, when the tile budget is small)."""
+    monkeypatch.setattr(qc, "DENSE_TILE_BYTES", 8 * 1024)
+    w = next(weights(qtype))
+    cw = qc.prepare_cpu_weight(w, out_dtype)
+    assert isinstance(cw, qd.CpuQuant)
+    wd = dequantize(w)
+    bias = torch.randn(w.shape[0]).to(out_dtype)  # a bias in the model's dtype
+    calls = []
+    matvec = qd.matvec
+    monkeypatch.setattr(qd, "matvec", lambda *a: calls.append(a[0].shape[0]) or matvec(*a))
+    for m in (1, qc.QDOT_DENSE_MIN_ROWS - 1, qc.QDOT_DENSE_MIN_ROWS, 40):
+        x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m))
+        y = qc.cpu_quant_linear(x, cw, bias)
+        assert y.dtype == out_dtype and y.shape == (m, w.shape[0])
+        err = (y.double() - reference(x, wd) - bias.double()).abs()
+        ref = reference(x, wd)  # y is rounded to out_dtype, then y + bias is
+        out_round = (ref.abs() + (ref + bias.double()).abs()) * (
+            2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -24)
+        scale = matvec_bound(x, w) if m < qc.QDOT_DENSE_MIN_ROWS else \
+            2.0 ** -7 * (x.double().abs() @ wd.double().abs().t())
+        assert bool((err <= 1.01 * (scale + out_round) + 1e-6).all()), m
+    assert calls == [1, qc.QDOT_DENSE_MIN_ROWS - 1]
+
+
+def test_prefill_rows_take_the_dense_path(monkeypatch):
+    """Inside `prefill_rows` (a step computing prompt tokens) even one row is multiplied as a
+    dequantized tile, so a prompt row gives the same output whatever the chunk it came in; the
+    row of a one-row chunk equals its row in a 40-row chunk. Outside, one row runs `matvec`."""
+    w = next(weights("q4_k"))
+    cw = qc.prepare_cpu_weight(w, torch.float32)
+    calls = []
+    matvec = qd.matvec
+    monkeypatch.setattr(qd, "matvec", lambda *a: calls.append(a[0].shape[0]) or matvec(*a))
+    x = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(3))
+    with qc.prefill_rows():
+        whole = qc.cpu_quant_linear(x, cw)
+        one = qc.cpu_quant_linear(x[7:8], cw)
+    assert calls == []
+    assert torch.equal(one[0], whole[7])
+    qc.cpu_quant_linear(x[7:8], cw)  # the context is left: decode rows are back on matvec
+    assert calls == [1]
