@@ -4,11 +4,15 @@ real shapes through the load path (decode_gguf.py's `random_model`), CUDA graphs
 
     python bench/step_profile.py [--shapes qwen2.5-0.5b,qwen2.5-7b] [--types Q4_K_M]
                                  [--context 512] [--steps 32] [--out bench/results/h200]
+                                 [--set FIELD=VALUE ...] [--no-eager]
 
 Steps are timed by torch.profiler (CUPTI): with CUDA graphs it still records the kernels the
 graph runs. `idle_fraction` = 1 - (GPU time of the step's kernels, overlaps merged) / (wall
 time per step), over `--steps` consecutive decode steps of one request. `top_kernels`: the
 kernels with the most GPU time per step (name, launches per step, microseconds per step).
+The profiler slows the host side, so `tok_s_unprofiled` (bench/gpu_bench.py's decode timing
+of 128 tokens, same engine, just before) is the speed to quote; `--set` repeats every row
+with one kernel-config field changed (`kernels/configs.py`).
 """
 from __future__ import annotations
 
@@ -85,24 +89,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--json-name", default="step_profile.json")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="run again with this kernel-config field changed (an A/B in one run)")
+    ap.add_argument("--no-eager", action="store_true", help="CUDA graphs only")
     a = ap.parse_args()
     results = {"env": env_info(), "context": a.context, "rows": []}
     path = os.path.join(a.out, a.json_name)
     os.makedirs(a.out, exist_ok=True)
+    import contextlib
+    import dataclasses
+
+    from gpu_bench import luceio_decode_tps
+    from luceio.kernels import configs
+    variants = [("table", None)]
+    for item in a.set:
+        field, value = item.split("=", 1)
+        base = configs.get_config(torch.device("cuda"))
+        kind_of = type(getattr(base, field))
+        variants.append((item, dataclasses.replace(base, **{field: kind_of(value)})))
     for shape in a.shapes.split(","):
         for kind in a.types.split(","):
             model = random_model(shape, kind, a.context + 1024)
-            for eager in (False, True):
-                eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8,
-                                  enforce_eager=eager)
-                row = {"shape": shape, "type": kind, "cuda_graphs": not eager,
-                       **profile_decode(eng, a.context, a.steps)}
-                print(json.dumps(row), flush=True)
-                results["rows"].append(row)
-                del eng
-                torch.cuda.empty_cache()
-                with open(path, "w") as f:
-                    json.dump(results, f, indent=1)
+            for name, cfg in variants:
+                for eager in (False,) if a.no_eager else (False, True):
+                    with configs.use_config(cfg) if cfg is not None else contextlib.nullcontext():
+                        eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8,
+                                          enforce_eager=eager)
+                        row = {"shape": shape, "type": kind, "config": name,
+                               "cuda_graphs": not eager,
+                               "tok_s_unprofiled": round(luceio_decode_tps(eng, a.context), 1),
+                               **profile_decode(eng, a.context, a.steps)}
+                    print(json.dumps(row), flush=True)
+                    results["rows"].append(row)
+                    del eng
+                    torch.cuda.empty_cache()
+                    with open(path, "w") as f:
+                        json.dump(results, f, indent=1)
             del model
             torch.cuda.empty_cache()
 

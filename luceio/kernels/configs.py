@@ -80,7 +80,7 @@ TABLE: dict[str, KernelConfig] = {
                           qgemm_num_stages=3, qgemm_split_k_min_programs=256),
     # Hopper (H100 / H200): 132 SMs, 228 KiB shared memory per SM, HBM3(e)
     "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=2, decode_num_stages=2,
-                          decode_min_tokens_per_split=256, decode_max_splits=64,
+                          decode_min_tokens_per_split=64, decode_max_splits=64,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220,
                           qgemm_block_n=64, qgemm_num_stages=3,
@@ -89,7 +89,11 @@ TABLE: dict[str, KernelConfig] = {
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "
                                  "gemv_*: bench/gemv_sweep.py (best geometric mean over q4_k, "
-                                 "q6_k, q8_0, q5_0; results/h200/gemv_sweep.json), 2026-12-01"),
+                                 "q6_k, q8_0, q5_0; results/h200/gemv_sweep.json), 2026-12-01; "
+                                 "decode_min_tokens_per_split 256 -> 64: GPU time of a batch-1 "
+                                 "decode step 945 -> 853 us (0.5B Q4_K_M, ctx 512), 2792 -> "
+                                 "2677 us (7B), 978 -> 944 us (0.5B, ctx 8192), "
+                                 "bench/step_profile.py --set (results/h200/split_ab_*.json)"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
