@@ -201,8 +201,14 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
-        """Appends tokens; returns the newly complete text."""
-        self.ids.extend(token_ids)
+        """Appends tokens; returns the newly complete text. Token by token, so the text never
+        depends on how many tokens arrive at once (speculation accepts several a step): taken
+        together, a chunk ending inside a multi-byte character would hold back the complete
+        text of the tokens before it too, and at the end of generation that text was lost."""
+        return "".join([self._add_one(t) for t in token_ids])
+
+    def _add_one(self, token_id: int) -> str:
+        self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

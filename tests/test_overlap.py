@@ -216,9 +216,8 @@ def test_speculation_falls_back_per_step_and_equals_synchronous(tiny_llama, spec
     kw = dict(speculative_method=spec, num_speculative_tokens=3,
               draft_model=tiny_llama if spec == "draft" else None)
     got, eng = run(tiny_llama, prompts, params, True, **kw)
-    # tokens only: the text of a speculative engine can differ from plain decoding's where the
-    # detokenizer gets several tokens at once (`IncrementalDetokenizer`, outside this feature)
     assert [o[0][0] for o in got] == [o[0][0] for o in plain]  # lossless
+    assert [o[0][1] for o in got] == [o[0][1] for o in plain]  # and the same text
     assert [o[0][2] for o in got] == [o[0][2] for o in plain]
     assert eng.spec.stats.num_draft_tokens > 0
     assert eng.stats["sync_steps"]["speculation"] > 0

@@ -35,6 +35,27 @@ def test_incremental_detokenizer_one_token_at_a_time(tok, text):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_incremental_detokenizer_does_not_depend_on_chunking(tok):
+    """Tokens added several at a time (speculation) give the text of adding them one at a
+    time, also where a chunk ends inside a multi-byte character: random byte-level ids, whose
+    pieces split characters all the time."""
+    import random
+    rng = random.Random(1)
+    vocab = tok._hf.get_vocab_size()
+    for _ in range(300):
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))]
+        prompt = [rng.randrange(3, vocab) for _ in range(8)]
+        one = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)
+        want = "".join(one.add([t]) for t in ids)
+        many = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)
+        got, i = "", 0
+        while i < len(ids):
+            n = rng.randrange(1, 6)
+            got += many.add(ids[i:i + n])
+            i += n
+        assert got == want, (ids, prompt)
+
+
 def test_chat_template_matches_transformers(tok, tiny_llama):
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(tiny_llama)
