@@ -4,8 +4,9 @@ Threads: the engine thread owns the LLMEngine. It runs `engine.step()` back to b
 work and sleeps on a condition while there is none. The event loop never touches engine state: it
 sends commands (admit a request, abort one) to the engine thread's inbox, which the engine thread
 drains between steps, and it gets each step's outputs back in one `call_soon_threadsafe` that
-fans them out to the requests' streams. So a step waits for no loop, and the loop waits for no
-step. Commands sent in one loop iteration reach the inbox together: a batch of prompts is admitted
+fans them out to the requests' streams (admissions and refusals in one more, before the step
+runs: a caller learns its request was accepted without waiting for a long prefill). So a step
+waits for no loop, and the loop waits for no step. Commands sent in one loop iteration reach the inbox together: a batch of prompts is admitted
 before any of them steps.
 
 Rules: the loop that first calls `generate` owns the engine until it closes; a call from another
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from .config import EngineArgs
 from .engine import LLMEngine
@@ -33,6 +34,9 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("luceio")
 
 STALL_WAIT_S = 0.001  # how long the engine thread waits when work exists but none can be scheduled
+
+
+_ADMITTED = object()  # queued on a stream when the engine accepts its request
 
 
 class _Stream:
@@ -83,9 +87,13 @@ class AsyncEngine:
 
     # requests (event loop) -----------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *,
+                       on_admitted: Callable[[], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs (cumulative by default; see SamplingParams.output_kind).
-        Leaving the iteration early aborts the request and frees its blocks."""
+        Leaving the iteration early aborts the request and frees its blocks. `on_admitted` is
+        called on the loop once the engine has accepted the request (a refusal raises instead),
+        which can be long before the first output: a long prompt's prefill lies between."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
         self._check_loop()
@@ -102,6 +110,10 @@ class AsyncEngine:
         try:
             while True:
                 out = await stream.queue.get()
+                if out is _ADMITTED:
+                    if on_admitted is not None:
+                        on_admitted()
+                    continue
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
@@ -169,6 +181,9 @@ class AsyncEngine:
         items: list = []
         try:
             self._run_commands(commands, items)
+            if items:  # admissions and refusals reach their callers now, not after the step
+                self._deliver(items)
+                items = []
             if not self.engine.has_unfinished_requests():
                 return items, False
             steps = self.engine.stats["steps"]
@@ -192,6 +207,7 @@ class AsyncEngine:
             items.append((stream, e))
             return
         self._sinks[stream.request_id] = stream
+        items.append((stream, _ADMITTED))
 
     def _abort(self, items: list, request_id: str) -> None:
         self.engine.abort_request(request_id)  # its final output comes with the next step's

@@ -322,3 +322,40 @@ def test_ctrl_c_stops_the_model_load(model):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_stream_starts_once_admitted_before_the_first_output(model, monkeypatch):
+    """A streaming request gets its 200 and headers once the engine has accepted it, while its
+    prefill still runs (held here), so a prefill longer than a client's idle timeout keeps a
+    live connection (keep-alives every 15 s); the events, once they come, are those of an
+    unhindered run. A refused prompt is still an HTTP error, streamed or not."""
+    import threading
+
+    from luceio.engine import LLMEngine
+    gate, held, gave_up = threading.Event(), threading.Event(), threading.Event()
+    step = LLMEngine.step
+
+    def held_step(self, *a, **kw):
+        if not gate.is_set():
+            held.set()
+            if not gate.wait(20):  # the headers never came while the step was held
+                gave_up.set()
+        return step(self, *a, **kw)
+
+    body = {"prompt": [5, 9, 33, 70, 12], "max_tokens": 6, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with running(model) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                              timeout=60) as http:
+        want = http.post("/v1/completions", json=body).read()
+        monkeypatch.setattr(LLMEngine, "step", held_step)
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200 and held.is_set() and not gave_up.is_set()
+            gate.set()
+            got = r.read()
+        too_long = http.post("/v1/completions", json={**body, "prompt": [5] * 100_000})
+        assert too_long.status_code == 400, too_long.text
+
+    def texts(raw: bytes) -> list[str]:
+        return [json.loads(line[6:])["choices"][0]["text"] for line in raw.decode().splitlines()
+                if line.startswith("data: {")]
+    assert texts(got) == texts(want) and len(texts(want)) >= 6

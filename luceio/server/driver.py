@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import anyio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ..outputs import RequestOutput
@@ -127,17 +127,26 @@ async def generate(request: Request, state: ServerState, req: ParsedRequest,
     # that goes away aborts its requests from here
     watcher = asyncio.ensure_future(_abort_on_disconnect(request, run))
     try:
-        await run.start()
-        wire = make_wire(builder, run) if make_wire is not None else builder
+        # a stream starts once its prompts are admitted (a refusal is still an HTTP status);
+        # its first event waits for the first outputs, with keep-alives every 15 s meanwhile,
+        # so a prefill longer than a client's idle timeout does not end the connection
+        await run.start(first_outputs=not req.stream)
         if req.stream:
             shutdown = anyio.Event()
-            ping = wire.ping_event
+            made: list[Wire] = []
+
+            def ping() -> ServerSentEvent:  # the wire's own event once it exists, else a comment
+                event = made[0].ping_event if made else None
+                if event is None:
+                    return ServerSentEvent(comment="ping", sep="\n")
+                return ServerSentEvent(dumps(event[1]), event=event[0], sep="\n")
+
             return EventSourceResponse(
-                _sse(run, wire, state, shutdown), sep="\n", shutdown_event=shutdown,
-                ping_message_factory=None if ping is None else
-                lambda: ServerSentEvent(dumps(ping[1]), event=ping[0], sep="\n"),
+                _sse(run, lambda: _make(make_wire, builder, run, made), state, shutdown),
+                sep="\n", shutdown_event=shutdown, ping_message_factory=ping,
                 shutdown_grace_period=min(SHUTDOWN_GRACE_S, state.args.timeout_graceful_shutdown),
                 background=BackgroundTask(run.close))  # also if the stream never started
+        wire = make_wire(builder, run) if make_wire is not None else builder
         outputs = run.outputs()
         try:
             async for i, o in outputs:
@@ -168,10 +177,29 @@ async def _abort_on_shutdown(event: anyio.Event, state: ServerState) -> None:
     await state.drain()
 
 
-async def _sse(run: Run, wire: Wire, state: ServerState, shutdown: anyio.Event):
+def _make(make_wire: WireFactory | None, builder: ResponseBuilder, run: Run,
+          made: list) -> Wire:
+    wire = make_wire(builder, run) if make_wire is not None else builder
+    made.append(wire)
+    return wire
+
+
+async def _sse(run: Run, new_wire: Callable[[], Wire], state: ServerState,
+               shutdown: anyio.Event):
     watcher = asyncio.ensure_future(_abort_on_shutdown(shutdown, state))
-    outputs = run.outputs()
+    outputs = None
     try:
+        try:
+            await run.first_outputs()
+        except ClientDisconnect:
+            return
+        except Exception as e:  # noqa: BLE001  the stream has started: an error event ends it
+            logger.exception("request %s failed before its first output", run.req.id)
+            for ev in new_wire().fail(f"generation failed: {e}"):
+                yield _sse_event(ev)
+            return
+        wire = new_wire()
+        outputs = run.outputs()
         for ev in wire.start():
             yield _sse_event(ev)
         try:
@@ -190,6 +218,7 @@ async def _sse(run: Run, wire: Wire, state: ServerState, shutdown: anyio.Event):
             yield _sse_event(ev)
     finally:  # runs when the client went away too (no awaits that could be cancelled)
         watcher.cancel()
-        with contextlib.suppress(RuntimeError):
-            await outputs.aclose()
+        if outputs is not None:
+            with contextlib.suppress(RuntimeError):
+                await outputs.aclose()
         await run.close()

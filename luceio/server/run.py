@@ -46,10 +46,13 @@ class Run:
         self.live: dict[str, _Track] = {}
         self.tasks: list[asyncio.Task] = []
         self.client_gone = False
+        self._pending: list[asyncio.Task] = []  # first outputs still to come (see `start`)
 
-    async def start(self) -> None:
+    async def start(self, first_outputs: bool = True) -> None:
         """Admits every prompt at once (each generator adds its request to the engine when it
-        starts), then waits for all first outputs. A refused prompt fails the call with its
+        starts), then waits for all first outputs, or with `first_outputs=False` only until
+        the engine has accepted every prompt (a stream can then start before a long prefill
+        ends; `first_outputs()` waits for the rest). A refused prompt fails the call with its
         status; the others are aborted."""
         st = self.state
         if self.client_gone:
@@ -57,22 +60,49 @@ class Run:
         if st.draining:
             raise APIError(503, "the server is shutting down", "server_error",
                            code="shutting_down")
+        admitted = {rid: asyncio.Event() for rid in self.ids}
         for rid, prompt, params in zip(self.ids, self.req.prompts, self.req.params):
-            self.gens[rid] = st.engine.generate(prompt, params, rid)
+            self.gens[rid] = st.engine.generate(prompt, params, rid,
+                                                on_admitted=admitted[rid].set)
             self.live[rid] = _Track(time.monotonic())
             st.inflight.add(rid)
-        firsts = [asyncio.ensure_future(self._first(rid)) for rid in self.ids]
+        self._pending = [asyncio.ensure_future(self._first(rid)) for rid in self.ids]
+        if first_outputs:
+            await self.first_outputs()
+            return
         try:
-            outs = await asyncio.gather(*firsts)
+            for rid, task in zip(self.ids, self._pending):
+                gate = asyncio.ensure_future(admitted[rid].wait())
+                try:
+                    await asyncio.wait({task, gate}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gate.cancel()
+                if task.done():
+                    task.result()  # a refusal raises here
             if self.client_gone:  # hung up while the prompts were being admitted
                 raise ClientDisconnect()
         except BaseException:
-            for task in firsts:
-                task.cancel()  # its generator's cleanup aborts the request
-            await asyncio.gather(*firsts, return_exceptions=True)
-            await self.close()
+            await self._abandon()
             raise
+
+    async def first_outputs(self) -> None:
+        """Waits for the first output of every prompt `start` admitted (into `firsts`)."""
+        try:
+            outs = await asyncio.gather(*self._pending)
+            if self.client_gone:  # hung up while the prompts were being admitted
+                raise ClientDisconnect()
+        except BaseException:
+            await self._abandon()
+            raise
+        self._pending = []
         self.firsts = [self._seen(rid, first) for rid, first in zip(self.ids, outs)]
+
+    async def _abandon(self) -> None:
+        for task in self._pending:
+            task.cancel()  # its generator's cleanup aborts the request
+        await asyncio.gather(*self._pending, return_exceptions=True)
+        self._pending = []
+        await self.close()
 
     async def _first(self, rid: str):
         """The first output of one prompt; a refusal (never admitted) leaves the call's books."""
@@ -194,7 +224,7 @@ class Run:
 
     async def close(self) -> None:
         """Aborts what is unfinished. Runs in cancelled contexts too, so nothing here waits."""
-        for task in self.tasks:
+        for task in self.tasks + self._pending:
             task.cancel()
         for rid, agen in self.gens.items():
             with contextlib.suppress(RuntimeError):  # still driven by a cancelled pump task
