@@ -15,6 +15,8 @@ the output to its dtype and of the bias add.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -160,3 +162,42 @@ def test_prefill_rows_take_the_dense_path(monkeypatch):
     assert torch.equal(one[0], whole[7])
     qc.cpu_quant_linear(x[7:8], cw)  # the context is left: decode rows are back on matvec
     assert calls == [1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")
+def test_kernels_read_nothing_past_their_arrays():
+    """The hand-written vector code has no bounds checks: every weight array and x is placed so
+    it ends right before an unreadable page, and matvec (N not a multiple of the 4-row blocks,
+    M from 1 to 5) and dequantize_rows run without a fault and give the same numbers."""
+    import ctypes
+    import mmap
+    libc, page, maps = ctypes.CDLL(None), mmap.PAGESIZE, []
+
+    def at_page_end(a: np.ndarray) -> np.ndarray:
+        if not a.size:
+            return a
+        pages = -(-a.nbytes // page) + 1
+        m = mmap.mmap(-1, pages * page)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert libc.mprotect(ctypes.c_void_p(base + (pages - 1) * page), page, 0) == 0
+        out = np.frombuffer(m, dtype=a.dtype, count=a.size,
+                            offset=(pages - 1) * page - a.nbytes).reshape(a.shape)
+        out[...] = a
+        maps.append((m, out))
+        return out
+
+    for qtype in qd.KINDS:
+        for n, k in ((7, 256), (13, 512), (1, 256)):
+            cw = qd.prepare(random_quant_weight(qtype, n, k))
+            fenced = qd.CpuQuant(cw.qtype, cw.shape, tuple(at_page_end(a) for a in cw.arrays),
+                                 cw.out_dtype)
+            for m in (1, 3, 5):
+                x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
+                got, want = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)
+                qd.matvec(at_page_end(x), fenced, got)
+                qd.matvec(x, cw, want)
+                assert np.array_equal(got, want), (qtype, n, k, m)
+            rows, want = np.zeros((n, k), np.float32), np.zeros((n, k), np.float32)
+            qd.dequantize_rows(fenced, 0, rows)
+            qd.dequantize_rows(cw, 0, want)
+            assert np.array_equal(rows, want), (qtype, n, k)
