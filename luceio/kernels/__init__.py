@@ -35,11 +35,12 @@ def kernel_mode() -> str:
     return os.environ.get("LUCEIO_KERNELS", "auto")
 
 
-def use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor | torch.device) -> bool:
+    """Whether the Triton kernels run for a tensor (or a device)."""
     mode = kernel_mode()
     if mode == "torch" or not _HAS_TRITON:
         return False
-    return mode == "triton" or x.is_cuda
+    return mode == "triton" or (x.type if isinstance(x, torch.device) else x.device.type) == "cuda"
 
 
 def _impl(name: str, ref):
@@ -113,10 +114,8 @@ def gemv_input_buffers(parts: list, rows: int, k: int, device: torch.device) -> 
     that produces the input (`rms_norm`, `silu_and_mul` with `xqs=`) fills them in the same
     launch, which saves the GEMV's own quantizing launch."""
     from .quant import QuantWeight
-    if rows != 1 or not parts or k % 32 or not all(isinstance(p, QuantWeight) for p in parts):
-        return {}
-    if kernel_mode() == "torch" or not _HAS_TRITON or not (
-            kernel_mode() == "triton" or torch.device(device).type == "cuda"):
+    if rows != 1 or not parts or k % 32 or not use_triton(torch.device(device)) or \
+            not all(isinstance(p, QuantWeight) for p in parts):
         return {}
     from .elementwise_triton import xq_layouts
     return xq_layouts(sorted({p.qtype != "q8_0" for p in parts}), rows, k, device)

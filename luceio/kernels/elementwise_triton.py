@@ -156,15 +156,23 @@ def _rotate_heads(ptr, s_h, cos, sin, half, hmask,
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh, s_cs,
-                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def cos_sin_at(t, pos_ptr, cs_ptr, s_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's rotary (half index, its mask, cos, sin) in fp32, from the (cos | sin) cache at
+    its position. Shared with qkv_rope_triton.py."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
     hmask = half < HALF
     cos = tl.load(cs_ptr + pos * s_cs + half, mask=hmask, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + half, mask=hmask, other=0.0).to(tl.float32)
+    return half, hmask, cos, sin
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh, s_cs,
+                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    half, hmask, cos, sin = cos_sin_at(t, pos_ptr, cs_ptr, s_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * s_qt, s_qh, cos, sin, half, hmask, NUM_Q, HALF, BLOCK_Q)
     _rotate_heads(k_ptr + t * s_kt, s_kh, cos, sin, half, hmask, NUM_K, HALF, BLOCK_K)
 

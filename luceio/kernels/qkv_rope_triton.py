@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .elementwise_triton import cos_sin_at
+
 
 @triton.jit
 def _heads(base, s_h, half, hmask, NUM: tl.constexpr, HALF: tl.constexpr,
@@ -46,11 +48,7 @@ def _qkv_rope_cache_kernel(qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q
                            BLOCK_KV: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    half = tl.arange(0, BLOCK_HALF)
-    hmask = half < HALF
-    cos = tl.load(cs_ptr + pos * s_cs + half, mask=hmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * s_cs + HALF + half, mask=hmask, other=0.0).to(tl.float32)
+    half, hmask, cos, sin = cos_sin_at(t, pos_ptr, cs_ptr, s_cs, HALF, BLOCK_HALF)
     row = qkv_ptr + t * s_t
     x1, x2, mask = _heads(row, HEAD_DIM, half, hmask, NUM_Q, HALF, BLOCK_Q)
     y1, y2 = _norm_rotate(x1, x2, qn_ptr, half, hmask, cos, sin, eps, NORM, HEAD_DIM, HALF)

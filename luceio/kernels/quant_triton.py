@@ -7,7 +7,8 @@
   programs write fp32 partials [SPLIT_K, M, N] that `_reduce_kernel` sums in a fixed order
   (deterministic, no atomics), adding the bias there.
 * `dense_matmul_skinny(x, weight)`: the same kernel for a dense fp16/bf16/fp32 [N, K] weight.
-* `dequantize_triton(w, dtype)`: the whole weight as a dense [N, K] tensor.
+* `dequantize_triton(w, dtype)` (dequant_triton.py, re-exported here): the whole weight as a
+  dense [N, K] tensor.
 * `quant_matmul(x, w)`: the skinny kernel up to `KernelConfig.skinny_max_m` rows, else
   `dequantize_triton` into a scratch weight and torch's GEMM (cuBLAS / rocBLAS): at prefill
   sizes the GEMM is compute-bound, and the scratch is freed after the call.
@@ -246,27 +247,6 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
     tl.store(out_ptr + mi * s_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _dequant_kernel(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, KG,
-                    s_qs, s_qh, s_d, s_sc, e_d, e_sc, s_o,
-                    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    G: tl.constexpr = BLOCK_K // 32
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rows < N
-    row = rows.to(tl.int64)[:, None]
-    g0 = tl.program_id(1) * G
-    lo, hi, scale_lo, scale_hi, offset = _quant_tile(
-        qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG,
-        s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G)
-    w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
-    grp = g0 + tl.arange(0, G)[None, :]
-    off = (row * s_o + grp * 32)[:, :, None] + tl.arange(0, 16)[None, None, :]
-    mask = (nmask[:, None] & (grp < KG))[:, :, None]
-    dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + off, w_lo.to(dt), mask=mask)
-    tl.store(out_ptr + off + 16, w_hi.to(dt), mask=mask)
-
-
 # ---------------------------------------------------------------------------------------------
 # launchers
 
@@ -383,22 +363,6 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
     return out
 
 
-def dequantize_triton(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense [N, K] weight in `dtype`: fp32 values equal to `quant.dequantize`, rounded
-    once to `dtype` (on GPUs a d * q + m may fuse into one FMA: at most 1 fp32 ulp off)."""
-    n, k = w.shape
-    out = torch.empty((n, k), dtype=dtype, device=w.qs.device)
-    if n == 0 or k == 0:
-        return out
-    cfg = get_config(w.qs.device)
-    weights, strides = _weight_args(w)
-    block_n, block_k = cfg.dequant_block_n, cfg.dequant_block_k
-    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        *weights, out, n, k // 32, *strides, out.stride(0), QTYPE=w.qtype, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=cfg.dequant_num_warps)
-    return out
-
-
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, xqs: dict | None = None) -> torch.Tensor:
     """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_max_m` rows,
@@ -410,5 +374,8 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     return y if out is None else out.copy_(y)
 
 
-__all__ = ["quant_matmul", "quant_matmul_parts", "quant_matmul_skinny", "dense_matmul_skinny", "dequantize_triton",
+from .dequant_triton import dequantize_triton  # noqa: E402  (it reads this module's tiles)
+
+__all__ = ["quant_matmul", "quant_matmul_parts", "quant_matmul_skinny", "dense_matmul_skinny",
+           "dequantize_triton",
            "skinny_split_k"]
