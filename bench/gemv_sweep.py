@@ -2,8 +2,8 @@
 
     python bench/gemv_sweep.py [--out DIR] [--repeats N]
 
-GEMV_SWEEP_QTYPES, GEMV_SWEEP_GRID ("bn,bk,warps,prefetch;...") and GEMV_SWEEP_SPLITS ("264,528")
-narrow the sweep.
+GEMV_SWEEP_QTYPES, GEMV_SWEEP_GRID ("bn,bk,warps,prefetch;...") and GEMV_SWEEP_SPLITS
+("2048:1,4096:2": gemv_split_min_programs:gemv_min_tiles_per_split) narrow the sweep.
 
 For each qtype: every tile config in GRID (block_n, block_k, num_warps, prefetch) is timed at
 M = 1 on the MATRICES shapes (bench/qgemm.py's timing: CUDA graph over weight copies spanning
@@ -31,8 +31,11 @@ from luceio.kernels import configs, prepare_weight  # noqa: E402
 from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
 from luceio.kernels.quant_triton import quant_matmul_skinny  # noqa: E402
 
-MATRICES = [("llama-3.1-8b qkv", 6144, 4096), ("llama-3.1-8b gate_up", 28672, 4096),
-            ("llama-3.1-8b down", 4096, 14336), ("9728x1024 (0.5B gate_up, K rounded up to 256s)", 9728, 1024),
+MATRICES = [("llama-3.1-8b qkv", 6144, 4096), ("llama-3.1-8b o", 4096, 4096),
+            ("llama-3.1-8b gate_up", 28672, 4096), ("llama-3.1-8b down", 4096, 14336),
+            ("qwen2.5-7b qkv", 4608, 3584), ("qwen2.5-7b o", 3584, 3584),
+            ("qwen2.5-7b gate_up", 37888, 3584), ("qwen2.5-7b down", 3584, 18944),
+            ("9728x1024 (0.5B gate_up, K rounded up to 256s)", 9728, 1024),
             ("qwen2.5-0.5b down", 896, 4864)]
 QTYPES = ["q4_k", "q6_k", "q5_0", "q8_0"]
 if os.environ.get("GEMV_SWEEP_QTYPES"):
@@ -40,11 +43,12 @@ if os.environ.get("GEMV_SWEEP_QTYPES"):
 GRID = [(bn, bk, nw, pf) for bn, bk, nw in
         [(8, 1024, 2), (8, 2048, 4), (16, 1024, 2), (32, 1024, 2), (8, 1024, 1), (16, 2048, 2),
          (16, 512, 1), (32, 512, 2)] for pf in (0, 1)]
-SPLITS = [264, 528, 1056]
+SPLITS = [(256, 2), (2048, 1), (2048, 2), (4096, 1), (4096, 2), (8192, 1), (8192, 2)]
 if os.environ.get("GEMV_SWEEP_GRID"):  # "bn,bk,warps,prefetch;..." (a shorter sweep)
     GRID = [tuple(int(v) for v in c.split(",")) for c in os.environ["GEMV_SWEEP_GRID"].split(";")]
 if os.environ.get("GEMV_SWEEP_SPLITS") is not None:
-    SPLITS = [int(v) for v in os.environ["GEMV_SWEEP_SPLITS"].split(",") if v]
+    SPLITS = [tuple(int(p) for p in v.split(":")) for v in os.environ["GEMV_SWEEP_SPLITS"].split(",")
+              if v]
 
 
 def run_config(cfg, cases, repeats, copy_bps) -> list[float]:
@@ -92,19 +96,21 @@ def main(argv=None) -> int:
                           gemv_prefetch=bool(pf))
             pct = run_config(cfg, cases, args.repeats, copy_bps)
             rows.append(dict(block_n=bn, block_k=bk, num_warps=nw, prefetch=pf,
-                             split_min_programs=base.qgemm_split_k_min_programs,
+                             split_min_programs=base.gemv_split_min_programs,
+                             min_tiles_per_split=base.gemv_min_tiles_per_split,
                              pct_copy=pct, gmean=gmean(pct)))
             print(f"{qtype} bn={bn:3d} bk={bk} w={nw} pf={pf}: "
                   + " ".join(f"{p:5.1f}" for p in pct) + f"  gmean {gmean(pct):5.1f}%",
                   flush=True)
         best = max(rows, key=lambda r: r["gmean"])
-        for sp in SPLITS:
+        for sp, mt in SPLITS:
             cfg = replace(base, gemv_block_n=best["block_n"], gemv_block_k=best["block_k"],
                           gemv_num_warps=best["num_warps"], gemv_prefetch=bool(best["prefetch"]),
-                          qgemm_split_k_min_programs=sp)
+                          gemv_split_min_programs=sp, gemv_min_tiles_per_split=mt)
             pct = run_config(cfg, cases, args.repeats, copy_bps)
-            rows.append(dict(best, split_min_programs=sp, pct_copy=pct, gmean=gmean(pct)))
-            print(f"{qtype} best tile, split target {sp}: "
+            rows.append(dict(best, split_min_programs=sp, min_tiles_per_split=mt, pct_copy=pct,
+                             gmean=gmean(pct)))
+            print(f"{qtype} best tile, split target {sp} (>= {mt} tiles): "
                   + " ".join(f"{p:5.1f}" for p in pct) + f"  gmean {gmean(pct):5.1f}%",
                   flush=True)
         results[qtype] = dict(matrices=[c[0] for c in cases], rows=rows)

@@ -12,12 +12,14 @@
 #                   Q8_0 by llama-quantize, llama-bench on them at depth 0 and 8192
 #                   ($OUT/llamacpp_cuda.json, llamacpp_cuda_d8192.json)
 #   final           GPU tests; decode at batch 1 from random weights (no files); qgemm at M = 1
+#   gemv-split      bench/gemv_sweep.py over the one-row GEMV's split-K fields, then
+#                   bench/step_profile.py A/Bs of the best ones on the 7B and 0.5B decode step
 #   decode          luceio on the same files at contexts 512 and 8192, beside llama-bench's
 #                   numbers ($OUT/decode_gguf.json)
 # Needs carry: .llamacpp/src .llamacpp/bench.sh .llamacpp/build.sh .llamacpp/make_gguf.py
 #              .llamacpp/prepare.sh (see ../shared/tools/llamacpp/README.md).
 set -uo pipefail
-export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py
+export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py:$PWD/.whl/gg  # .whl/gg: the gguf wheel, unzipped
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export GGUF_DIR=$PWD/.llamacpp/gguf
 SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
@@ -58,5 +60,11 @@ case $1 in
     timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
       --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8
     timeout ${QGEMM_S:-110} python bench/qgemm.py --rows 1 --repeats 10 --out "$OUT" 2>&1 | tail -3 ;;
+  gemv-split)
+    GEMV_SWEEP_GRID=${GEMV_SWEEP_GRID:-"4,1024,1,1;4,512,1,1"} GEMV_SWEEP_QTYPES=${GEMV_SWEEP_QTYPES:-q4_k,q6_k,q8_0} \
+      timeout ${SWEEP_S:-300} python bench/gemv_sweep.py --out "$OUT" 2>&1 | grep -v -i warn
+    sets=(); for s in ${PROFILE_SETS:-}; do sets+=(--set "$s"); done
+    timeout ${PROFILE_S:-250} python bench/step_profile.py --shapes ${PROFILE_SHAPES:-qwen2.5-7b,qwen2.5-0.5b} \
+      --no-eager "${sets[@]}" --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-400 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

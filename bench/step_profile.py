@@ -12,7 +12,7 @@ time per step), over `--steps` consecutive decode steps of one request. `top_ker
 kernels with the most GPU time per step (name, launches per step, microseconds per step).
 The profiler slows the host side, so `tok_s_unprofiled` (bench/gpu_bench.py's decode timing
 of 128 tokens, same engine, just before) is the speed to quote; `--set` repeats every row
-with one kernel-config field changed (`kernels/configs.py`).
+with kernel-config fields changed (`kernels/configs.py`; "a=1,b=2" changes two at once).
 """
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--json-name", default="step_profile.json")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="run again with this kernel-config field changed (an A/B in one run)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                    help="run again with these kernel-config fields changed (an A/B in one run)")
     ap.add_argument("--no-eager", action="store_true", help="CUDA graphs only")
     a = ap.parse_args()
     results = {"env": env_info(), "context": a.context, "rows": []}
@@ -102,11 +102,14 @@ def main() -> None:
     from gpu_bench import luceio_decode_tps
     from luceio.kernels import configs
     variants = [("table", None)]
+    base = configs.get_config(torch.device("cuda"))
     for item in a.set:
-        field, value = item.split("=", 1)
-        base = configs.get_config(torch.device("cuda"))
-        kind_of = type(getattr(base, field))
-        variants.append((item, dataclasses.replace(base, **{field: kind_of(value)})))
+        changes = {}
+        for change in item.split(","):
+            field, value = change.split("=", 1)
+            kind_of = type(getattr(base, field))
+            changes[field] = value.lower() in ("1", "true") if kind_of is bool else kind_of(value)
+        variants.append((item, dataclasses.replace(base, **changes)))
     for shape in a.shapes.split(","):
         for kind in a.types.split(","):
             model = random_model(shape, kind, a.context + 1024)

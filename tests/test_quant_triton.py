@@ -43,9 +43,11 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
 SMALL = KernelConfig(qgemm_block_n=16, qgemm_block_k=64, gemv_block_n=16, gemv_block_k=64,
                      dense_gemv_block_n=16, dense_gemv_block_k=64,
                      qgemm_split_k_min_programs=0,
-                     qgemm_max_split_k=4, qgemm_min_tiles_per_split=1, dequant_block_n=8,
-                     dequant_block_k=64, source="test")
-SPLIT = KernelConfig(**{**SMALL.__dict__, "qgemm_split_k_min_programs": 1000})
+                     qgemm_max_split_k=4, qgemm_min_tiles_per_split=1, gemv_split_min_programs=0,
+                     gemv_min_tiles_per_split=1, dequant_block_n=8, dequant_block_k=64,
+                     source="test")
+SPLIT = KernelConfig(**{**SMALL.__dict__, "qgemm_split_k_min_programs": 1000,
+                        "gemv_split_min_programs": 1000})
 
 
 class Rng:
@@ -237,6 +239,13 @@ def test_split_k_choice():
     for n_prog, tiles in ((28, 19), (5, 7), (1, 1000), (3, 33)):
         s, t = split(cfg, n_prog, tiles)
         assert (s - 1) * t < tiles <= s * t     # every split has work, all tiles covered
+    # the one-row GEMV has its own fields; the qgemm ones do not move it
+    g = KernelConfig(qgemm_split_k_min_programs=0, gemv_split_min_programs=4096,
+                     gemv_min_tiles_per_split=1, qgemm_max_split_k=16)
+    assert split(g, 1024, 14) == (1, 14)
+    assert split(g, 1024, 14, gemv=True) == (4, 4)    # 8B down: 4 warps of work per row block
+    assert split(g, 1152, 4, gemv=True) == (4, 1)     # short K: one tile a split
+    assert split(g, 9472, 4, gemv=True) == (1, 4)     # gate_up alone fills the GPU
 
 
 def test_config_table_qgemm_fields():

@@ -53,6 +53,11 @@ class KernelConfig:
     gemv_block_k: int = 1024
     gemv_num_warps: int = 1
     gemv_prefetch: bool = True           # load the next tile's code words before computing this one
+    # split K while the rows alone give fewer programs (one warp each) than this, into splits
+    # of at least gemv_min_tiles_per_split tiles: a short, long-K matrix (down: N = 4096,
+    # K = 14336) is too few warps to keep enough loads in flight
+    gemv_split_min_programs: int = 256
+    gemv_min_tiles_per_split: int = 2
     dense_gemv_block_n: int = 64         # 1 row of a dense weight (dense_matmul_skinny)
     dense_gemv_block_k: int = 256
     dense_gemv_num_warps: int = 4
@@ -85,6 +90,7 @@ TABLE: dict[str, KernelConfig] = {
                           prefill_num_stages=3, max_shared_kb=220,
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
+                          gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "
@@ -93,7 +99,10 @@ TABLE: dict[str, KernelConfig] = {
                                  "decode_min_tokens_per_split 256 -> 64: GPU time of a batch-1 "
                                  "decode step 945 -> 853 us (0.5B Q4_K_M, ctx 512), 2792 -> "
                                  "2677 us (7B), 978 -> 944 us (0.5B, ctx 8192), "
-                                 "bench/step_profile.py --set (results/h200/split_ab_*.json)"),
+                                 "bench/step_profile.py --set (results/h200/split_ab_*.json); "
+                                 "gemv split 256 -> 4224 programs (32 warps per SM), >= 1 tile: "
+                                 "GEMV time of a decode step 2082 -> 1934 us (7B Q4_K_M), "
+                                 "458 -> 422 us (0.5B), results/h200/split_ab_gemv.json"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,

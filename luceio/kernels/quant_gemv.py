@@ -307,14 +307,15 @@ def quantize_x(x: torch.Tensor, planes: bool = True
 
 
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
-         split_k, use_asm: bool, xqs: dict | None = None) -> None:
+         use_asm: bool, xqs: dict | None = None) -> None:
     """out2 [1, N] = x2 [1, K] @ W^T (+ bias), x quantized to int8 per group on the way.
     `weights` / `strides` as `quant_args.weight_args` gives them, with qs as int32 words;
-    `split_k(cfg, n_programs, k_tiles)` -> (splits, tiles per split). Two launches: x's
+    K is split by `skinny_split_k(..., gemv=True)` (the gemv_* fields). Two launches: x's
     quantization and the GEMV (split-K partials are summed by the GEMV's last split). `xqs`:
     quantized forms of this x already made (layout -> `quantize_x`'s triple), shared by the
     parts of a fused projection, which then quantize x once."""
     from .quant_args import paired
+    from .quant_triton import skinny_split_k
     qs, qh, d, m, sc, mn = weights
     if qtype == "q6_k":  # sub-scales are read in pairs, high-bit words two at a time
         qh = qh.clone() if qh.data_ptr() % 8 else qh
@@ -334,7 +335,7 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     g = max(1, cfg.gemv_block_k // 32)
     kg = k // 32
     n_programs = triton.cdiv(n, cfg.gemv_block_n)
-    split, tiles = split_k(cfg, n_programs, triton.cdiv(kg, g))
+    split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(kg, g), gemv=True)
     part = torch.empty((split, n), dtype=torch.float32, device=x2.device) if split > 1 else out2
     counters = _split_counters(x2.device, n_programs) if split > 1 else xsum
     has_bias = bias is not None

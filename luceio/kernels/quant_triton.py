@@ -250,14 +250,18 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
 # ---------------------------------------------------------------------------------------------
 # launchers
 
-def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int) -> tuple[int, int]:
+def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int,
+                   gemv: bool = False) -> tuple[int, int]:
     """(split_k, k tiles per split) for `n_programs` programs along N over `k_tiles` K tiles.
-    Split only when N alone leaves fewer than `qgemm_split_k_min_programs` programs, and never
-    into splits of fewer than `qgemm_min_tiles_per_split` tiles; no split is left empty."""
+    Split only when N alone leaves fewer than `qgemm_split_k_min_programs` programs
+    (`gemv_split_min_programs` for the one-row GEMV), and never into splits of fewer than
+    `qgemm_min_tiles_per_split` (`gemv_min_tiles_per_split`) tiles; no split is left empty."""
+    min_programs = cfg.gemv_split_min_programs if gemv else cfg.qgemm_split_k_min_programs
+    min_tiles = cfg.gemv_min_tiles_per_split if gemv else cfg.qgemm_min_tiles_per_split
     split = 1
-    if n_programs < cfg.qgemm_split_k_min_programs:
-        split = triton.cdiv(cfg.qgemm_split_k_min_programs, n_programs)
-        split = min(split, cfg.qgemm_max_split_k, k_tiles // cfg.qgemm_min_tiles_per_split)
+    if n_programs < min_programs:
+        split = triton.cdiv(min_programs, n_programs)
+        split = min(split, cfg.qgemm_max_split_k, k_tiles // max(1, min_tiles))
     split = max(split, 1)
     tiles = triton.cdiv(k_tiles, split)
     return triton.cdiv(k_tiles, tiles), tiles
@@ -297,7 +301,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         from .quant_gemv import gemv
         qs, *rest = weights
         gemv(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,
-             bias.contiguous() if bias is not None else None, out2, cfg, skinny_split_k,
+             bias.contiguous() if bias is not None else None, out2, cfg,
              use_asm=x.is_cuda and torch.version.hip is None and not interp, xqs=xqs)
         return out
     n_programs = triton.cdiv(n, block_n)

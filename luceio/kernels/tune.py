@@ -139,9 +139,9 @@ def qgemm_cases(quick: bool, dtype):
     """(x, weight copies, fp32 reference) per case; see the module docstring."""
     from .quant import dequantize, nbytes
     from .quant import random_quant_weight
-    shapes = [(4096, 4096), (28672, 4096), (896, 4864)]
+    shapes = [(4096, 4096), (28672, 4096), (896, 4864), (4096, 14336)]
     cases = []
-    for n, k in shapes[::2] if quick else shapes:
+    for n, k in shapes[::3] if quick else shapes:
         w = random_quant_weight("q4_k", n, k, device="cuda")
         copies = [w] + [replace(w, **{a: t.clone() for a, t in w.tensors().items()})
                         for _ in range(min(256, (256 << 20) // nbytes(w)))]
@@ -184,7 +184,9 @@ def qgemm_candidates(base: configs.KernelConfig, quick: bool):
 
     def splits(c, sms):
         return [replace(c, qgemm_split_k_min_programs=p, qgemm_min_tiles_per_split=t)
-                for p, t in itertools.product([0, sms, 2 * sms, 4 * sms], [1, 2, 4])]
+                for p, t in itertools.product([0, sms, 2 * sms, 4 * sms], [1, 2, 4])] + \
+            [replace(c, gemv_split_min_programs=p, gemv_min_tiles_per_split=t)
+             for p, t in itertools.product([2 * sms, 16 * sms, 32 * sms], [1, 2])]
     return tiles, splits
 
 
