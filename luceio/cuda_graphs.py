@@ -8,7 +8,11 @@ to the bucket: a padded token writes no KV (slot -1) and sits after the request'
 a padded request attends to its own first q positions. Attention inside a graph sees
 `max_seq_len` = the model's context, a static bound; kernels read the real lengths from
 `seq_lens`. Steps that do not fit (prefill chunks, bigger batches, more drafts) run eagerly.
-Works on ROCm through the same `torch.cuda` API."""
+Buckets of at most `LOGITS_ROWS` padded rows also compute the logits of every row inside the
+graph (the step then gathers the rows it needs): at batch 1 the lm_head's launches from Python
+were ~10% of the host's step time (bench/results/h200/host_variance.json). Larger buckets
+compute the logits of the needed rows only, after the replay. Works on ROCm through the same
+`torch.cuda` API."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,6 +22,7 @@ from .models import AttnMetadata
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _MAX_VERIFY_BATCH = 32  # the speculative planner drafts nothing for larger batches
+LOGITS_ROWS = 16  # the skinny GEMM's rows: logits of padded rows cost little bandwidth there
 
 
 class StepGraphs:
@@ -40,6 +45,7 @@ class StepGraphs:
         self.qsl = {q: torch.arange(self.max_seqs + 1, **i32) * q for q in self.buckets}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # fp32 [bs * q, vocab]
         self.pool = None
         self.staging = staging
         # bounded residency (keys policy): every replay also leaves each layer's rotated
@@ -70,6 +76,8 @@ class StepGraphs:
                 with torch.cuda.graph(g, pool=self.pool):
                     self.outputs[bs, q] = self.model(ids, pos, self.kv_caches, meta,
                                                      probe=self._capture_probe(bs * q))
+                    if bs * q <= LOGITS_ROWS:
+                        self.logits[bs, q] = self.model.compute_logits(self.outputs[bs, q])
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[bs, q] = g
@@ -134,8 +142,9 @@ class StepGraphs:
 
     def run(self, h, ids_from=None):
         """Replays the graph for host batch `h`; returns (hidden [bs*q, H], device row index of
-        each logits row). `ids_from` (a `runner.DeviceTokenIds`): input ids taken on the device
-        from the previous step's sampled ids (overlapped scheduling)."""
+        each logits row, the logits of all bs*q rows or None where the graph has none).
+        `ids_from` (a `runner.DeviceTokenIds`): input ids taken on the device from the previous
+        step's sampled ids (overlapped scheduling)."""
         bs, q = self._bucket(h)
         q_lens = h.q_lens
         # token t of request r sits at row r * q + (t - query_start_loc[r]) after padding
@@ -149,4 +158,4 @@ class StepGraphs:
         if gather:
             self.tok[0].index_copy_(0, gather[1], ids_from.token_ids[gather[0]])
         self.graphs[bs, q].replay()
-        return self.outputs[bs, q], rows
+        return self.outputs[bs, q], rows, self.logits.get((bs, q))

@@ -289,7 +289,9 @@ class ModelRunner:
     def _forward(self, inp: StepInputs, probe, graphed: bool) -> torch.Tensor:
         h = inp.host
         if graphed:
-            hidden, rows = self.graphs.run(h, inp.ids_from)
+            hidden, rows, logits = self.graphs.run(h, inp.ids_from)
+            if logits is not None:
+                return logits[rows]
         else:
             gather = [inp.ids_from.src, inp.ids_from.dst] if inp.ids_from is not None else []
             ids, pos, slots, rows, *gather = self.staging.to_device(
