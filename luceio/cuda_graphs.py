@@ -15,6 +15,8 @@ compute the logits of the needed rows only, after the replay. Works on ROCm thro
 `torch.cuda` API."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -64,13 +66,29 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Captures every bucket. The garbage collector is off meanwhile: a collection during a
+        capture that frees an earlier engine's tensors (reference cycles) can make CUDA calls
+        that invalidate the capture (seen once on the H200: "operation failed due to a
+        previous error during capture", building a second engine after `del` of the first)."""
+        enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         empty = np.zeros(0, np.int64)
         for q, buckets in sorted(self.buckets.items(), key=lambda kv: -kv[0] * kv[1][-1]):
             for bs in reversed(buckets):
                 self._fill(*self._pad(empty, empty, empty, np.zeros((0, 1), np.int32),
                                       np.zeros(0, np.int32), np.zeros(0, np.int64), bs, q))
                 ids, pos, meta = self._inputs(bs, q)
-                self.model(ids, pos, self.kv_caches, meta)  # warm-up compiles the kernels
+                warm = self.model(ids, pos, self.kv_caches, meta)  # warm-up compiles the kernels
+                if bs * q <= LOGITS_ROWS:
+                    self.model.compute_logits(warm)
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
