@@ -50,13 +50,13 @@ def sync_trial(engine: LLMEngine, prompts, params) -> tuple[float, float, int]:
     """Wall and CPU seconds, and engine steps, to run the requests with step() in a loop."""
     for p in prompts:
         engine.add_request(None, p, params)
-    steps, t, cpu = engine.stats["steps"], time.perf_counter(), time.process_time()
+    steps, t, cpu = engine.counters["steps"], time.perf_counter(), time.process_time()
     n = 0
     while engine.has_unfinished_requests():
         for out in engine.step():  # what the async consumers do with each output
             n += len(out.outputs[0].token_ids)
     assert n == params.max_tokens * len(prompts)
-    return time.perf_counter() - t, time.process_time() - cpu, engine.stats["steps"] - steps
+    return time.perf_counter() - t, time.process_time() - cpu, engine.counters["steps"] - steps
 
 
 def async_trial(engine: LLMEngine, prompts, params) -> tuple[float, float, int]:
@@ -70,12 +70,12 @@ def async_trial(engine: LLMEngine, prompts, params) -> tuple[float, float, int]:
     async def run():
         ae = AsyncEngine(engine)
         await consume(ae, prompts[0], params.clone(max_tokens=2))  # starts the engine's thread
-        steps, t, cpu = engine.stats["steps"], time.perf_counter(), time.process_time()
+        steps, t, cpu = engine.counters["steps"], time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*(consume(ae, p, params) for p in prompts))
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
         assert counts == [params.max_tokens] * len(prompts)
         await ae.shutdown()
-        return wall, cpu, engine.stats["steps"] - steps
+        return wall, cpu, engine.counters["steps"] - steps
     return asyncio.run(run())
 
 
@@ -97,14 +97,14 @@ def handoff_trial(engine: LLMEngine, prompts, params) -> tuple[float, float, int
 
         for p in prompts:
             engine.add_request(None, p, params)
-        steps, t, cpu = engine.stats["steps"], time.perf_counter(), time.process_time()
+        steps, t, cpu = engine.counters["steps"], time.perf_counter(), time.process_time()
         thread = threading.Thread(target=drive)
         thread.start()
         await done
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
         thread.join()
         assert counted[0] == params.max_tokens * len(prompts)
-        return wall, cpu, engine.stats["steps"] - steps
+        return wall, cpu, engine.counters["steps"] - steps
     return asyncio.run(run())
 
 

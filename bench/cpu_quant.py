@@ -51,10 +51,10 @@ def run_one(cfg: dict) -> dict:
     eng.add_request("d", {"prompt_token_ids": ids},
                     SamplingParams(temperature=0, max_tokens=cfg["new"] + 1, ignore_eos=True))
     eng.step()  # prefill + first token
-    n0, t = eng.stats["generation_tokens"], time.perf_counter()
+    n0, t = eng.counters["generation_tokens"], time.perf_counter()
     while eng.has_unfinished_requests():
         eng.step()
-    decode = (eng.stats["generation_tokens"] - n0) / (time.perf_counter() - t)
+    decode = (eng.counters["generation_tokens"] - n0) / (time.perf_counter() - t)
     # prefill: a 512-token prompt, one token out
     g = torch.Generator().manual_seed(0)
     long_ids = torch.randint(100, 20000, (512,), generator=g).tolist()

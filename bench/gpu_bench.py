@@ -40,11 +40,11 @@ def luceio_decode_tps(engine: LLMEngine, ctx: int, new: int = 128, batch: int = 
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()  # prefill (chunked) until every request has its first token
     torch.cuda.synchronize()
-    t, n0 = time.perf_counter(), engine.stats["generation_tokens"]
+    t, n0 = time.perf_counter(), engine.counters["generation_tokens"]
     while engine.has_unfinished_requests():
         engine.step()
     torch.cuda.synchronize()
-    return (engine.stats["generation_tokens"] - n0) / (time.perf_counter() - t)
+    return (engine.counters["generation_tokens"] - n0) / (time.perf_counter() - t)
 
 
 def hf_model_from(shape: str):
@@ -276,13 +276,13 @@ def section_forced_acceptance(quick: bool) -> None:
                 for o in eng.step():
                     outs[tuple(o.prompt_token_ids[:16])] = o.prompt_token_ids + o.outputs[0].token_ids
             torch.cuda.synchronize()
-            t, n0 = time.perf_counter(), eng.stats["generation_tokens"]
+            t, n0 = time.perf_counter(), eng.counters["generation_tokens"]
             while eng.has_unfinished_requests():
                 for o in eng.step():
                     if o.finished:
                         outs[tuple(o.prompt_token_ids[:16])] = o.prompt_token_ids + o.outputs[0].token_ids
             torch.cuda.synchronize()
-            return (eng.stats["generation_tokens"] - n0) / (time.perf_counter() - t), outs
+            return (eng.counters["generation_tokens"] - n0) / (time.perf_counter() - t), outs
         plain = make_engine(model, 1024, kv_gib=4, max_num_seqs=16)
         base, refs = run(plain)
         del plain

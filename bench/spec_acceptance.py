@@ -296,7 +296,7 @@ def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propos
 
 def ngram_propose_fn(prompt: list[int], out: list[int]):
     prop = NgramProposer()
-    return lambda o, k: prop.propose([ProposalInput(prompt + out[:o], k)])[0]
+    return lambda o, k: prop.propose([ProposalInput(prompt + out[:o], k)]).drafts[0]
 
 
 def draft_propose_fn(prompt: list[int], out: list[int], hit: list[bool]):

@@ -76,6 +76,18 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def model_info(self):
+        """`LLMEngine.model_info()`: fixed once built, so read here on the loop thread."""
+        return self.engine.model_info()
+
+    def stats(self):
+        """`LLMEngine.stats()`, taken on the calling thread while the engine thread steps (see
+        `engine_info`: consistent field by field)."""
+        return self.engine.stats()
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        self.engine.check_fits(num_prompt_tokens, max_tokens)
+
     def num_open_streams(self) -> int:
         """Output streams a consumer still holds (the server's metrics read this)."""
         return len(self._streams)
@@ -186,9 +198,9 @@ class AsyncEngine:
                 items = []
             if not self.engine.has_unfinished_requests():
                 return items, False
-            steps = self.engine.stats["steps"]
+            steps = self.engine.counters["steps"]
             items += self._route(self.engine.step())
-            return items, self.engine.stats["steps"] == steps
+            return items, self.engine.counters["steps"] == steps
         except Exception as e:  # a broken step fails its requests, not the server
             logger.exception("engine step failed; aborting in-flight requests")
             return items + self._fail_all(e), False

@@ -24,6 +24,7 @@ import torch
 
 from .cache import KVCacheManager
 from .config import EngineArgs
+from .engine_info import EngineStats, ModelInfo, engine_stats, model_info
 from .infill_sampling import token_piece
 from .inputs import PromptType, split_prompt
 from .loader import load_checkpoint
@@ -104,8 +105,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.pipeline = StepPipeline(self, args.resolved_async_scheduling(device))
         # steps: launched; sync_steps: per reason, steps processed before the next was
-        # scheduled (pipeline.py); discarded_tokens: computed for requests already finished
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+        # scheduled (pipeline.py); discarded_tokens: computed for requests already finished.
+        # Read them through `stats()`
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "overlapped_steps": 0, "sync_steps": Counter(), "discarded_tokens": 0}
         logger.info("%s", self.memory_stats())
         logger.info("weights stored as %s", ", ".join(self.runner.model.weight_types()))
@@ -115,6 +117,19 @@ class LLMEngine:
         return MemoryStats(str(self.runner.device), self._weight_bytes,
                            self.runner.kv_cache_bytes, self.runner.num_blocks,
                            self.args.block_size, self.max_model_len)
+
+    def model_info(self) -> ModelInfo:
+        """The served model and the engine's fixed limits (`engine_info.ModelInfo`)."""
+        return model_info(self)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues, the KV pool and the counters (`engine_info.EngineStats`);
+        safe to take from another thread while this engine steps."""
+        return engine_stats(self)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises ValueError for a request this engine could never run."""
+        self.scheduler.check_fits(num_prompt_tokens, max_tokens)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kw) -> "LLMEngine":
@@ -320,8 +335,8 @@ class LLMEngine:
                 self.sampler.logprob_tensors(logits[sl], nxt, [n] * len(nxt)), n)
         res.kv_scores = batch.inputs.kv_scores or {}
         res.start_copy()
-        self.stats["steps"] += 1
-        self.stats["prompt_tokens"] += batch.num_prompt_tokens
+        self.counters["steps"] += 1
+        self.counters["prompt_tokens"] += batch.num_prompt_tokens
         return res
 
     def finish_step(self, batch: Batch | None, result: StepResult | None) -> list[RequestOutput]:
@@ -367,7 +382,7 @@ class LLMEngine:
             req.prompt_logprobs.extend(lps[:room])
 
     def _record_sample(self, req: Request, result: StepResult, now: float) -> None:
-        self.stats["generation_tokens"] += len(result.sampled.get(req.request_id, []))
+        self.counters["generation_tokens"] += len(result.sampled.get(req.request_id, []))
         if req.first_token_time is None:
             req.first_token_time = now
         if req.params.logprobs is None:

@@ -18,14 +18,14 @@ Rules:
   streams it: `Scheduler.update` skips finished requests. Its blocks were freed when it
   finished; later steps reuse them only after N+1 on the same device stream.
 - A step is processed before the next is scheduled (a synchronous step) when the next one needs
-  its tokens on the host; `stats["sync_steps"]` counts why: "speculation" (the step verified
+  its tokens on the host; `counters["sync_steps"]` counts why: "speculation" (the step verified
   drafts, or the next plan may draft: drafts start from the latest token), "structured output"
   (a constrained request sampled: its next grammar mask depends on the token), "preemption"
   (the next schedule may preempt: that is decided with every token known), "residency"
   (bounded residency plans and scores with exact token counts), "idle" (nothing else to
-  schedule) and "off" (overlap is off). `stats["overlapped_steps"]` counts the others.
+  schedule) and "off" (overlap is off). `counters["overlapped_steps"]` counts the others.
 - A step in flight whose requests have all finished is dropped without waiting for it; its
-  tokens count in `stats["discarded_tokens"]`, as do extra tokens of finished requests.
+  tokens count in `counters["discarded_tokens"]`, as do extra tokens of finished requests.
 """
 from __future__ import annotations
 
@@ -205,10 +205,10 @@ class StepPipeline:
             eng.scheduler.launched(batch.sched)
             self.in_flight = (batch, result)
         if previous is not None:
-            eng.stats["overlapped_steps"] += 1
+            eng.counters["overlapped_steps"] += 1
             outputs += self._process(*previous)
         if reason is not None:
-            eng.stats["sync_steps"][reason] += 1
+            eng.counters["sync_steps"][reason] += 1
             outputs += self._process(batch, result)
         return outputs + eng.finish_step(None, None)
 
@@ -236,7 +236,7 @@ class StepPipeline:
     def _retire(self, reason: str) -> list[RequestOutput]:
         batch, result = self.in_flight
         self.in_flight = None
-        self.engine.stats["sync_steps"][reason] += 1
+        self.engine.counters["sync_steps"][reason] += 1
         return self._process(batch, result)
 
     def _process(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
@@ -244,7 +244,7 @@ class StepPipeline:
         does not wait for a step whose requests have all finished."""
         finished = {s.req.request_id for s in batch.sched.scheduled if s.req.is_finished}
         if result.samples is not None:
-            self.engine.stats["discarded_tokens"] += sum(
+            self.engine.counters["discarded_tokens"] += sum(
                 rid in finished for rid in result.samples.request_ids)
         if len(finished) == len(batch.sched.scheduled):
             return []

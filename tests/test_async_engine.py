@@ -169,7 +169,7 @@ async def test_many_concurrent_streams_one_hand_over_per_step(tiny_llama):
         assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
         assert _tokens(outs, kind) == ref
     num_outputs = sum(len(outs) for outs in results)
-    steps = engine.engine.stats["steps"]
+    steps = engine.engine.counters["steps"]
     # per step at most two hand-overs (the admissions it took, then its outputs), not one per
     # output
     assert handoffs[0] <= 2 * steps and steps < num_outputs and handoffs[0] < num_outputs

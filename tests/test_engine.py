@@ -69,7 +69,7 @@ async def test_concurrent_equals_alone(tiny_llama, kw):
     if "num_kv_blocks" in kw:
         assert engine.engine.scheduler.num_preemptions > 0
     if "max_num_batched_tokens" in kw:
-        assert engine.engine.stats["steps"] > 20
+        assert engine.engine.counters["steps"] > 20
     assert engine.engine.kv.pool.num_free_blocks == engine.engine.kv.pool.num_blocks
     await engine.shutdown()
 
@@ -235,7 +235,7 @@ async def test_event_loop_stays_responsive(tiny_llama):
     outs = [o async for o in engine.generate({"prompt_token_ids": [3] * 40},
                                              SamplingParams(max_tokens=8, **GREEDY), "long")]
     assert outs[-1].outputs[0].finish_reason == "length"
-    assert len(served) == engine.engine.stats["steps"] == 8
+    assert len(served) == engine.engine.counters["steps"] == 8
     assert served == [loop_thread] * 8
     assert len(set(step_threads)) == 1 and loop_thread not in step_threads
     await engine.shutdown()

@@ -296,7 +296,7 @@ def _spy_admissions(engine: AsyncEngine) -> dict:
     real = engine.engine.add_request
 
     def add_request(request_id, *args, **kwargs):
-        admitted[request_id] = engine.engine.stats["steps"]
+        admitted[request_id] = engine.engine.counters["steps"]
         return real(request_id, *args, **kwargs)
     engine.engine.add_request = add_request
     return admitted

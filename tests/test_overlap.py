@@ -75,11 +75,11 @@ def test_greedy_equals_synchronous(tiny_models, kw):
     for arch in ("llama", "qwen3"):
         sync, got, eng = both(tiny_models[arch], prompts, params, **kw)
         assert got == sync, arch
-        st = eng.stats
-        assert st["overlapped_steps"] > st["steps"] // 2
-        assert set(st["sync_steps"]) <= {"idle"}  # nothing here needs a synchronous step
+        st = eng.stats()
+        assert st.overlapped_steps > st.steps // 2
+        assert set(st.sync_steps) <= {"idle"}  # nothing here needs a synchronous step
         # max_tokens is known in advance: no request is scheduled past it
-        assert st["discarded_tokens"] == 0
+        assert st.discarded_tokens == 0
         assert_clean(eng)
 
 
@@ -96,7 +96,7 @@ def test_seeded_sampling_penalties_and_logprobs_equal_synchronous(tiny_llama):
               for i in range(8)]
     sync, got, eng = both(tiny_llama, prompts, params, max_num_batched_tokens=40)
     assert got == sync
-    assert eng.stats["overlapped_steps"] > 0
+    assert eng.counters["overlapped_steps"] > 0
     assert_clean(eng)
 
 
@@ -151,7 +151,7 @@ def test_stops_end_outputs_as_synchronous_and_extra_tokens_are_dropped(tiny_llam
     assert got == sync
     assert all(o[0][2] == "stop" and len(o[0][0]) < 30 for o in got)
     # each request ran one step past its stop before the host saw the stop
-    assert eng.stats["discarded_tokens"] > 0
+    assert eng.counters["discarded_tokens"] > 0
     assert_clean(eng)
 
 
@@ -184,7 +184,7 @@ def test_a_finished_request_never_streams_its_extra_token(tiny_llama):
                    params)
     eng = LLM(tiny_llama, **engine_kwargs(async_scheduling=True)).engine
     got = _stream(eng, prompts, params)
-    assert eng.stats["discarded_tokens"] >= len(prompts)
+    assert eng.counters["discarded_tokens"] >= len(prompts)
     for rid, chunks in got.items():
         tokens = [t for c in chunks for t in c[0]]
         assert tokens == [t for c in sync[rid] for t in c[0]]
@@ -203,7 +203,7 @@ def test_preemption_equals_synchronous(tiny_llama, mode):
     assert got == sync == plain
     assert eng.scheduler.num_preemptions > 0
     # preemption is decided synchronously; the other steps overlap
-    assert eng.stats["sync_steps"]["preemption"] > 0 and eng.stats["overlapped_steps"] > 0
+    assert eng.counters["sync_steps"]["preemption"] > 0 and eng.counters["overlapped_steps"] > 0
     assert_clean(eng)
 
 
@@ -220,9 +220,9 @@ def test_speculation_falls_back_per_step_and_equals_synchronous(tiny_llama, spec
     assert [o[0][1] for o in got] == [o[0][1] for o in plain]  # and the same text
     assert [o[0][2] for o in got] == [o[0][2] for o in plain]
     assert eng.spec.stats.num_draft_tokens > 0
-    assert eng.stats["sync_steps"]["speculation"] > 0
+    assert eng.counters["sync_steps"]["speculation"] > 0
     # the cost model's periodic plain step (and what follows it) overlaps
-    assert eng.stats["overlapped_steps"] > 0
+    assert eng.counters["overlapped_steps"] > 0
     assert_clean(eng)
 
 
@@ -258,7 +258,7 @@ def test_aborts_at_every_step(tiny_llama):
                     assert tokens[rid] == ref[i][0][0] and finish[rid] == "length", (mode, k)
             assert_clean(eng)
         assert eng.scheduler.num_preemptions > 0, mode
-        assert eng.stats["overlapped_steps"] > 0
+        assert eng.counters["overlapped_steps"] > 0
 
 
 def test_structured_output_falls_back_and_equals_synchronous(tiny_llama):
@@ -273,8 +273,8 @@ def test_structured_output_falls_back_and_equals_synchronous(tiny_llama):
     sync, got, eng = both(tiny_llama, prompts, params)
     assert got == sync
     assert all(o[0][2] == "stop" for o in got[:3])
-    assert eng.stats["sync_steps"]["structured output"] > 0
-    assert eng.stats["overlapped_steps"] > 0  # the unconstrained requests' steps after those
+    assert eng.counters["sync_steps"]["structured output"] > 0
+    assert eng.counters["overlapped_steps"] > 0  # the unconstrained requests' steps after those
     assert eng.structured.num_active == 0
     assert_clean(eng)
 
@@ -284,7 +284,7 @@ def test_residency_runs_synchronously(tiny_llama):
     params = SamplingParams(max_tokens=20, **GREEDY)
     sync, got, eng = both(tiny_llama, prompts, params, kv_resident_tokens=64)
     assert got == sync
-    assert eng.stats["overlapped_steps"] == 0 and eng.stats["sync_steps"]["residency"] > 0
+    assert eng.counters["overlapped_steps"] == 0 and eng.counters["sync_steps"]["residency"] > 0
     assert_clean(eng)
 
 
@@ -313,6 +313,6 @@ async def test_async_engine_streams_equal_synchronous(tiny_llama):
         if not eng.has_unfinished_requests():
             break
         await asyncio.sleep(0.01)
-    assert eng.stats["overlapped_steps"] > 0 and eng.stats["discarded_tokens"] > 0
+    assert eng.counters["overlapped_steps"] > 0 and eng.counters["discarded_tokens"] > 0
     assert_clean(eng)
     await engine.shutdown()

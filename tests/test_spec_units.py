@@ -39,6 +39,8 @@ def _ngram_reference(tokens, k, min_n, max_n):
 
 def test_ngram_is_a_proposer():
     assert isinstance(NgramProposer(), Proposer)
+    from luceio.spec.draft import DraftModelProposer
+    assert issubclass(DraftModelProposer, Proposer)  # one interface for both proposers
     with pytest.raises(ValueError):
         NgramProposer(min_n=0)
     with pytest.raises(ValueError):
@@ -49,34 +51,34 @@ def test_ngram_longest_match_wins():
     # suffix "3" occurs most recently at index 5 (followed by 11), but the
     # longer suffix "1 2 3" occurs at 0..2 (followed by 10, 5, 3).
     toks = [1, 2, 3, 10, 5, 3, 11, 1, 2, 3]
-    assert NgramProposer(1, 4).propose([P(toks, 3)]) == [[10, 5, 3]]
+    assert NgramProposer(1, 4).propose([P(toks, 3)]).drafts == [[10, 5, 3]]
     # with max_n=1 only the last token is matched: most recent "3" -> 11, 1, 2
-    assert NgramProposer(1, 1).propose([P(toks, 3)]) == [[11, 1, 2]]
+    assert NgramProposer(1, 1).propose([P(toks, 3)]).drafts == [[11, 1, 2]]
 
 
 def test_ngram_most_recent_occurrence():
     # "7 8" occurs at 0 (-> 1) and at 3 (-> 2): most recent wins
     toks = np.array([7, 8, 1, 7, 8, 2, 9, 7, 8], dtype=np.int64)
-    assert NgramProposer().propose([P(toks, 2)]) == [[2, 9]]
+    assert NgramProposer().propose([P(toks, 2)]).drafts == [[2, 9]]
 
 
 def test_ngram_truncated_continuation_and_overlap():
     # continuation after the match is only 3 tokens long though k=5
-    assert NgramProposer().propose([P([5, 6, 7, 5, 6], 5)]) == [[7, 5, 6]]
+    assert NgramProposer().propose([P([5, 6, 7, 5, 6], 5)]).drafts == [[7, 5, 6]]
     # overlapping occurrence in a run of one token: "7 7 7" at 0..2 -> [7]
-    assert NgramProposer().propose([P([7, 7, 7, 7], 3)]) == [[7]]
+    assert NgramProposer().propose([P([7, 7, 7, 7], 3)]).drafts == [[7]]
 
 
 def test_ngram_no_match_short_history_and_k0():
     prop = NgramProposer(1, 4)
-    assert prop.propose([P([1, 2, 3, 4], 3)]) == [[]]  # no repeat
-    assert prop.propose([P([1], 3)]) == [[]]  # history too short
-    assert prop.propose([P([], 3)]) == [[]]  # empty history
-    assert prop.propose([P([1, 2, 1, 2], 0)]) == [[]]  # k = 0
-    assert prop.propose([]) == []
+    assert prop.propose([P([1, 2, 3, 4], 3)]).drafts == [[]]  # no repeat
+    assert prop.propose([P([1], 3)]).drafts == [[]]  # history too short
+    assert prop.propose([P([], 3)]).drafts == [[]]  # empty history
+    assert prop.propose([P([1, 2, 1, 2], 0)]).drafts == [[]]  # k = 0
+    assert prop.propose([]).drafts == []
     # min_n=2: only the last token repeats ("3"), no 2-gram match
-    assert NgramProposer(2, 4).propose([P([3, 9, 1, 3], 2)]) == [[]]
-    assert NgramProposer(1, 4).propose([P([3, 9, 1, 3], 2)]) == [[9, 1]]
+    assert NgramProposer(2, 4).propose([P([3, 9, 1, 3], 2)]).drafts == [[]]
+    assert NgramProposer(1, 4).propose([P([3, 9, 1, 3], 2)]).drafts == [[9, 1]]
 
 
 def test_ngram_batch_different_k():
@@ -89,7 +91,7 @@ def test_ngram_batch_different_k():
         P([2, 5, 2, 5, 2], 4),  # "2 5 2" at 0..2 -> 5 2
     ]
     expected = [[9, 9, 1], [7, 5, 6], [], [], [1], [5, 2]]
-    assert NgramProposer().propose(reqs) == expected
+    assert NgramProposer().propose(reqs).drafts == expected
 
 
 def test_ngram_flat_layout():
@@ -113,7 +115,7 @@ def test_ngram_matches_reference_on_random_histories():
             L = int(rng.integers(0, 40))
             vocab = int(rng.integers(2, 6))
             reqs.append(P(rng.integers(0, vocab, L), int(rng.integers(0, 7))))
-        got = prop.propose(reqs)
+        got = prop.propose(reqs).drafts
         want = [_ngram_reference(r.tokens.tolist(), r.k, min_n, max_n) for r in reqs]
         assert got == want
 

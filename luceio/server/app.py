@@ -51,13 +51,13 @@ class ServerState:
     def __init__(self, engine, args: ServerArgs):
         self.engine = engine
         self.args = args
-        le = engine.engine
-        name = args.served_model_name or le.args.model or _default_model_name()
-        names = [name] + ([le.args.model] if le.args.model and le.args.model != name else [])
-        tok = le.tokenizer
+        self.info = info = engine.model_info()
+        name = args.served_model_name or info.name or _default_model_name()
+        names = [name] + ([info.name] if info.name and info.name != name else [])
+        tok = engine.tokenizer
         template = tok.chat_template if tok is not None else None
-        self.ctx = ModelContext(names, tok, le.runner.cfg.vocab_size, le.max_model_len,
-                                le.kv.pool.num_blocks * le.kv.block_size, le.scheduler.check_fits,
+        self.ctx = ModelContext(names, tok, info.vocab_size, info.max_model_len,
+                                info.kv_capacity_tokens, engine.check_fits,
                                 args.max_tokens_cap,
                                 get_tool_parser(args.tool_parser, template,
                                                 tok.vocab() if tok is not None else None),
@@ -124,7 +124,7 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
     @endpoint
     async def models(request: Request) -> Response:
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "luceio",
-                 "root": engine.engine.args.model, "max_model_len": state.ctx.max_model_len}
+                 "root": state.info.name, "max_model_len": state.ctx.max_model_len}
                 for name in state.ctx.names[:1]]
         return JSONResponse({"object": "list", "data": data})
 
@@ -167,7 +167,7 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
         AppStatus.should_exit = False  # sse-starlette's process-wide flag, from an earlier server
         loop = type(asyncio.get_running_loop())
         logger.info("serving %s (context %d tokens, %d KV blocks) on %s.%s", state.ctx.names[0],
-                    state.ctx.max_model_len, engine.engine.kv.pool.num_blocks, loop.__module__,
+                    state.ctx.max_model_len, state.info.num_kv_blocks, loop.__module__,
                     loop.__name__)
         logger.info("%s", state.describe())
         yield

@@ -21,7 +21,6 @@ class ServerMetrics:
 
     def __init__(self, async_engine, inflight=lambda: 0):
         self.async_engine = async_engine
-        self.engine = async_engine.engine
         self.inflight = inflight  # engine requests the HTTP server is serving now
         self.registry = CollectorRegistry()
         self.num_draft_tokens = 0
@@ -59,8 +58,8 @@ class _EngineCollector:
         self.m = m
 
     def collect(self):
-        e, m = self.m.engine, self.m
-        pool = e.kv.pool
+        m = self.m
+        st = m.async_engine.stats()
 
         def gauge(name, doc, value):
             return GaugeMetricFamily(name, doc, value=value)
@@ -69,43 +68,39 @@ class _EngineCollector:
             return CounterMetricFamily(name, doc, value=value)
 
         yield gauge("luceio_num_requests_running", "sequences running in the engine",
-                    len(e.scheduler.running))
+                    st.num_running)
         yield gauge("luceio_num_requests_waiting", "sequences waiting (queued or preempted)",
-                    len(e.scheduler.waiting))
+                    st.num_waiting)
         # open per-request state at each layer: all three are 0 when the server is idle
         yield gauge("luceio_server_inflight_requests", "engine requests the HTTP server is "
                     "serving", m.inflight())
         yield gauge("luceio_engine_request_states", "requests the engine holds output state for",
-                    len(e.states))
+                    st.num_request_states)
         yield gauge("luceio_engine_output_streams", "open async output streams",
                     m.async_engine.num_open_streams())
-        yield gauge("luceio_kv_blocks_total", "KV cache blocks in the pool", pool.num_blocks)
-        yield gauge("luceio_kv_blocks_used", "KV cache blocks held by requests",
-                    pool.num_used_blocks)
+        yield gauge("luceio_kv_blocks_total", "KV cache blocks in the pool", st.kv_blocks_total)
+        yield gauge("luceio_kv_blocks_used", "KV cache blocks held by requests", st.kv_blocks_used)
         yield gauge("luceio_kv_blocks_free", "KV cache blocks free (cached-free included)",
-                    pool.num_free_blocks)
-        yield gauge("luceio_kv_cache_usage_ratio", "fraction of KV blocks in use",
-                    pool.num_used_blocks / pool.num_blocks)
-        res = e.kv.residency
-        if res is not None:
+                    st.kv_blocks_free)
+        yield gauge("luceio_kv_cache_usage_ratio", "fraction of KV blocks in use", st.kv_usage)
+        if st.offloaded_blocks is not None:
             yield gauge("luceio_kv_offloaded_blocks", "blocks whose KV waits in host memory "
-                        "(bounded residency)", sum(t.count(-1) for t in list(e.kv.block_tables.values())))  # list(): one C call,
-            # atomic against the engine thread's steps
-            yield counter("luceio_kv_offloads", "blocks moved to host memory", res.num_offloaded)
+                        "(bounded residency)", st.offloaded_blocks)
+            yield counter("luceio_kv_offloads", "blocks moved to host memory", st.kv_offloads)
             yield counter("luceio_kv_reloads", "blocks brought back from host memory",
-                          res.num_reloaded)
+                          st.kv_reloads)
         yield counter("luceio_prefix_cache_queries", "prefix-cache block lookups",
-                      pool.num_lookups)
-        yield counter("luceio_prefix_cache_hits", "prefix-cache block hits", pool.num_hits)
+                      st.prefix_cache_lookups)
+        yield counter("luceio_prefix_cache_hits", "prefix-cache block hits", st.prefix_cache_hits)
         yield gauge("luceio_prefix_cache_hit_rate", "prefix-cache hits / lookups (0 before any)",
-                    pool.num_hits / pool.num_lookups if pool.num_lookups else 0.0)
+                    st.prefix_cache_hit_rate)
         yield counter("luceio_engine_prompt_tokens", "prompt tokens the engine computed "
-                      "(prefill; engine stats)", e.stats.get("prompt_tokens", 0))
+                      "(prefill; engine stats)", st.prompt_tokens)
         yield counter("luceio_engine_generation_tokens", "tokens the engine sampled (engine "
-                      "stats)", e.stats.get("generation_tokens", 0))
-        yield counter("luceio_engine_steps", "engine steps run", e.stats.get("steps", 0))
+                      "stats)", st.generation_tokens)
+        yield counter("luceio_engine_steps", "engine steps run", st.steps)
         yield counter("luceio_num_preemptions", "sequences preempted (recomputed later)",
-                      getattr(e.scheduler, "num_preemptions", 0))
+                      st.preemptions)
         yield counter("luceio_spec_decode_draft_tokens", "draft tokens proposed (finished "
                       "requests)", m.num_draft_tokens)
         yield counter("luceio_spec_decode_accepted_tokens", "draft tokens accepted (finished "

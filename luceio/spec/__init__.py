@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from .decoding import SpecDecoder, SpecStats
 from .ngram import NgramProposer
-from .proposer import ProposalInput, Proposer
+from .proposer import Proposal, ProposalInput, Proposer
 from .rejection import rejection_sample, rejection_sample_batch
 
-__all__ = ["SpecDecoder", "SpecStats", "NgramProposer", "ProposalInput", "Proposer",
+__all__ = ["SpecDecoder", "SpecStats", "NgramProposer", "Proposal", "ProposalInput", "Proposer",
            "rejection_sample", "rejection_sample_batch", "build_spec_decoder", "build_spec_prefill"]
 
 
@@ -20,13 +20,13 @@ def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
         proposer = NgramProposer()
         proposer.warmup()
     elif method == "draft":
-        proposer = _draft_proposer(args, target_runner, max_model_len, draft_model)
+        proposer = _draft_proposer(args, target_runner, max_model_len, draft_model, sampler)
     else:
         raise ValueError(f"unknown speculative method {method!r} (ngram or draft)")
     return SpecDecoder(method, args.num_speculative_tokens, proposer, sampler)
 
 
-def _draft_proposer(args, target_runner, max_model_len: int, draft_model):
+def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sampler):
     from ..config import CacheConfig
     from ..runner import ModelRunner
     from .draft import DraftModelProposer
@@ -41,7 +41,7 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model):
     runner = ModelRunner(None, target_runner.dtype, target_runner.device, cache, max_model_len,
                          model=draft_model, enforce_eager=args.enforce_eager,
                          max_num_seqs=args.max_num_seqs, max_spec_tokens=1)
-    return DraftModelProposer(runner, args.block_size)
+    return DraftModelProposer(runner, args.block_size, sampler)
 
 
 def build_spec_prefill(args, target_runner, draft_model, max_model_len: int):

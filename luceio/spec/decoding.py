@@ -108,8 +108,7 @@ class SpecDecoder:
     def plan(self, running: list[Request]) -> tuple[list[Request], list[int]]:
         """Loop thread: which requests draft this step, and how many tokens each."""
         for rid in self._released:
-            if hasattr(self.proposer, "release"):
-                self.proposer.release(rid)
+            self.proposer.release(rid)
         self._released.clear()
         self._step += 1
         cap = self.batch_cap(len(running)) if self.pays(len(running)) else 0
@@ -159,11 +158,9 @@ class SpecDecoder:
         """Worker thread: runs the proposer (reads request tokens, writes only its own state)."""
         t0 = time.perf_counter()
         self.last_draft_seconds = 0.0
-        if self.method == "ngram":
-            drafts = self.proposer.propose([ProposalInput(r.all_token_ids, k) for r, k in zip(reqs, ks)])
-            probs = None
-        else:
-            drafts, probs = self.proposer.propose(reqs, ks, self.sampler)
+        proposal = self.proposer.propose([ProposalInput(r.all_token_ids, k, r)
+                                          for r, k in zip(reqs, ks)])
+        drafts, probs = proposal.drafts, proposal.probs
         self.last_draft_seconds = time.perf_counter() - t0
         self.stats.draft_seconds += self.last_draft_seconds
         return drafts, probs

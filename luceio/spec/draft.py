@@ -13,6 +13,7 @@ import torch
 from ..cache import KVCacheManager
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
+from .proposer import Proposal, ProposalInput, Proposer
 
 _NO_LOGPROBS = SamplingParams(max_tokens=None)
 
@@ -38,16 +39,19 @@ class DraftSeq:
         return range(start, end)
 
 
-class DraftModelProposer:
-    def __init__(self, runner, block_size: int):
+class DraftModelProposer(Proposer):
+    def __init__(self, runner, block_size: int, sampler):
         self.runner = runner  # a ModelRunner over the draft model, eager
+        self.sampler = sampler  # the engine's: drafts are drawn with each request's parameters
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSeq] = {}
 
-    def propose(self, reqs, ks: list[int], sampler) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Drafts ks[i] tokens for reqs[i]. Returns drafts and, when any request samples, the
-        draft distributions [sum(len(drafts)), vocab] they were drawn from."""
-        seqs = [self._sync(r) for r in reqs]
+    def propose(self, batch: list[ProposalInput]) -> Proposal:
+        """Drafts batch[i].k tokens for each batch[i].request (tokens: batch[i].tokens), in one
+        draft forward per draft position. `Proposal.probs`: when any request samples, the
+        distributions [sum(len(drafts)), vocab] the drafts were drawn from."""
+        reqs, ks, sampler = [p.request for p in batch], [p.k for p in batch], self.sampler
+        seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         live = [i for i, k in enumerate(ks) if k > 0]
@@ -72,20 +76,20 @@ class DraftModelProposer:
                 if p is not None:
                     probs[i].append(p[row])
         flat = [t for i in range(len(reqs)) for t in probs[i]]
-        return drafts, (torch.stack(flat) if any_sampled and flat else None)
+        return Proposal(drafts, torch.stack(flat) if any_sampled and flat else None)
 
-    def _sync(self, req) -> DraftSeq:
+    def _sync(self, request_id: str, tokens: list[int]) -> DraftSeq:
         """Rolls the draft cache back to what still matches the request's verified tokens."""
-        s = self.seqs.get(req.request_id)
+        s = self.seqs.get(request_id)
         if s is None:
-            s = self.seqs[req.request_id] = DraftSeq(req.request_id, [])
+            s = self.seqs[request_id] = DraftSeq(request_id, [])
         fed = s.all_token_ids[:s.num_computed_tokens]
         n = 0
-        limit = min(len(fed), req.num_tokens - 1)
-        while n < limit and fed[n] == req.all_token_ids[n]:
+        limit = min(len(fed), len(tokens) - 1)
+        while n < limit and fed[n] == tokens[n]:
             n += 1
         s.num_computed_tokens = n
-        s.all_token_ids = list(req.all_token_ids)
+        s.all_token_ids = tokens
         self.kv.trim(s, n)
         return s
 

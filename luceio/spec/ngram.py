@@ -21,7 +21,7 @@ except ImportError:  # an image without numba runs the same code interpreted (sl
     def _jit(fn):
         return fn
 
-from luceio.spec.proposer import ProposalInput, Proposer
+from luceio.spec.proposer import Proposal, ProposalInput, Proposer
 
 
 @_jit
@@ -118,9 +118,9 @@ class NgramProposer(Proposer):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, requests: list[ProposalInput]) -> list[list[int]]:
+    def propose(self, requests: list[ProposalInput]) -> Proposal:
         if not requests:
-            return []
+            return Proposal([])
         arrays = [np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in requests]
         lens = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
@@ -128,7 +128,7 @@ class NgramProposer(Proposer):
         tokens = np.concatenate(arrays) if offsets[-1] else np.zeros(0, dtype=np.int64)
         ks = np.fromiter((r.k for r in requests), dtype=np.int64, count=len(requests))
         out, counts = ngram_propose_flat(tokens, offsets, ks, self.min_n, self.max_n)
-        return [out[i, : counts[i]].tolist() for i in range(len(requests))]
+        return Proposal([out[i, : counts[i]].tolist() for i in range(len(requests))])
 
     def warmup(self) -> None:
         """Compile the numba kernel now instead of on the first real step."""

@@ -8,8 +8,8 @@ affects speed, never the output distribution.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -23,29 +23,52 @@ class ProposalInput:
     tokens: the request's full token history, prompt followed by the tokens
         generated so far (1-D numpy int array or list of ints).
     k: the maximum number of draft tokens wanted for this step (>= 0).
+    request: the engine's request, for proposers that keep per-request state
+        (its ``request_id``) or sample with its parameters (a draft model);
+        None where the proposer needs only the tokens (n-gram lookup).
     """
 
     tokens: TokenHistory
     k: int
+    request: Any = None
+
+
+@dataclass
+class Proposal:
+    """A proposer's answer for a batch.
+
+    drafts: one list per input, in input order (see :class:`Proposer`).
+    probs: for proposers that sample, the distributions the drafts were drawn
+        from, one row per draft token in batch order ``[sum(len(d)), vocab]``;
+        None for deterministic proposers (a point mass at each draft).
+    """
+
+    drafts: list[list[int]] = field(default_factory=list)
+    probs: Any = None
 
 
 class Proposer(abc.ABC):
-    """Proposes draft tokens for a batch of requests.
+    """Proposes draft tokens for a batch of requests: the one interface of the
+    n-gram proposer and the draft model.
 
     Rules for :meth:`propose`:
 
-    * returns one list per input, in input order;
+    * returns one draft list per input, in input order;
     * each list holds at most ``k`` token ids (plain ``int``) for that input,
       possibly none (no good guess, or ``k == 0``);
     * the drafts continue the history: draft 0 is the guess for the token that
       follows ``tokens[-1]``, draft 1 the one after, and so on;
-    * a proposer must not mutate its inputs.
+    * a proposer must not mutate its inputs: the engine alone attaches drafts
+      to requests (``SpecDecoder.apply``).
 
     Proposers that do not sample (e.g. n-gram lookup) are deterministic: the
     rejection sampler treats their draft distribution as a point mass
-    (``draft_probs=None``).
+    (``Proposal.probs`` is None).
     """
 
     @abc.abstractmethod
-    def propose(self, requests: list[ProposalInput]) -> list[list[int]]:
+    def propose(self, batch: list[ProposalInput]) -> Proposal:
         ...
+
+    def release(self, request_id: str) -> None:
+        """Frees what the proposer keeps for a request that has finished."""

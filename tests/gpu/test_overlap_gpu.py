@@ -30,7 +30,7 @@ def both(path, params, **kw):
     sync, _ = run(path, params, False, **kw)
     got, eng = run(path, params, True, **kw)
     assert eng.runner.graphs is not None and eng.runner.graphs.graphs
-    assert eng.stats["overlapped_steps"] > 0
+    assert eng.counters["overlapped_steps"] > 0
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
     assert not eng.has_unfinished_requests()
     return sync, got, eng
@@ -46,7 +46,7 @@ def test_greedy_overlapped_equals_synchronous_with_graphs(tiny_llama, dtype):
     # same batch shapes: bf16 must match exactly too
     sync, got, eng = both(tiny_llama, SamplingParams(max_tokens=48, **GREEDY), dtype=dtype)
     assert got == sync
-    assert eng.stats["discarded_tokens"] == 0
+    assert eng.counters["discarded_tokens"] == 0
 
 
 def test_seeded_sampling_penalties_logprobs_equal_synchronous(tiny_llama):
@@ -67,7 +67,7 @@ def test_stop_tokens_drop_the_extra_token(tiny_llama):
               for i, o in enumerate(base)]
     sync, got, eng = both(tiny_llama, params)
     assert got == sync and all(o[0][1] == "stop" for o in got)
-    assert eng.stats["discarded_tokens"] > 0
+    assert eng.counters["discarded_tokens"] > 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -75,7 +75,7 @@ def test_preemption_overlapped_equals_synchronous(tiny_llama, mode):
     sync, got, eng = both(tiny_llama, SamplingParams(max_tokens=48, **GREEDY), num_kv_blocks=14,
                           max_num_batched_tokens=64, preemption_mode=mode)
     assert got == sync
-    assert eng.scheduler.num_preemptions > 0 and eng.stats["sync_steps"]["preemption"] > 0
+    assert eng.scheduler.num_preemptions > 0 and eng.counters["sync_steps"]["preemption"] > 0
     assert eng.runner.host_kv == {}
 
 
@@ -84,7 +84,7 @@ def test_speculation_with_verify_graphs(tiny_llama):
     got, eng = run(tiny_llama, SamplingParams(max_tokens=48, **GREEDY), True,
                    speculative_method="draft", draft_model=tiny_llama, num_speculative_tokens=3)
     assert [o[0][0] for o in got] == [o[0][0] for o in plain]
-    assert eng.spec.stats.num_draft_tokens > 0 and eng.stats["sync_steps"]["speculation"] > 0
+    assert eng.spec.stats.num_draft_tokens > 0 and eng.counters["sync_steps"]["speculation"] > 0
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
 
 
