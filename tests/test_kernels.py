@@ -252,6 +252,55 @@ def test_prefill_default_config(gen, dtype):
     run_attention(gen, configs.TABLE["default"], args, dtype, "prefill (default tiles)")
 
 
+def _random_tree_masks(g, n: int) -> list[int]:
+    """Ancestor masks (spec.tree) of a random tree of n - 1 nodes under a root."""
+    from luceio.spec.tree import DraftTree
+    parents = [int(torch.randint(-1, i, (1,), generator=g.g)) for i in range(n - 1)]
+    return DraftTree(list(range(n - 1)), parents).ancestor_masks()
+
+
+def _tree_attention_dense(q, kc, vc, bt, seq_lens, qsl, scale, words):
+    """The definition, one query at a time: keys = the context + the query tokens its word
+    allows (never one after it), softmax in fp64."""
+    out = torch.empty_like(q, dtype=torch.float64)
+    block = kc.shape[1]
+    group = q.shape[1] // kc.shape[2]
+    for b in range(len(seq_lens)):
+        start, end = int(qsl[b]), int(qsl[b + 1])
+        ctx = int(seq_lens[b]) - (end - start)
+        for t in range(start, end):
+            i = t - start
+            keys = [n for n in range(ctx + i + 1)
+                    if n < ctx or n - ctx >= 64 or (int(words[t]) >> (n - ctx)) & 1]
+            pages, slots = bt[b, torch.tensor(keys) // block].long(), torch.tensor(keys) % block
+            k, v = kc[pages, slots].double(), vc[pages, slots].double()  # [L, Hkv, D]
+            for h in range(q.shape[1]):
+                p = torch.softmax(k[:, h // group] @ q[t, h].double() * scale, 0)
+                out[t, h] = p @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_tree_mask(gen, dtype, group):
+    """Draft-tree verification: trees of 1-12 rows beside a plain request (word -1) and a prefill
+    chunk longer than 64 tokens; kernel vs reference vs the definition."""
+    q_lens, ctx = [7, 12, 1, 3, 80], [37, 5, 20, 0, 16]
+    args = make_batch(gen, q_lens, ctx, 2, group, 64, dtype)
+    words = _random_tree_masks(gen, 7) + _random_tree_masks(gen, 12) + [1] + [-1] * 3 + [-1] * 80
+    tree_mask = torch.tensor(words, dtype=torch.int64, device=DEVICE)
+    with configs.use_config(SMALL):
+        out = triton_ops.paged_attention(*args, tree_mask=tree_mask)
+    ref = paged_attention_ref(*args, tree_mask=tree_mask)
+    check(out, ref, ATTN_TOL[dtype], gen, "tree mask, kernel vs reference")
+    q, kc, vc, bt, seq_lens, qsl = (a.cpu() for a in args[:6])
+    dense = _tree_attention_dense(q, kc, vc, bt, seq_lens, qsl, args[8], words)
+    check(ref.cpu().double(), dense, ATTN_TOL[dtype], gen, "tree mask, reference vs definition")
+    plain = paged_attention_ref(*args)
+    assert not torch.allclose(ref[:19].float(), plain[:19].float(), atol=1e-3)  # the trees mask
+    assert torch.equal(ref[19:], plain[19:])  # words of -1: plain causal attention
+
+
 def test_dispatch_goes_to_triton(gen, monkeypatch):
     import luceio.kernels as K
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")

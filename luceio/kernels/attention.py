@@ -39,17 +39,21 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int)
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
 
     One batched SDPA call: queries are scattered into [num_seqs, max_query_len] and keys
     gathered into [num_seqs, max_seq_len]; the mask keeps each query's causal prefix.
+    `tree_mask` (int64 [num_tokens], or None): draft-tree verification (`spec.tree`). Bit j of
+    a query token's word says whether it sees its request's j-th query token (j < 64; the
+    cached context before them is always seen, and the causal rule still holds, so -1 is plain
+    causal attention and a request without a tree passes -1).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     device = q.device
-    if max_query_len == 1 and num_tokens == num_seqs:
+    if max_query_len == 1 and num_tokens == num_seqs:  # a one-row tree is its root: causal
         return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
@@ -65,6 +69,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
     mask = torch.arange(max_seq_len, device=device)[None, None, :] <= q_pos[:, :, None]
     mask &= torch.arange(max_seq_len, device=device)[None, None, :] < seq_lens[:, None, None]
+    if tree_mask is not None:
+        words = torch.full((num_seqs, max_query_len), -1, dtype=torch.int64, device=device)
+        words[seq_of_token, idx_in_seq] = tree_mask.to(device=device, dtype=torch.int64)
+        rel = torch.arange(max_seq_len, device=device)[None, :] - (seq_lens - q_lens)[:, None]
+        bit = (words[:, :, None] >> rel.clamp(0, 63)[:, None, :]) & 1
+        mask &= ((rel < 0) | (rel >= 64))[:, None, :] | (bit != 0)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
         attn_mask=mask[:, None], scale=scale,

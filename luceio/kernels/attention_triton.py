@@ -67,11 +67,13 @@ def _dot(a, b, DOT_IEEE: tl.constexpr):
 def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, scale_log2,
                  s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BOUNDED: tl.constexpr,
-                 CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+                 CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+                 TREE: tl.constexpr = False, words=None, ctx=0):
     """One tile of BLOCK_N keys starting at n0: scores, online-softmax update, P @ V.
 
     kc_ptr / vc_ptr already point at this KV head; bt_ptr at this request's block table row.
-    BOUNDED masks keys >= lim; CAUSAL masks keys > row_pos (per row).
+    BOUNDED masks keys >= lim; CAUSAL masks keys > row_pos (per row); TREE (with CAUSAL) also
+    masks query token j of the request (key ctx + j, j < 64) where bit j of the row's word is 0.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BOUNDED:
@@ -95,7 +97,13 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
         v = v.to(q.dtype)
     s = _dot(q, kt, DOT_IEEE) * scale_log2                                 # [M, BLOCK_N], log2 units
     if CAUSAL:
-        s = tl.where(offs_n[None, :] <= row_pos[:, None], s, float("-inf"))
+        keep = offs_n[None, :] <= row_pos[:, None]
+        if TREE:
+            rel = offs_n - ctx
+            sh = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+            bit = (words[:, None] >> sh[None, :]) & 1
+            keep = keep & (((rel < 0) | (rel >= 64))[None, :] | (bit != 0))
+        s = tl.where(keep, s, float("-inf"))
     elif BOUNDED:
         s = tl.where(nmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -191,11 +199,12 @@ def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale_log2,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, tm_ptr,
+                    scale_log2,
                     s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+                    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, TREE: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -224,6 +233,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     first_tok = row0 // GROUP
     last_tok = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
     full_end = (ctx + first_tok + 1) // BLOCK_N * BLOCK_N   # keys below: visible to every row
+    if TREE:  # this step's tokens are masked per row: only the context is visible to all
+        full_end = tl.minimum(full_end, ctx // BLOCK_N * BLOCK_N)
+        words = tl.load(tm_ptr + q_start + tok, mask=rmask, other=-1)
+    else:
+        words = tok
     hi = ctx + last_tok + 1                                 # keys at or past: visible to none
     kc = kc_ptr + kvh * s_kch
     vc = vc_ptr + kvh * s_vch
@@ -238,7 +252,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
-                                     True, True, DOT_F32, DOT_IEEE)
+                                     True, True, DOT_F32, DOT_IEEE, TREE, words, ctx)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     tl.store(out_ptr + tok_off[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
@@ -293,8 +307,10 @@ def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim]."""
+                    scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
+    `tree_mask`: int64 [num_tokens], per query token the bits of its request's query tokens it
+    sees (draft-tree verification; see `attention.paged_attention_ref`)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -346,11 +362,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n, stages = _fit_shared(block_m, cfg.prefill_block_n, cfg.prefill_num_stages,
                                   block_d, elt, cfg.max_shared_kb)
     grid = (triton.cdiv(max_query_len * group, block_m), num_seqs, num_kv_heads)
+    tree = tree_mask is not None
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        tree_mask if tree else seq_lens, scale_log2,
         *strides, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d,
-        BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee,
+        BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee, TREE=tree,
         num_warps=cfg.prefill_num_warps, num_stages=stages)
     return out
 
