@@ -360,7 +360,10 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_greedy_with_triton_kernels_equals_reference(tiny_models, monkeypatch, arch):
     """The whole engine (chunked prefill, prefix hits, decode) with every op on the Triton
-    kernels (interpreted on CPU) gives the torch reference path's greedy tokens."""
+    kernels (interpreted on CPU) gives the torch reference path's greedy tokens.
+    tests/gpu/test_engine_gpu.py has the native counterpart."""
+    if not INTERPRETED:
+        pytest.skip("a CPU engine on the Triton kernels needs the interpreter")
     from conftest import engine_kwargs
     from luceio import LLM, SamplingParams
     prompts = [{"prompt_token_ids": [5 + i, 9, 33, 70 + i] * (2 + i)} for i in range(3)]
