@@ -116,6 +116,11 @@ class EngineArgs(CliArgs):
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
     num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
+    spec_tree_budget: int = _opt(0, "tree speculation (n-gram proposer): verify a tree of up to "
+                                 "this many draft nodes, --num-speculative-tokens levels deep, "
+                                 "built from every earlier occurrence of the context's suffix, "
+                                 "in one target forward (0: one chain; at most 63; such steps "
+                                 "run without CUDA graphs)")
     spec_prefill_keep: float | None = _opt(None, "speculative prefill: for prompts of at least "
                                            "--spec-prefill-min-tokens, the draft model scores the "
                                            "prompt and the target prefills only this fraction of "

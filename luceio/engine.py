@@ -314,7 +314,9 @@ class LLMEngine:
         rows = batch.inputs.row_slices
         by_id = {s.req.request_id: s for s in batch.sched.scheduled}
         if self.spec is not None and any(s.spec_token_ids for s in batch.sched.scheduled):
-            tokens, lps = self.spec.verify(logits, rows, batch.sched.scheduled, bitmask)
+            tokens, lps, paths = self.spec.verify(logits, rows, batch.sched.scheduled, bitmask)
+            if paths:
+                self.runner.commit_tree_kv(batch.inputs, paths)
             res.sampled.update(tokens)
             res.logprobs.update(lps)
         plain = [by_id[rid].req for rid in rows if rid not in res.sampled]

@@ -45,6 +45,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.spec_token_ids: list[int] = []  # drafts scheduled for verification
+        self.spec_tree = None  # their `spec.tree.DraftTree` (tree speculation): tokens == them
         # overlapped scheduling: tokens a step in flight samples, counted as computed work
         # before their ids reach the host (then `Scheduler.update` appends them)
         self.num_pending_tokens = 0

@@ -40,6 +40,9 @@ class HostBatch:
     seq_lens: np.ndarray  # [num_seqs] int32
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     logits_indices: np.ndarray  # [num_rows] int64
+    # tree speculation: per token, the bits of its request's step tokens it attends to
+    # (`spec.tree`; -1 for every token of a request without a tree); None: no tree this step
+    tree_mask: np.ndarray | None = None
 
     @property
     def q_lens(self) -> np.ndarray:
@@ -95,7 +98,8 @@ class ModelRunner:
                                                                fit_context)
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
-        self.kv_caches = list(_zeros_pool((self.cfg.num_layers, 2, *shape), dtype, device))
+        self.kv_pool = _zeros_pool((self.cfg.num_layers, 2, *shape), dtype, device)
+        self.kv_caches = list(self.kv_pool)
         self.staging = Staging(device)
         self.host_kv: dict[str, torch.Tensor] = {}  # swapped-out requests' blocks
         # bounded residency's host copies (and, for the keys policy, pooled keys)
@@ -181,6 +185,7 @@ class ModelRunner:
         rows: dict[str, slice] = {}
         prompt_rows: dict[str, tuple[slice, int]] = {}
         device_ids: dict[str, int] = {}
+        trees: list[tuple[int, object]] = []  # (flat index of the root row, its draft tree)
         prefill = False
         bs = self.block_size
         for s in out.scheduled:
@@ -193,7 +198,13 @@ class ModelRunner:
             if end > len(tokens):  # its last token is still on the device (one at most)
                 device_ids[r.request_id] = len(ids)
                 ids.append(0)
-            pos.extend(r.positions(start, end))
+            if s.spec_tree is not None:  # rows: the root, then the nodes at root + depth
+                trees.append((base, s.spec_tree))
+                root = r.positions(start, start + 1)[0]
+                pos.append(root)
+                pos.extend(root + d for d in s.spec_tree.depths())
+            else:
+                pos.extend(r.positions(start, end))
             table, skipped = kv.attention_table(r.request_id)
             seq_lens.append(end - skipped)
             q_starts.append(len(ids))
@@ -222,6 +233,12 @@ class ModelRunner:
         host = HostBatch(np.asarray(ids, dtype=np.int64), pos_np, slots, bt,
                          np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
                          np.asarray(logits_idx, dtype=np.int64))
+        if trees:
+            from .spec.tree import masks_tensor
+            host.tree_mask = np.full(len(ids), -1, dtype=np.int64)
+            for base, tree in trees:
+                words = masks_tensor(tree.ancestor_masks()).numpy()
+                host.tree_mask[base:base + len(words)] = words
         inp = StepInputs(host, rows, prompt_rows, device_ids, prefill=prefill)
         index = {s.req.request_id: i for i, s in enumerate(out.scheduled)}
         for rid in out.kv_score_ids:
@@ -251,6 +268,24 @@ class ModelRunner:
             for layer, kv in enumerate(self.kv_caches):
                 kv.index_copy_(1, idx, data[layer])
 
+    def commit_tree_kv(self, inp: StepInputs, paths: dict[str, list[int]]) -> None:
+        """Tree speculation: moves the KV of each request's accepted tree rows to the cache
+        indices of their depths (row r at depth d: root index + r -> root index + d), so the
+        request's cache holds its accepted tokens in order, as plain decoding would have written
+        them. Queued on the device before anything reads the cache again."""
+        h, src, dst = inp.host, [], []
+        for rid, path in paths.items():
+            root = int(h.logits_indices[inp.row_slices[rid].start])  # flat index of its row 0
+            for depth, row in enumerate(path, 1):
+                if row != depth:
+                    src.append(h.slot_mapping[root + row])
+                    dst.append(h.slot_mapping[root + depth])
+        if not src:
+            return
+        flat = self.kv_pool.view(*self.kv_pool.shape[:2], -1, *self.kv_pool.shape[4:])
+        flat[:, :, torch.tensor(dst, device=self.device)] = \
+            flat[:, :, torch.tensor(src, device=self.device)]
+
     def drop_host_kv(self, request_id: str) -> None:
         self.host_kv.pop(request_id, None)
         self.host_store.drop(request_id)
@@ -263,7 +298,8 @@ class ModelRunner:
     def execute(self, inp: StepInputs, probe=None) -> torch.Tensor:
         """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`. A `probe`
         (called per layer with the rotated queries) forces the eager path."""
-        graphed = self.graphs is not None and probe is None and self.graphs.fits(inp.host)
+        graphed = self.graphs is not None and probe is None and inp.host.tree_mask is None \
+            and self.graphs.fits(inp.host)
         if inp.score_rows:
             if probe is not None:
                 raise ValueError("a step cannot both score KV blocks and run another probe")
@@ -302,6 +338,8 @@ class ModelRunner:
                 np.int32, [h.block_tables.reshape(-1), h.seq_lens, h.query_start_loc])
             meta = AttnMetadata(slots, bt.view(h.block_tables.shape), seq_lens, qsl,
                                 int(h.q_lens.max()), int(h.seq_lens.max()))
+            if h.tree_mask is not None:
+                meta.tree_mask = torch.from_numpy(h.tree_mask).to(self.device)
             with _prefill_rows(inp.prefill and self.device.type == "cpu"):
                 if self._cpu_decode(h, probe):
                     hidden = self.cpu_decoder(ids, pos, meta)

@@ -114,3 +114,114 @@ def test_negative_controls_are_caught():
                               else int(torch.multinomial(p[0], 1, generator=g)))
     assert _chi2_pvalue(firsts_wrong_a, p[0]) < ALPHA
     assert _chi2_pvalue(firsts_wrong_b, p[0]) < ALPHA
+
+
+# in the engine (tiny random models, fp32, CPU) ---------------------------------------------------
+def _run(path, prompts, params, **kw):
+    from conftest import engine_kwargs
+    from luceio import LLM
+    llm = LLM(path, **engine_kwargs(**kw))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm.engine
+
+
+def _branchy_prompts(n):
+    """Prompts whose suffix occurs several times with different continuations."""
+    out = []
+    for i in range(n):
+        a, b = [(5 * i + j) % 300 + 3 for j in range(3)], [(11 * i + j) % 300 + 3 for j in range(4)]
+        out.append((a + [200 + i] + b + a + [250 + i] + b + a + b + a)[: 14 + 3 * (i % 5)])
+    return out
+
+
+class _TreeCounter:
+    """Wraps the n-gram proposer: counts the trees it proposed that branch."""
+
+    def __init__(self, proposer):
+        self.inner, self.branching = proposer, 0
+
+    def propose(self, batch):
+        out = self.inner.propose(batch)
+        self.branching += sum(1 for t in out.trees or [] if len(set(t.parents)) < t.num_nodes)
+        return out
+
+    def release(self, rid):
+        self.inner.release(rid)
+
+
+@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 40, "num_kv_blocks": 10}],
+                         ids=["plain", "chunked+preempt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tree_speculation_equals_plain_decoding(tiny_models, sched, arch, monkeypatch):
+    from luceio import SamplingParams
+    from luceio.spec import decoding
+    counters = []
+    real_init = decoding.SpecDecoder.__init__
+
+    def counting_init(self, method, k, proposer, sampler):
+        proposer = _TreeCounter(proposer)
+        counters.append(proposer)
+        real_init(self, method, k, proposer, sampler)
+    monkeypatch.setattr(decoding.SpecDecoder, "__init__", counting_init)
+    prompts = _branchy_prompts(16)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
+    expected, _ = _run(tiny_models[arch], prompts, params)
+    got, eng = _run(tiny_models[arch], prompts, params, speculative_method="ngram",
+                    num_speculative_tokens=4, spec_tree_budget=12, **sched)
+    assert got == expected
+    st = eng.spec.stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0
+    assert counters[-1].branching > 0  # trees, not only chains, were verified
+    if sched:
+        assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_tree_commit_leaves_the_kv_of_plain_decoding(tiny_llama):
+    """After a tree verify the accepted rows' KV sits at their depths: the cache of a request
+    equals the one plain decoding writes for the same tokens (fp32 rounding apart)."""
+    from conftest import engine_kwargs
+    from luceio import EngineArgs, LLMEngine, SamplingParams
+    prompt = _branchy_prompts(3)[2]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
+    caches = []
+    for kw in ({}, dict(speculative_method="ngram", num_speculative_tokens=4,
+                        spec_tree_budget=12)):
+        eng = LLMEngine(EngineArgs(model=tiny_llama, **engine_kwargs(**kw)))
+        eng.add_request("r", {"prompt_token_ids": prompt}, params)
+        while eng.scheduler.running or eng.scheduler.waiting:
+            req = eng.scheduler.requests["r"]
+            if req.num_computed_tokens >= len(prompt) + 24:
+                break
+            eng.step()
+        n = req.num_computed_tokens
+        blocks = eng.kv.blocks_of("r")
+        pool = eng.runner.kv_pool  # [layers, 2, blocks, block_size, kv heads, head dim]
+        kv = pool[:, :, torch.tensor(blocks)].flatten(2, 3)[:, :, :n]
+        caches.append((kv.clone(), list(req.all_token_ids[:n])))
+        if kw:
+            assert eng.spec.stats.num_accepted_tokens > 0
+    (plain, toks_a), (tree, toks_b) = caches
+    m = min(plain.shape[2], tree.shape[2])
+    assert toks_a[:m] == toks_b[:m] and m >= len(prompt) + 24
+    torch.testing.assert_close(tree[:, :, :m], plain[:, :, :m], atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_tree_sampling_is_reproducible(tiny_llama):
+    from luceio import SamplingParams
+    params = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=20, ignore_eos=True)
+    kw = dict(speculative_method="ngram", num_speculative_tokens=4, spec_tree_budget=10)
+    a, eng = _run(tiny_llama, _branchy_prompts(6), params, **kw)
+    b, _ = _run(tiny_llama, _branchy_prompts(6), params, **kw)
+    assert a == b and all(len(x) == 20 for x in a) and eng.spec.stats.num_draft_tokens > 0
+
+
+def test_tree_budget_is_refused_where_it_cannot_work(tiny_llama):
+    from conftest import engine_kwargs
+    from luceio import EngineArgs, LLMEngine
+    for kw, match in [(dict(spec_tree_budget=8), "needs --speculative-method ngram"),
+                      (dict(speculative_method="draft", draft_model=tiny_llama,
+                            spec_tree_budget=8), "n-gram"),
+                      (dict(speculative_method="ngram", spec_tree_budget=64), "63")]:
+        with pytest.raises(ValueError, match=match):
+            LLMEngine(EngineArgs(model=tiny_llama, **engine_kwargs(**kw)))

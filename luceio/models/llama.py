@@ -63,6 +63,7 @@ class AttnMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
+    tree_mask: torch.Tensor | None = None  # int64 [num_tokens]: draft-tree verification
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +105,7 @@ class Attention(nn.Module):
             probe(q, k_cache, meta, self.scale)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
-                                    self.scale)
+                                    self.scale, tree_mask=meta.tree_mask)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

@@ -28,6 +28,7 @@ class ScheduledRequest:
     req: Request
     num_new_tokens: int  # tokens computed this step, drafts included
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_tree: object = None  # tree speculation: the drafts' `spec.tree.DraftTree`
 
     @property
     def samples(self) -> bool:
@@ -124,7 +125,7 @@ class Scheduler:
             if not self._allocate_or_preempt(req, num_new, done, preempted):
                 continue
             spec = self._fit_spec(req, num_new)
-            scheduled.append(ScheduledRequest(req, num_new, spec))
+            scheduled.append(ScheduledRequest(req, num_new, spec, req.spec_tree))
             done.add(req.request_id)
             budget -= num_new
             if res is not None and res.wants_scores(
@@ -172,9 +173,11 @@ class Scheduler:
         return res.cfg.chunk_tokens if res is not None else self.config.max_num_batched_tokens
 
     def _fit_spec(self, req: Request, num_new: int) -> list[int]:
-        """Drops the drafts that did not fit in the budget."""
-        room = req.num_computed_tokens + num_new - req.num_tokens
-        req.spec_token_ids = req.spec_token_ids[:max(room, 0)]
+        """Drops the drafts that did not fit in the budget (a tree's last nodes: a subtree)."""
+        room = max(req.num_computed_tokens + num_new - req.num_tokens, 0)
+        req.spec_token_ids = req.spec_token_ids[:room]
+        if req.spec_tree is not None:
+            req.spec_tree = req.spec_tree.truncated(room) if room else None
         return list(req.spec_token_ids)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, done: set[str],
@@ -232,7 +235,7 @@ class Scheduler:
             req.prompt_logprobs = []  # recomputed with the prompt
         self.kv.free(req, preempted=True)
         req.status = RequestStatus.PREEMPTED
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_tree = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
@@ -266,7 +269,7 @@ class Scheduler:
                 req.num_computed_tokens -= rejected
                 req.num_draft_tokens += len(s.spec_token_ids)
                 req.num_accepted_tokens += len(tokens) - 1
-                req.spec_token_ids = []
+                req.spec_token_ids, req.spec_tree = [], None
                 for t in tokens:
                     req.append_token(t)
                     if req.check_stop():

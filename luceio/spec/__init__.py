@@ -15,9 +15,14 @@ def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
                        draft_model=None) -> SpecDecoder | None:
     method = args.speculative_method
     if method is None:
+        if args.spec_tree_budget:
+            raise ValueError("--spec-tree-budget needs --speculative-method ngram")
         return None
+    if args.spec_tree_budget and method != "ngram":
+        raise ValueError("tree speculation (--spec-tree-budget) drafts with the n-gram proposer; "
+                         "the draft model proposes chains")
     if method == "ngram":
-        proposer = NgramProposer()
+        proposer = NgramProposer(tree_budget=args.spec_tree_budget)
         proposer.warmup()
     elif method == "draft":
         proposer = _draft_proposer(args, target_runner, max_model_len, draft_model, sampler)

@@ -18,6 +18,7 @@ import torch
 from ..request import Request
 from .proposer import ProposalInput
 from .rejection import rejection_sample_batch
+from .tree import accept as tree_accept
 
 _EMA = 0.5
 _PROBE_EVERY = 8
@@ -160,29 +161,40 @@ class SpecDecoder:
         self.last_draft_seconds = 0.0
         proposal = self.proposer.propose([ProposalInput(r.all_token_ids, k, r)
                                           for r, k in zip(reqs, ks)])
-        drafts, probs = proposal.drafts, proposal.probs
         self.last_draft_seconds = time.perf_counter() - t0
         self.stats.draft_seconds += self.last_draft_seconds
-        return drafts, probs
+        return proposal.drafts, proposal.probs, proposal.trees
 
-    def apply(self, reqs: list[Request], drafts, probs) -> None:
-        """Loop thread: attaches the drafts to requests still running."""
+    def apply(self, reqs: list[Request], drafts, probs, trees=None) -> None:
+        """Loop thread: attaches the drafts (and their trees) to requests still running. A
+        constrained request takes its tree's first path: grammar masks walk drafts in a line."""
         offset = 0
-        for r, d in zip(reqs, drafts):
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
             if not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
-                r.spec_token_ids = list(d)
+                tree = trees[i] if trees is not None else None
+                if tree is not None and r.params.structured_outputs is not None:
+                    tree = tree.first_path()
+                r.spec_tree = tree if tree is not None and tree.num_nodes else None
+                r.spec_token_ids = list(tree.tokens) if tree is not None else list(d)
                 r.draft_probs = probs[offset:offset + len(d)] if probs is not None else None
             offset += len(d)
 
     # verifying ---------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, rows: dict[str, slice], scheduled,
-               bitmask: torch.Tensor | None = None) -> tuple[dict, dict]:
+               bitmask: torch.Tensor | None = None) -> tuple[dict, dict, dict]:
         """Rejection-samples every request that had drafts verified this step. Returns
-        (tokens per request id, per-token logprob dicts per request id). `bitmask`: the grammar
-        masks of the logits' rows (`luceio.structured`), or None; a draft its grammar refuses
-        has probability zero, so it is rejected."""
+        (tokens per request id, per-token logprob dicts per request id, the accepted rows per
+        request id that verified a tree: see `spec.tree`). `bitmask`: the grammar masks of the
+        logits' rows (`luceio.structured`), or None; a draft its grammar refuses has
+        probability zero, so it is rejected."""
         t0 = time.perf_counter()
-        items = [s for s in scheduled if s.spec_token_ids and s.req.request_id in rows]
+        trees = [s for s in scheduled if s.spec_tree is not None and s.req.request_id in rows]
+        tokens, logprobs, paths = self._verify_trees(logits, rows, trees)
+        items = [s for s in scheduled if s.spec_token_ids and s.spec_tree is None
+                 and s.req.request_id in rows]
+        if not items:
+            self.stats.verify_seconds += time.perf_counter() - t0
+            return tokens, logprobs, paths
         reqs = [s.req for s in items]
         raw = torch.cat([logits[rows[r.request_id]] for r in reqs])
         per_row = [r for r in reqs for _ in range(rows[r.request_id].stop - rows[r.request_id].start)]
@@ -201,7 +213,6 @@ class SpecDecoder:
                 else self.sampler.request_generator(r, logits.device) for r in reqs]
         out = rejection_sample_batch(target, [s.spec_token_ids for s in items], draft_probs,
                                      greedy, gens)
-        tokens, logprobs = {}, {}
         start = 0
         for r, s, toks in zip(reqs, items, out):
             n_rows = len(s.spec_token_ids) + 1
@@ -213,7 +224,30 @@ class SpecDecoder:
             start += n_rows
             self._record(r, len(s.spec_token_ids), len(toks) - 1)
         self.stats.verify_seconds += time.perf_counter() - t0
-        return tokens, logprobs
+        return tokens, logprobs, paths
+
+    def _verify_trees(self, logits: torch.Tensor, rows: dict[str, slice], items
+                      ) -> tuple[dict, dict, dict]:
+        """`spec.tree.accept` per request that verified a draft tree (no grammar: constrained
+        requests draft chains). Returns tokens, logprobs and the accepted rows, by request id."""
+        tokens, logprobs, paths = {}, {}, {}
+        for s in items:
+            r, sl = s.req, rows[s.req.request_id]
+            raw = logits[sl]
+            processed = self.sampler.process(raw, [r] * (sl.stop - sl.start))
+            greedy = r.params.greedy
+            gen = None if greedy or r.params.seed is None \
+                else self.sampler.request_generator(r, logits.device)
+            path, toks = tree_accept(s.spec_tree, processed if greedy else processed.softmax(-1),
+                                     greedy, gen)
+            tokens[r.request_id], paths[r.request_id] = toks, path
+            if r.params.logprobs is not None:
+                seq = torch.tensor([0] + path, device=raw.device)
+                logprobs[r.request_id] = self.sampler.logprobs(
+                    raw[seq], torch.tensor(toks, device=raw.device),
+                    [r.params.logprobs] * len(toks))
+            self._record(r, s.spec_tree.num_nodes, len(toks) - 1)
+        return tokens, logprobs, paths
 
     def _record(self, r: Request, num_drafts: int, num_accepted: int) -> None:
         st = self.stats

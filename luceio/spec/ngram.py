@@ -9,6 +9,14 @@ sits near the end of the history), only the tokens that exist are proposed.
 
 The search runs in one numba-compiled function over a flat batched layout so a
 single call serves the whole batch.
+
+Tree mode (``tree_budget`` > 0, ``spec.tree``): every earlier occurrence of the
+suffix offers its continuation (longest suffixes first, then the most recent
+occurrence first, at most ``_TREE_MATCHES`` per suffix length); the continuations
+are merged into a trie of at most ``tree_budget`` nodes and ``k`` levels, in that
+order of preference, so different continuations of a repeated phrase are
+verified in one target forward. numpy over each request's history: O(history x
+max_n) per request and step.
 """
 from __future__ import annotations
 
@@ -22,6 +30,9 @@ except ImportError:  # an image without numba runs the same code interpreted (sl
         return fn
 
 from luceio.spec.proposer import Proposal, ProposalInput, Proposer
+from luceio.spec.tree import MAX_ROWS, DraftTree
+
+_TREE_MATCHES = 8
 
 
 @_jit
@@ -112,15 +123,23 @@ def ngram_propose_flat(
 class NgramProposer(Proposer):
     """Prompt-lookup proposer (deterministic; use ``draft_probs=None`` when verifying)."""
 
-    def __init__(self, min_n: int = 1, max_n: int = 4):
+    def __init__(self, min_n: int = 1, max_n: int = 4, tree_budget: int = 0):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if not 0 <= tree_budget < MAX_ROWS:
+            raise ValueError(f"the tree budget is 0 (chains) to {MAX_ROWS - 1} nodes, got "
+                             f"{tree_budget}")
         self.min_n = min_n
         self.max_n = max_n
+        self.tree_budget = tree_budget
 
     def propose(self, requests: list[ProposalInput]) -> Proposal:
         if not requests:
             return Proposal([])
+        if self.tree_budget:
+            trees = [self.tree(np.asarray(r.tokens, dtype=np.int64).reshape(-1), r.k)
+                     for r in requests]
+            return Proposal([t.tokens for t in trees], trees=trees)
         arrays = [np.asarray(r.tokens, dtype=np.int64).reshape(-1) for r in requests]
         lens = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
@@ -129,6 +148,31 @@ class NgramProposer(Proposer):
         ks = np.fromiter((r.k for r in requests), dtype=np.int64, count=len(requests))
         out, counts = ngram_propose_flat(tokens, offsets, ks, self.min_n, self.max_n)
         return Proposal([out[i, : counts[i]].tolist() for i in range(len(requests))])
+
+    def tree(self, tokens: np.ndarray, depth: int) -> DraftTree:
+        """The trie of the continuations of every earlier occurrence of the history's suffix
+        (see the module docstring), at most `depth` levels and `tree_budget` nodes."""
+        nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        toks: list[int] = []
+        parents: list[int] = []
+        length = tokens.shape[0]
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            if depth <= 0 or len(toks) >= self.tree_budget:
+                break
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
+            starts = np.flatnonzero((windows == tokens[length - n:]).all(1))[::-1]
+            for i in starts[:_TREE_MATCHES]:
+                parent = -1
+                for t in tokens[i + n:i + n + depth].tolist():
+                    node = nodes.get((parent, t))
+                    if node is None:
+                        if len(toks) >= self.tree_budget:
+                            break
+                        node = nodes[(parent, t)] = len(toks)
+                        toks.append(t)
+                        parents.append(parent)
+                    parent = node
+        return DraftTree(toks, parents)
 
     def warmup(self) -> None:
         """Compile the numba kernel now instead of on the first real step."""

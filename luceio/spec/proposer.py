@@ -45,6 +45,9 @@ class Proposal:
 
     drafts: list[list[int]] = field(default_factory=list)
     probs: Any = None
+    # tree speculation (`spec.tree.DraftTree` per input, or None): drafts[i] is then
+    # trees[i].tokens, the nodes in topological order
+    trees: Any = None
 
 
 class Proposer(abc.ABC):

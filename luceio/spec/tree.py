@@ -84,6 +84,19 @@ class DraftTree:
     def path_tokens(self, rows: list[int]) -> list[int]:
         return [self.tokens[r - 1] for r in rows]
 
+    def truncated(self, n: int) -> "DraftTree":
+        """The first n nodes (a subtree: parents come first)."""
+        return DraftTree(self.tokens[:n], self.parents[:n])
+
+    def first_path(self) -> "DraftTree":
+        """The chain from the root down its first children: what a consumer that walks drafts
+        in a line (grammar masks) can take."""
+        kids, rows, cur = self.children(), [], 0
+        while kids[cur]:
+            cur = kids[cur][0]
+            rows.append(cur)
+        return DraftTree.chain(self.path_tokens(rows))
+
 
 def masks_tensor(masks: list[int], device=None) -> torch.Tensor:
     """Python bitmasks (< 2^64) as an int64 tensor, bit 63 wrapping to the sign bit."""
@@ -98,6 +111,7 @@ def accept(tree: DraftTree, target: torch.Tensor, greedy: bool,
     rows from the root's child down, the tokens the step emits: the accepted nodes' tokens and
     the final drawn token)."""
     kids = tree.children()
+    dev = generator.device if generator is not None else torch.device("cpu")
     rows: list[int] = []
     cur = 0
     while True:
@@ -107,13 +121,13 @@ def accept(tree: DraftTree, target: torch.Tensor, greedy: bool,
             if nxt is None:
                 return rows, tree.path_tokens(rows) + [best]
         else:
-            p = target[cur].double().cpu().clone()  # rejected children are zeroed in it
+            p = target[cur].double().to(dev).clone()  # rejected children are zeroed in it
             nxt = None
             for c in kids[cur]:
                 t = tree.tokens[c - 1]
                 # accept with probability p(t) / (what is left of p); a child holding all that
                 # is left is always accepted (u < 1), so p keeps some mass past this loop
-                u = float(torch.rand((), generator=generator, dtype=torch.float64))
+                u = float(torch.rand((), generator=generator, dtype=torch.float64, device=dev))
                 if u * float(p.sum()) < float(p[t]):
                     nxt = c
                     break
