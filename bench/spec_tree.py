@@ -1,0 +1,134 @@
+"""Tree vs chain speculation with the n-gram proposer on real weights, CPU: target
+Qwen2.5-Coder-1.5B-Instruct (Q4_K_M, `--quantization auto`), the prompt sets of
+bench/spec_acceptance.py (code generation, whole-file edits), greedy.
+
+1. Replay (as spec_acceptance.py's): the greedy output is generated once without speculation;
+   then at every decode step the proposer drafts from prompt + output so far (k = 4 levels,
+   every step) and the accepted length is read off the output: for a chain, its common prefix;
+   for a tree, its longest root path along the output. Tokens per verify and draft tokens per
+   verify for chains and for tree budgets `--budgets`.
+2. Engine: the same prompts through `LLM.generate` without speculation, with n-gram chains and
+   with n-gram trees (`--engine-budget`): decode tok/s, and greedy output equal to plain decoding.
+
+    python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--threads 2]
+Writes bench/results/cpu/spec_tree.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import env_info, write_json  # noqa: E402
+from spec_acceptance import build_prompts  # noqa: E402
+
+from luceio import LLM, SamplingParams  # noqa: E402
+from luceio.spec import NgramProposer  # noqa: E402
+
+TARGET = "qwen2.5-coder-1.5b"
+K = 4
+OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "spec_tree.json")
+
+
+def accepted_len(proposer: NgramProposer, history: list[int], future: list[int], k: int) -> tuple[int, int]:
+    """(accepted drafts, draft tokens) of one verify step at this point of a greedy output."""
+    tokens = np.asarray(history, dtype=np.int64)
+    if proposer.tree_budget:
+        tree = proposer.tree(tokens, k)
+        kids = tree.children()
+        cur, a = 0, 0
+        while a < len(future):
+            nxt = next((c for c in kids[cur] if tree.tokens[c - 1] == future[a]), None)
+            if nxt is None:
+                break
+            cur, a = nxt, a + 1
+        return a, tree.num_nodes
+    from luceio.spec import ProposalInput
+    draft = proposer.propose([ProposalInput(history, k)]).drafts[0]
+    a = 0
+    while a < len(draft) and a < len(future) and draft[a] == future[a]:
+        a += 1
+    return a, len(draft)
+
+
+def replay(proposer, prompt: list[int], out: list[int]) -> dict:
+    """Every decode step drafts (k = 4, fewer near the end); steps without drafts are plain."""
+    o, verify, acc, drafted = 1, 0, 0, 0
+    while o < len(out):
+        k = min(K, len(out) - o - 1)
+        a, n = accepted_len(proposer, prompt + out[:o], out[o:o + k], k) if k > 0 else (0, 0)
+        if n:
+            verify += 1
+            acc += a
+            drafted += n
+        o += a + 1
+    return {"verify_steps": verify, "accepted": acc, "draft_tokens": drafted}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budgets", default="8,12,16,24")
+    ap.add_argument("--engine-budget", type=int, default=12)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--edit-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=OUT)
+    a = ap.parse_args()
+    common = dict(device="cpu", max_model_len=4096, cpu_threads=a.threads)
+    llm = LLM(TARGET, **common)
+    sets = build_prompts(llm.get_tokenizer(), 4, 3)
+    max_tokens = {"codegen": a.gen_tokens, "edit": a.edit_tokens}
+    results = {"env": env_info(), "target": TARGET, "k": K, "max_tokens": max_tokens,
+               "replay": [], "engine": []}
+
+    def generate(engine_llm, prompts, n):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+        engine_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # warm
+        t = time.perf_counter()
+        outs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t
+
+    greedy = {}
+    for name, prompts in sets.items():
+        toks, wall = generate(llm, prompts, max_tokens[name])
+        greedy[name] = toks
+        results["engine"].append({"set": name, "method": "none", "wall_s": round(wall, 2),
+                                  "tok_s": round(sum(map(len, toks)) / wall, 2)})
+        print(results["engine"][-1], flush=True)
+    for budget in [0] + [int(b) for b in a.budgets.split(",")]:
+        prop = NgramProposer(tree_budget=budget)
+        for name, prompts in sets.items():
+            runs = [replay(prop, p, o) for p, o in zip(prompts, greedy[name])]
+            tot = {k: sum(r[k] for r in runs) for k in runs[0]}
+            row = {"set": name, "budget": budget or "chain", **tot,
+                   "tokens_per_verify": round((tot["accepted"] + tot["verify_steps"])
+                                              / max(tot["verify_steps"], 1), 3),
+                   "drafts_per_verify": round(tot["draft_tokens"] / max(tot["verify_steps"], 1), 2)}
+            results["replay"].append(row)
+            print(row, flush=True)
+        write_json(a.out, results)
+    del llm
+    for label, kw in [("ngram chain", {}), (f"ngram tree {a.engine_budget}",
+                                            {"spec_tree_budget": a.engine_budget})]:
+        spec_llm = LLM(TARGET, speculative_method="ngram", num_speculative_tokens=K, **common, **kw)
+        for name, prompts in sets.items():
+            toks, wall = generate(spec_llm, prompts, max_tokens[name])
+            st = spec_llm.engine.spec.stats
+            row = {"set": name, "method": label, "wall_s": round(wall, 2),
+                   "tok_s": round(sum(map(len, toks)) / wall, 2),
+                   "greedy_exact": toks == greedy[name],
+                   "accepted_total": st.num_accepted_tokens, "drafted_total": st.num_draft_tokens}
+            results["engine"].append(row)
+            print(row, flush=True)
+            write_json(a.out, results)
+        del spec_llm
+
+
+if __name__ == "__main__":
+    main()
