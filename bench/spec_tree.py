@@ -8,9 +8,12 @@ bench/spec_acceptance.py (code generation, whole-file edits), greedy.
    for a tree, its longest root path along the output. Tokens per verify and draft tokens per
    verify for chains and for tree budgets `--budgets`.
 2. Engine: the same prompts through `LLM.generate` without speculation, with n-gram chains and
-   with n-gram trees (`--engine-budget`): decode tok/s, and greedy output equal to plain decoding.
+   with n-gram trees (`--engine-budget`), and (`--draft`) with Qwen2.5-Coder-0.5B drafting
+   chains and best-first trees (`--engine-budget` nodes, `--topk` children): decode tok/s,
+   acceptance, and greedy output equal to plain decoding.
 
-    python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--threads 2]
+    python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--draft] [--topk 2]
+                              [--threads 2]
 Writes bench/results/cpu/spec_tree.json.
 """
 from __future__ import annotations
@@ -76,6 +79,9 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--edit-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", action="store_true", help="draft-model chains and trees too")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--skip-ngram", action="store_true", help="engine runs: no n-gram rows")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     common = dict(device="cpu", max_model_len=4096, cpu_threads=a.threads)
@@ -114,16 +120,29 @@ def main() -> None:
             print(row, flush=True)
         write_json(a.out, results)
     del llm
-    for label, kw in [("ngram chain", {}), (f"ngram tree {a.engine_budget}",
-                                            {"spec_tree_budget": a.engine_budget})]:
-        spec_llm = LLM(TARGET, speculative_method="ngram", num_speculative_tokens=K, **common, **kw)
+    configs = [] if a.skip_ngram else [
+        ("ngram chain", dict(speculative_method="ngram")),
+        (f"ngram tree {a.engine_budget}", dict(speculative_method="ngram",
+                                               spec_tree_budget=a.engine_budget))]
+    if a.draft:
+        draft = dict(speculative_method="draft", draft_model="qwen2.5-coder-0.5b")
+        configs += [("draft chain", draft),
+                    (f"draft tree {a.engine_budget} top{a.topk}",
+                     dict(draft, spec_tree_budget=a.engine_budget, spec_tree_topk=a.topk))]
+    for label, kw in configs:
+        spec_llm = LLM(TARGET, num_speculative_tokens=K, **common, **kw)
         for name, prompts in sets.items():
             toks, wall = generate(spec_llm, prompts, max_tokens[name])
             st = spec_llm.engine.spec.stats
+            before = dict(getattr(spec_llm, "_bench_counts", {"a": 0, "d": 0, "v": 0}))
+            spec_llm._bench_counts = {"a": st.num_accepted_tokens, "d": st.num_draft_tokens,
+                                      "v": st.num_verify_steps}
+            acc, drafted, verify = (spec_llm._bench_counts[k] - before[k] for k in "adv")
             row = {"set": name, "method": label, "wall_s": round(wall, 2),
                    "tok_s": round(sum(map(len, toks)) / wall, 2),
-                   "greedy_exact": toks == greedy[name],
-                   "accepted_total": st.num_accepted_tokens, "drafted_total": st.num_draft_tokens}
+                   "greedy_exact": toks == greedy[name], "accepted": acc, "drafted": drafted,
+                   "verify_steps": verify,
+                   "tokens_per_verify": round((acc + verify) / verify, 3) if verify else None}
             results["engine"].append(row)
             print(row, flush=True)
             write_json(a.out, results)

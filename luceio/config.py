@@ -116,11 +116,14 @@ class EngineArgs(CliArgs):
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
     num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
-    spec_tree_budget: int = _opt(0, "tree speculation (n-gram proposer): verify a tree of up to "
-                                 "this many draft nodes, --num-speculative-tokens levels deep, "
-                                 "built from every earlier occurrence of the context's suffix, "
-                                 "in one target forward (0: one chain; at most 63; such steps "
-                                 "run without CUDA graphs)")
+    spec_tree_budget: int = _opt(0, "tree speculation: verify a tree of up to this many draft "
+                                 "nodes, --num-speculative-tokens levels deep, in one target "
+                                 "forward (0: one chain; at most 63; such steps run without "
+                                 "CUDA graphs). n-gram: the continuations of every earlier "
+                                 "occurrence of the context's suffix; draft model: best-first "
+                                 "by path probability, --spec-tree-topk children per node")
+    spec_tree_topk: int = _opt(2, "tree speculation with a draft model: children per expanded "
+                               "node (the draft's most probable next tokens)")
     spec_prefill_keep: float | None = _opt(None, "speculative prefill: for prompts of at least "
                                            "--spec-prefill-min-tokens, the draft model scores the "
                                            "prompt and the target prefills only this fraction of "

@@ -219,9 +219,48 @@ def test_seeded_tree_sampling_is_reproducible(tiny_llama):
 def test_tree_budget_is_refused_where_it_cannot_work(tiny_llama):
     from conftest import engine_kwargs
     from luceio import EngineArgs, LLMEngine
-    for kw, match in [(dict(spec_tree_budget=8), "needs --speculative-method ngram"),
+    for kw, match in [(dict(spec_tree_budget=8), "needs --speculative-method"),
                       (dict(speculative_method="draft", draft_model=tiny_llama,
-                            spec_tree_budget=8), "n-gram"),
+                            spec_tree_budget=8, spec_tree_topk=0), "topk"),
                       (dict(speculative_method="ngram", spec_tree_budget=64), "63")]:
         with pytest.raises(ValueError, match=match):
             LLMEngine(EngineArgs(model=tiny_llama, **engine_kwargs(**kw)))
+
+
+@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 40, "num_kv_blocks": 14}],
+                         ids=["plain", "chunked+preempt"])
+def test_greedy_draft_model_trees_equal_plain_decoding(tiny_llama, tmp_path_factory, sched):
+    """Best-first draft-model trees (another tiny model drafting, so some branches are wrong):
+    greedy output equals plain decoding, and with the target as its own draft every first
+    branch is accepted."""
+    from conftest import make_tiny_model
+    from luceio import SamplingParams
+    other = make_tiny_model(str(tmp_path_factory.mktemp("tree_draft") / "m"), "llama", seed=7)
+    prompts = _branchy_prompts(12)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20)
+    expected, _ = _run(tiny_llama, prompts, params)
+    for draft in (other, tiny_llama):
+        got, eng = _run(tiny_llama, prompts, params, speculative_method="draft",
+                        draft_model=draft, num_speculative_tokens=3, spec_tree_budget=8,
+                        spec_tree_topk=2, **sched)
+        assert got == expected, draft
+        st = eng.spec.stats
+        assert st.num_draft_tokens > 0
+        if draft == tiny_llama:  # the draft's argmax path is in every tree and always accepted
+            assert st.num_accepted_tokens >= st.num_verify_steps * 1
+        if sched:
+            assert eng.scheduler.num_preemptions > 0
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_sampled_draft_model_trees_are_seeded(tiny_llama):
+    """Children are point masses, accepted with the target's probability of their token: at a
+    low temperature (a peaked p) the draft = target's top child is mostly accepted."""
+    from luceio import SamplingParams
+    params = SamplingParams(temperature=0.1, seed=11, max_tokens=16, ignore_eos=True)
+    kw = dict(speculative_method="draft", draft_model=tiny_llama, num_speculative_tokens=3,
+              spec_tree_budget=6)
+    a, eng = _run(tiny_llama, _branchy_prompts(5), params, **kw)
+    b, _ = _run(tiny_llama, _branchy_prompts(5), params, **kw)
+    assert a == b and all(len(x) == 16 for x in a)
+    assert eng.spec.stats.num_accepted_tokens > 0

@@ -16,11 +16,13 @@ def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
     method = args.speculative_method
     if method is None:
         if args.spec_tree_budget:
-            raise ValueError("--spec-tree-budget needs --speculative-method ngram")
+            raise ValueError("--spec-tree-budget needs --speculative-method ngram or draft")
         return None
-    if args.spec_tree_budget and method != "ngram":
-        raise ValueError("tree speculation (--spec-tree-budget) drafts with the n-gram proposer; "
-                         "the draft model proposes chains")
+    if not 0 <= args.spec_tree_budget < 64:
+        raise ValueError(f"--spec-tree-budget is 0 (chains) to 63 nodes, got "
+                         f"{args.spec_tree_budget}")
+    if args.spec_tree_topk < 1:
+        raise ValueError(f"--spec-tree-topk must be >= 1, got {args.spec_tree_topk}")
     if method == "ngram":
         proposer = NgramProposer(tree_budget=args.spec_tree_budget)
         proposer.warmup()
@@ -46,7 +48,8 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
     runner = ModelRunner(None, target_runner.dtype, target_runner.device, cache, max_model_len,
                          model=draft_model, enforce_eager=args.enforce_eager,
                          max_num_seqs=args.max_num_seqs, max_spec_tokens=1)
-    return DraftModelProposer(runner, args.block_size, sampler)
+    return DraftModelProposer(runner, args.block_size, sampler, args.spec_tree_budget,
+                              args.spec_tree_topk)
 
 
 def build_spec_prefill(args, target_runner, draft_model, max_model_len: int):

@@ -14,6 +14,7 @@ from ..cache import KVCacheManager
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
 from .proposer import Proposal, ProposalInput, Proposer
+from .tree import DraftTree
 
 _NO_LOGPROBS = SamplingParams(max_tokens=None)
 
@@ -25,6 +26,7 @@ class DraftSeq:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_tree: DraftTree | None = None
     params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
 
     @property
@@ -40,16 +42,21 @@ class DraftSeq:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, runner, block_size: int, sampler):
+    def __init__(self, runner, block_size: int, sampler, tree_budget: int = 0,
+                 tree_topk: int = 2):
         self.runner = runner  # a ModelRunner over the draft model, eager
         self.sampler = sampler  # the engine's: drafts are drawn with each request's parameters
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSeq] = {}
+        self.tree_budget, self.tree_topk = tree_budget, tree_topk
 
     def propose(self, batch: list[ProposalInput]) -> Proposal:
         """Drafts batch[i].k tokens for each batch[i].request (tokens: batch[i].tokens), in one
         draft forward per draft position. `Proposal.probs`: when any request samples, the
-        distributions [sum(len(drafts)), vocab] the drafts were drawn from."""
+        distributions [sum(len(drafts)), vocab] the drafts were drawn from. With a tree budget:
+        `propose_trees`."""
+        if self.tree_budget:
+            return self.propose_trees(batch)
         reqs, ks, sampler = [p.request for p in batch], [p.k for p in batch], self.sampler
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
         drafts: list[list[int]] = [[] for _ in reqs]
@@ -77,6 +84,82 @@ class DraftModelProposer(Proposer):
                     probs[i].append(p[row])
         flat = [t for i in range(len(reqs)) for t in probs[i]]
         return Proposal(drafts, torch.stack(flat) if any_sampled and flat else None)
+
+    def propose_trees(self, batch: list[ProposalInput]) -> Proposal:
+        """Best-first draft trees (`spec.tree`): the root's `tree_topk` most probable next
+        tokens (under each request's sampling parameters), then level by level the `tree_topk`
+        children of the nodes whose paths are most probable, until `tree_budget` nodes or
+        batch[i].k levels. One draft forward per level over every request's tree so far (the
+        tree's rows with their ancestor masks; the root's KV is rewritten each time). The
+        children are point masses for acceptance (`spec.tree.accept`), so the drafts carry no
+        probabilities and the output distribution stays the target's."""
+        reqs, ks = [p.request for p in batch], [p.k for p in batch]
+        seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
+        trees = [DraftTree() for _ in reqs]
+        path_p: list[list[float]] = [[] for _ in reqs]  # per node: its path's probability
+        live = [i for i, k in enumerate(ks) if k > 0 and self._room(seqs[i])]
+        if live:  # catch up to the root; its logits give the first level
+            sched = SchedulerOutput([ScheduledRequest(seqs[i], seqs[i].num_tokens_with_spec -
+                                                      seqs[i].num_computed_tokens) for i in live], [])
+            probs = self._level_probs(sched, live, reqs)
+            for i, p in zip(live, probs):
+                self._expand(trees[i], path_p[i], [(-1, 1.0, p[-1])])
+                seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) - 1  # all but the root
+        fed = list(live)
+        for depth in range(2, max(ks, default=0) + 1):
+            live = [i for i in live if depth <= ks[i] and trees[i].num_nodes < self.tree_budget
+                    and self._room_for_tree(seqs[i], trees[i])]
+            if not live:
+                break
+            for i in live:  # rows: the root again, then the nodes so far
+                seqs[i].spec_tree, seqs[i].spec_token_ids = trees[i], list(trees[i].tokens)
+            sched = SchedulerOutput([ScheduledRequest(seqs[i], 1 + trees[i].num_nodes,
+                                                      list(trees[i].tokens), trees[i])
+                                     for i in live], [])
+            probs = self._level_probs(sched, live, reqs)
+            for i, p in zip(live, probs):
+                d = trees[i].depths()
+                frontier = [(n, path_p[i][n], p[n + 1]) for n in range(trees[i].num_nodes)
+                            if d[n] == depth - 1]
+                self._expand(trees[i], path_p[i], frontier)
+        for i in fed:  # the root's KV is valid; the nodes' is scratch, past the computed count
+            s = seqs[i]
+            s.num_computed_tokens = len(s.all_token_ids)
+            s.spec_tree, s.spec_token_ids = None, []
+        return Proposal([t.tokens for t in trees], None,
+                        [t if t.num_nodes else None for t in trees])
+
+    def _level_probs(self, sched, live: list[int], reqs) -> list[torch.Tensor]:
+        """One draft forward; per live request, its rows' next-token probabilities under its
+        sampling parameters (greedy requests: the softmax of the raw logits)."""
+        inp = self.runner.prepare(sched, self.kv)
+        logits = self.runner.execute(inp)
+        out = []
+        for i, s in zip(live, sched.scheduled):
+            rows = inp.row_slices[s.req.request_id]
+            processed = self.sampler.process(logits[rows], [reqs[i]] * (rows.stop - rows.start))
+            out.append(processed.softmax(-1))
+        return out
+
+    def _expand(self, tree: DraftTree, path_p: list[float], frontier) -> None:
+        """Adds the `tree_topk` children of each frontier (node, path probability, next-token
+        probabilities), most probable paths first, while the budget lasts."""
+        cands = []
+        for node, pp, p in frontier:
+            top = torch.topk(p, min(self.tree_topk, p.shape[-1]))
+            for prob, tok in zip(top.values.tolist(), top.indices.tolist()):
+                if prob > 0.0:
+                    cands.append((pp * prob, node, tok))
+        cands.sort(key=lambda c: -c[0])
+        for pp, node, tok in cands[:self.tree_budget - tree.num_nodes]:
+            tree.tokens.append(tok)
+            tree.parents.append(node)
+            path_p.append(pp)
+
+    def _room_for_tree(self, s: DraftSeq, tree: DraftTree) -> bool:
+        if len(s.all_token_ids) + tree.num_nodes >= self.runner.cfg.max_position_embeddings:
+            return False
+        return self.kv.allocate_slots(s, 1 + tree.num_nodes)  # from the root
 
     def _sync(self, request_id: str, tokens: list[int]) -> DraftSeq:
         """Rolls the draft cache back to what still matches the request's verified tokens."""

@@ -87,15 +87,18 @@ def test_residency_on_gpu(tiny_llama):
     assert eng.runner.graphs is not None and eng.runner.graphs.graphs
 
 
-def test_tree_speculation_equals_plain_decoding(tiny_llama):
-    """Tree verify steps run eagerly with the Triton tree-mask attention, the other steps on
-    graphs; greedy output equals plain decoding."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tree_speculation_equals_plain_decoding(tiny_llama, method):
+    """Tree verify steps (and the draft model's tree levels) run eagerly with the Triton
+    tree-mask attention, the other steps on graphs; greedy output equals plain decoding."""
     from test_spec_tree import _branchy_prompts
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)
     prompts = [{"prompt_token_ids": p} for p in _branchy_prompts(12)]
     plain = LLM(tiny_llama, **engine_kwargs(device="cuda")).generate(prompts, params)
-    llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="ngram",
-                                          num_speculative_tokens=4, spec_tree_budget=12))
+    spec = dict(speculative_method=method, num_speculative_tokens=4, spec_tree_budget=12)
+    if method == "draft":
+        spec["draft_model"] = tiny_llama
+    llm = LLM(tiny_llama, **engine_kwargs(device="cuda", **spec))
     tree = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in tree] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.spec.stats.num_accepted_tokens > 0
