@@ -120,10 +120,12 @@ class EngineArgs(CliArgs):
                                  "nodes, --num-speculative-tokens levels deep, in one target "
                                  "forward (0: one chain; at most 63; such steps run without "
                                  "CUDA graphs). n-gram: the continuations of every earlier "
-                                 "occurrence of the context's suffix; draft model: best-first "
-                                 "by path probability, --spec-tree-topk children per node")
+                                 "occurrence of the context's suffix; draft model: per level "
+                                 "the --spec-tree-topk likeliest children of the --spec-tree-topk "
+                                 "likeliest paths, then the N likeliest nodes")
     spec_tree_topk: int = _opt(2, "tree speculation with a draft model: children per expanded "
-                               "node (the draft's most probable next tokens)")
+                               "node (the draft's most probable next tokens), and nodes "
+                               "expanded per level")
     spec_prefill_keep: float | None = _opt(None, "speculative prefill: for prompts of at least "
                                            "--spec-prefill-min-tokens, the draft model scores the "
                                            "prompt and the target prefills only this fraction of "

@@ -14,7 +14,7 @@ from ..cache import KVCacheManager
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
 from .proposer import Proposal, ProposalInput, Proposer
-from .tree import DraftTree
+from .tree import MAX_ROWS, DraftTree
 
 _NO_LOGPROBS = SamplingParams(max_tokens=None)
 
@@ -86,13 +86,14 @@ class DraftModelProposer(Proposer):
         return Proposal(drafts, torch.stack(flat) if any_sampled and flat else None)
 
     def propose_trees(self, batch: list[ProposalInput]) -> Proposal:
-        """Best-first draft trees (`spec.tree`): the root's `tree_topk` most probable next
-        tokens (under each request's sampling parameters), then level by level the `tree_topk`
-        children of the nodes whose paths are most probable, until `tree_budget` nodes or
-        batch[i].k levels. One draft forward per level over every request's tree so far (the
-        tree's rows with their ancestor masks; the root's KV is rewritten each time). The
-        children are point masses for acceptance (`spec.tree.accept`), so the drafts carry no
-        probabilities and the output distribution stays the target's."""
+        """Draft trees (`spec.tree`), EAGLE-2 style: level by level, the `tree_topk` most
+        probable next tokens (under each request's sampling parameters) of the `tree_topk`
+        nodes of the last level whose paths are most probable, up to batch[i].k levels (one
+        draft forward per level over every request's tree so far: its rows from the root, with
+        their ancestor masks); then the `tree_budget` nodes of highest path probability are
+        kept (a node's path is never more probable than its parent's, so that set is a
+        subtree). Children are point masses for acceptance (`spec.tree.accept`): the drafts
+        carry no probabilities and the output distribution stays the target's."""
         reqs, ks = [p.request for p in batch], [p.k for p in batch]
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
         trees = [DraftTree() for _ in reqs]
@@ -106,8 +107,9 @@ class DraftModelProposer(Proposer):
                 self._expand(trees[i], path_p[i], [(-1, 1.0, p[-1])])
                 seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) - 1  # all but the root
         fed = list(live)
+        width = self.tree_topk * self.tree_topk  # nodes a level adds past the first
         for depth in range(2, max(ks, default=0) + 1):
-            live = [i for i in live if depth <= ks[i] and trees[i].num_nodes < self.tree_budget
+            live = [i for i in live if depth <= ks[i] and trees[i].num_nodes + width < MAX_ROWS
                     and self._room_for_tree(seqs[i], trees[i])]
             if not live:
                 break
@@ -119,15 +121,27 @@ class DraftModelProposer(Proposer):
             probs = self._level_probs(sched, live, reqs)
             for i, p in zip(live, probs):
                 d = trees[i].depths()
-                frontier = [(n, path_p[i][n], p[n + 1]) for n in range(trees[i].num_nodes)
-                            if d[n] == depth - 1]
-                self._expand(trees[i], path_p[i], frontier)
+                last = [n for n in range(trees[i].num_nodes) if d[n] == depth - 1]
+                last = sorted(last, key=lambda n: -path_p[i][n])[:self.tree_topk]
+                self._expand(trees[i], path_p[i], [(n, path_p[i][n], p[n + 1]) for n in last])
         for i in fed:  # the root's KV is valid; the nodes' is scratch, past the computed count
             s = seqs[i]
             s.num_computed_tokens = len(s.all_token_ids)
             s.spec_tree, s.spec_token_ids = None, []
+        trees = [self._best(t, pp) for t, pp in zip(trees, path_p)]
         return Proposal([t.tokens for t in trees], None,
                         [t if t.num_nodes else None for t in trees])
+
+    def _best(self, tree: DraftTree, path_p: list[float]) -> DraftTree:
+        """The `tree_budget` nodes of highest path probability, in their original order."""
+        if tree.num_nodes <= self.tree_budget:
+            return tree
+        depth = tree.depths()
+        keep = sorted(range(tree.num_nodes), key=lambda n: (-path_p[n], depth[n], n))
+        keep = sorted(keep[:self.tree_budget])
+        index = {n: j for j, n in enumerate(keep)}
+        return DraftTree([tree.tokens[n] for n in keep],
+                         [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in keep])
 
     def _level_probs(self, sched, live: list[int], reqs) -> list[torch.Tensor]:
         """One draft forward; per live request, its rows' next-token probabilities under its
@@ -143,18 +157,14 @@ class DraftModelProposer(Proposer):
 
     def _expand(self, tree: DraftTree, path_p: list[float], frontier) -> None:
         """Adds the `tree_topk` children of each frontier (node, path probability, next-token
-        probabilities), most probable paths first, while the budget lasts."""
-        cands = []
+        probabilities)."""
         for node, pp, p in frontier:
             top = torch.topk(p, min(self.tree_topk, p.shape[-1]))
             for prob, tok in zip(top.values.tolist(), top.indices.tolist()):
                 if prob > 0.0:
-                    cands.append((pp * prob, node, tok))
-        cands.sort(key=lambda c: -c[0])
-        for pp, node, tok in cands[:self.tree_budget - tree.num_nodes]:
-            tree.tokens.append(tok)
-            tree.parents.append(node)
-            path_p.append(pp)
+                    tree.tokens.append(tok)
+                    tree.parents.append(node)
+                    path_p.append(pp * prob)
 
     def _room_for_tree(self, s: DraftSeq, tree: DraftTree) -> bool:
         if len(s.all_token_ids) + tree.num_nodes >= self.runner.cfg.max_position_embeddings:
