@@ -1,7 +1,7 @@
 """What a verify step costs on the GPU by its number of draft rows, batch 1: a plain decode step
-and a chain verify of k drafts (CUDA graphs), and tree verifies of N nodes (eager: tree steps
-run without graphs), on random weights at a real shape through the load path (decode_gguf.py's
-`random_model`). Each step is the runner's own `prepare` + `execute` on one request with
+and a chain verify of k drafts (CUDA graphs), tree verifies of N nodes on the tree graphs of an
+engine with `spec_tree_budget` N, and the same trees eagerly (an engine without tree graphs),
+on random weights at a real shape through the load path (decode_gguf.py's `random_model`). Each step is the runner's own `prepare` + `execute` on one request with
 `--context` cached tokens, timed as the median of `--repeats` back-to-back steps (synchronised).
 Tokens per verify from bench/spec_tree.py divided by these costs give the speedup a tree buys.
 
@@ -46,6 +46,25 @@ def step_ms(eng, req, n_new: int, spec: list[int], tree, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _engine_and_request(model, a, **kw):
+    eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8, num_speculative_tokens=4,
+                      speculative_method="ngram", **kw)
+    vocab = eng.runner.cfg.vocab_size
+    eng.add_request("r", torch.randint(0, vocab, (a.context,)).tolist(),
+                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.step()  # the prompt: its KV is cached; the request decodes from here
+    req = eng.scheduler.requests["r"]
+    assert eng.kv.allocate_slots(req, 64)  # room for the largest verify
+    return eng, req
+
+
+def _tree_ms(eng, req, tree, repeats):
+    req.spec_token_ids, req.spec_tree = list(tree.tokens), tree
+    ms = step_ms(eng, req, tree.num_nodes + 1, req.spec_token_ids, tree, repeats)
+    req.spec_token_ids, req.spec_tree = [], None
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-1.5b")
@@ -55,14 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     a = ap.parse_args()
     model = random_model(a.shape, a.type, a.context + 1024)
-    eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8, num_speculative_tokens=4,
-                      speculative_method="ngram")
-    vocab = eng.runner.cfg.vocab_size
-    eng.add_request("r", torch.randint(0, vocab, (a.context,)).tolist(),
-                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    eng.step()  # the prompt: its KV is cached; the request decodes from here
-    req = eng.scheduler.requests["r"]
-    assert eng.kv.allocate_slots(req, 64)  # room for the largest verify
+    eng, req = _engine_and_request(model, a)
     rows = []
     plain = step_ms(eng, req, 1, [], None, a.repeats)
     rows.append({"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)})
@@ -70,17 +82,16 @@ def main() -> None:
         req.spec_token_ids = list(range(200, 200 + k))
         ms = step_ms(eng, req, k + 1, req.spec_token_ids, None, a.repeats)
         rows.append({"step": f"chain verify k={k} (graph)", "rows": k + 1, "ms": round(ms, 3)})
-        tree = DraftTree.chain(req.spec_token_ids)
-        req.spec_tree = tree
-        ms = step_ms(eng, req, k + 1, req.spec_token_ids, tree, a.repeats)
-        rows.append({"step": f"chain as a tree k={k} (eager)", "rows": k + 1, "ms": round(ms, 3)})
-        req.spec_tree = None
-    for n in (8, 12, 16, 24, 32):
-        tree = binary_tree(n)
-        req.spec_token_ids, req.spec_tree = list(tree.tokens), tree
-        ms = step_ms(eng, req, n + 1, req.spec_token_ids, tree, a.repeats)
-        rows.append({"step": f"tree of {n} nodes (eager)", "rows": n + 1, "ms": round(ms, 3)})
-    req.spec_token_ids, req.spec_tree = [], None
+    req.spec_token_ids = []
+    ms = _tree_ms(eng, req, binary_tree(8), a.repeats)
+    rows.append({"step": "tree of 8 nodes (eager)", "rows": 9, "ms": round(ms, 3)})
+    del eng, req
+    for n in (4, 8, 12, 16, 24, 32):
+        eng, req = _engine_and_request(model, a, spec_tree_budget=n)
+        ms = _tree_ms(eng, req, binary_tree(n), a.repeats)
+        rows.append({"step": f"tree of {n} nodes (tree graph)", "rows": n + 1, "ms": round(ms, 3)})
+        del eng, req
+        torch.cuda.empty_cache()
     for r in rows:
         r["vs_plain"] = round(r["ms"] / plain, 2)
         print(r, flush=True)

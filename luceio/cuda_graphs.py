@@ -8,6 +8,9 @@ to the bucket: a padded token writes no KV (slot -1) and sits after the request'
 a padded request attends to its own first q positions. Attention inside a graph sees
 `max_seq_len` = the model's context, a static bound; kernels read the real lengths from
 `seq_lens`. Steps that do not fit (prefill chunks, bigger batches, more drafts) run eagerly.
+Tree speculation (`spec.tree`) has graphs of its own, captured with a static per-row attention
+mask (`words`): a tree of N nodes is padded to the `tree_rows` rows of the budget, the padding
+rows attending causally (-1) and no real row seeing them.
 Buckets of at most `LOGITS_ROWS` padded rows also compute the logits of every row inside the
 graph (the step then gathers the rows it needs): at batch 1 the lm_head's launches from Python
 were ~10% of the host's step time (bench/results/h200/host_variance.json). Larger buckets
@@ -30,24 +33,29 @@ LOGITS_ROWS = 16  # the skinny GEMM's rows: logits of padded rows cost little ba
 class StepGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, max_spec_tokens: int = 0, staging=None,
-                 capture_queries: bool = False):
+                 capture_queries: bool = False, tree_rows: int = 0):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_model_len, self.block_size = max_model_len, block_size
         buckets = [b for b in _BUCKETS if b <= max_num_seqs] or [1]
-        self.buckets = {1: buckets}
+        # (tokens per request, tree) -> batch buckets
+        self.buckets: dict[tuple[int, bool], list[int]] = {(1, False): buckets}
         for k in range(1, max_spec_tokens + 1):
-            self.buckets[k + 1] = [b for b in buckets if b <= _MAX_VERIFY_BATCH]
+            self.buckets[k + 1, False] = [b for b in buckets if b <= _MAX_VERIFY_BATCH]
+        if tree_rows > 1:
+            self.buckets[tree_rows, True] = [b for b in buckets if b <= _MAX_VERIFY_BATCH]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_seqs = buckets[-1]
-        rows = max(q * b[-1] for q, b in self.buckets.items())
+        rows = max(q * b[-1] for (q, _), b in self.buckets.items())
         i32 = dict(dtype=torch.int32, device=device)
         self.tok = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, positions, slots
         self.tables = torch.zeros(self.max_seqs, self.max_blocks, **i32)
         self.lens = torch.zeros(self.max_seqs, **i32)
-        self.qsl = {q: torch.arange(self.max_seqs + 1, **i32) * q for q in self.buckets}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # fp32 [bs * q, vocab]
+        self.words = torch.full((rows,), -1, dtype=torch.long, device=device)  # tree masks
+        self.qsl = {q: torch.arange(self.max_seqs + 1, **i32) * q for q, _ in self.buckets}
+        # keyed by (batch bucket, tokens per request, tree)
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}  # fp32 [bs * q, vocab]
         self.pool = None
         self.staging = staging
         # bounded residency (keys policy): every replay also leaves each layer's rotated
@@ -58,10 +66,10 @@ class StepGraphs:
             self.q_buf = torch.zeros(cfg.num_layers, rows, cfg.num_heads, cfg.head_dim,
                                      dtype=kv_caches[0].dtype, device=device)
 
-    def _inputs(self, bs: int, q: int):
+    def _inputs(self, bs: int, q: int, tree: bool):
         n = bs * q
         meta = AttnMetadata(self.tok[2, :n], self.tables[:bs], self.lens[:bs], self.qsl[q][:bs + 1],
-                            q, self.max_model_len)
+                            q, self.max_model_len, self.words[:n] if tree else None)
         return self.tok[0, :n], self.tok[1, :n], meta
 
     @torch.inference_mode()
@@ -81,34 +89,41 @@ class StepGraphs:
 
     def _capture_all(self) -> None:
         empty = np.zeros(0, np.int64)
-        for q, buckets in sorted(self.buckets.items(), key=lambda kv: -kv[0] * kv[1][-1]):
+        for (q, tree), buckets in sorted(self.buckets.items(),
+                                         key=lambda kv: -kv[0][0] * kv[1][-1]):
             for bs in reversed(buckets):
                 self._fill(*self._pad(empty, empty, empty, np.zeros((0, 1), np.int32),
                                       np.zeros(0, np.int32), np.zeros(0, np.int64), bs, q))
-                ids, pos, meta = self._inputs(bs, q)
+                self.words.fill_(-1)
+                ids, pos, meta = self._inputs(bs, q, tree)
                 warm = self.model(ids, pos, self.kv_caches, meta)  # warm-up compiles the kernels
                 if bs * q <= LOGITS_ROWS:
                     self.model.compute_logits(warm)
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
+                key = (bs, q, tree)
                 with torch.cuda.graph(g, pool=self.pool):
-                    self.outputs[bs, q] = self.model(ids, pos, self.kv_caches, meta,
-                                                     probe=self._capture_probe(bs * q))
+                    self.outputs[key] = self.model(ids, pos, self.kv_caches, meta,
+                                                   probe=self._capture_probe(bs * q))
                     if bs * q <= LOGITS_ROWS:
-                        self.logits[bs, q] = self.model.compute_logits(self.outputs[bs, q])
+                        self.logits[key] = self.model.compute_logits(self.outputs[key])
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[bs, q] = g
+                self.graphs[key] = g
         torch.cuda.synchronize(self.device)
 
-    def _bucket(self, h) -> tuple[int, int] | None:
+    def _bucket(self, h) -> tuple[int, int, bool] | None:
+        """(batch bucket, tokens per request, tree) of the graph that runs host batch `h`."""
         q_lens = h.q_lens
         q = int(q_lens.max())
-        if q not in self.buckets or len(q_lens) > self.buckets[q][-1]:
+        tree = h.tree_mask is not None
+        if tree:  # the tree graphs' rows, whatever the tree's size
+            q = next((rows for rows, t in self.buckets if t and rows >= q), 0)
+        if (q, tree) not in self.buckets or len(q_lens) > self.buckets[q, tree][-1]:
             return None
         if int((h.seq_lens + (q - q_lens)).max()) > self.max_model_len:
             return None
-        return next(b for b in self.buckets[q] if b >= len(q_lens)), q
+        return next(b for b in self.buckets[q, tree] if b >= len(q_lens)), q, tree
 
     def _capture_probe(self, n: int):
         if self.q_buf is None:
@@ -122,7 +137,7 @@ class StepGraphs:
     def queries(self, h, token_row: int) -> torch.Tensor:
         """[num_layers, num_heads, head_dim]: the queries of the last replay's token at flat
         row `token_row` of host batch `h` (rows are padded to q per request in a graph)."""
-        _, q = self._bucket(h)
+        _, q, _ = self._bucket(h)
         r = int(np.searchsorted(h.query_start_loc, token_row, side="right")) - 1
         return self.q_buf[:, r * q + token_row - int(h.query_start_loc[r])]
 
@@ -163,17 +178,23 @@ class StepGraphs:
         each logits row, the logits of all bs*q rows or None where the graph has none).
         `ids_from` (a `runner.DeviceTokenIds`): input ids taken on the device from the previous
         step's sampled ids (overlapped scheduling)."""
-        bs, q = self._bucket(h)
+        bs, q, tree = key = self._bucket(h)
         q_lens = h.q_lens
         # token t of request r sits at row r * q + (t - query_start_loc[r]) after padding
         r = np.repeat(np.arange(len(q_lens)), q_lens)
         rows_of_tok = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], q_lens))
         extra = [rows_of_tok[h.logits_indices]]
+        if tree:  # every row's mask word; padding rows attend causally
+            words = np.full(bs * q, -1, dtype=np.int64)
+            words[rows_of_tok] = h.tree_mask
+            extra.append(words)
         if ids_from is not None:
             extra += [ids_from.src, rows_of_tok[ids_from.dst]]
-        rows, *gather = self._fill(*self._pad(h.input_ids, h.positions, h.slot_mapping,
-                                              h.block_tables, h.seq_lens, q_lens, bs, q), extra)
-        if gather:
-            self.tok[0].index_copy_(0, gather[1], ids_from.token_ids[gather[0]])
-        self.graphs[bs, q].replay()
-        return self.outputs[bs, q], rows, self.logits.get((bs, q))
+        rows, *more = self._fill(*self._pad(h.input_ids, h.positions, h.slot_mapping,
+                                            h.block_tables, h.seq_lens, q_lens, bs, q), extra)
+        if tree:
+            self.words[:bs * q].copy_(more.pop(0))
+        if more:
+            self.tok[0].index_copy_(0, more[1], ids_from.token_ids[more[0]])
+        self.graphs[key].replay()
+        return self.outputs[key], rows, self.logits.get(key)

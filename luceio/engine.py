@@ -84,6 +84,8 @@ class LLMEngine:
                                   fit_context=args.max_model_len is None,
                                   max_spec_tokens=args.num_speculative_tokens
                                   if args.speculative_method else 0,
+                                  tree_rows=args.spec_tree_budget + 1
+                                  if args.speculative_method and args.spec_tree_budget else 0,
                                   extra_bytes_per_block=kv_bytes_per_block(
                                       draft.cfg, args.block_size, dtype)
                                   if draft is not None and args.speculative_method == "draft" else 0)

@@ -84,9 +84,10 @@ class ModelRunner:
                  cache_config: CacheConfig, max_model_len: int, model=None,
                  enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0,
                  extra_bytes_per_block: int = 0, quantization: str = "auto",
-                 fit_context: bool = False):
+                 fit_context: bool = False, tree_rows: int = 0):
         """`max_model_len`: the context wanted; with `fit_context` (none was asked for) it
-        shrinks to what a memory-sized KV pool holds. The context used: `self.max_model_len`."""
+        shrinks to what a memory-sized KV pool holds. The context used: `self.max_model_len`.
+        `tree_rows`: rows of the largest tree-speculation step (its own CUDA graphs)."""
         self.device, self.dtype = device, dtype
         self.model = model if model is not None else build_model(ckpt, dtype, device,
                                                                  quantization)
@@ -118,7 +119,8 @@ class ModelRunner:
                                          self.max_model_len, self.block_size, device,
                                          max_spec_tokens, self.staging, capture_queries=bool(
                                              cache_config.resident_tokens) and
-                                         cache_config.resident_policy == "keys")
+                                         cache_config.resident_policy == "keys",
+                                         tree_rows=tree_rows)
                 self.graphs.capture()
 
     @property
@@ -298,8 +300,7 @@ class ModelRunner:
     def execute(self, inp: StepInputs, probe=None) -> torch.Tensor:
         """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`. A `probe`
         (called per layer with the rotated queries) forces the eager path."""
-        graphed = self.graphs is not None and probe is None and inp.host.tree_mask is None \
-            and self.graphs.fits(inp.host)
+        graphed = self.graphs is not None and probe is None and self.graphs.fits(inp.host)
         if inp.score_rows:
             if probe is not None:
                 raise ValueError("a step cannot both score KV blocks and run another probe")

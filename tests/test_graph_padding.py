@@ -40,8 +40,8 @@ def test_padded_batch_gives_the_same_hidden_states(tiny_llama):
         kv.copy_(s)
     g = StepGraphs(model, runner.kv_caches, max_num_seqs=8, max_model_len=256, block_size=16,
                    device=torch.device("cpu"), max_spec_tokens=3)
-    bs, q = g._bucket(h)
-    assert (bs, q) == (4, 3)
+    bs, q, tree = g._bucket(h)
+    assert (bs, q, tree) == (4, 3, False)
     tok, tables, lens = g._pad(h.input_ids, h.positions, h.slot_mapping, h.block_tables,
                                h.seq_lens, h.q_lens, bs, q)
     qsl = torch.arange(bs + 1, dtype=torch.int32) * q
@@ -62,3 +62,55 @@ def test_padded_batch_gives_the_same_hidden_states(tiny_llama):
         a, b, s = (x.flatten(1, 2) for x in (a, b, s))  # [2, slots, heads, dim]
         assert torch.equal(a[:, ~real], s[:, ~real])
         torch.testing.assert_close(a[:, real], b[:, real], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_tree_batch_gives_the_same_hidden_states(tiny_llama):
+    """Tree speculation's graphs: each request's tree rows padded to the graph's rows, their
+    mask words (-1 for padding) padded alike; the real rows' hidden states are the eager ones."""
+    from luceio.spec.tree import DraftTree
+    llm = LLM(tiny_llama, **engine_kwargs(max_model_len=256))
+    eng = llm.engine
+    for i, n in enumerate([5, 21, 40]):
+        eng.add_request(f"r{i}", {"prompt_token_ids": list(range(3 + i, 3 + i + n))},
+                        SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    reqs = list(eng.scheduler.running)
+    trees = [DraftTree([9, 4, 7, 8], [-1, -1, 0, 1]), DraftTree([5], [-1]),
+             DraftTree([6, 2, 11, 12, 13], [-1, 0, 0, 1, 2])]
+    for r, tr in zip(reqs, trees):
+        r.spec_token_ids, r.spec_tree = list(tr.tokens), tr
+    sched = SchedulerOutput([ScheduledRequest(r, 1 + tr.num_nodes, list(tr.tokens), tr)
+                             for r, tr in zip(reqs, trees)], [])
+    for r, tr in zip(reqs, trees):
+        assert eng.kv.allocate_slots(r, 1 + tr.num_nodes)
+    h = eng.runner.prepare(sched, eng.kv).host
+    assert h.tree_mask is not None
+    runner, model = eng.runner, eng.runner.model
+    t = torch.from_numpy
+    meta = AttnMetadata(t(h.slot_mapping), t(h.block_tables), t(h.seq_lens), t(h.query_start_loc),
+                        int(h.q_lens.max()), int(h.seq_lens.max()), t(h.tree_mask))
+    snapshot = [kv.clone() for kv in runner.kv_caches]
+    ref = model(t(h.input_ids), t(h.positions), runner.kv_caches, meta)
+    for kv, s in zip(runner.kv_caches, snapshot):
+        kv.copy_(s)
+    g = StepGraphs(model, runner.kv_caches, max_num_seqs=8, max_model_len=256, block_size=16,
+                   device=torch.device("cpu"), max_spec_tokens=3, tree_rows=8)
+    bs, q, tree = g._bucket(h)
+    assert (bs, q, tree) == (4, 8, True)
+    tok, tables, lens = g._pad(h.input_ids, h.positions, h.slot_mapping, h.block_tables,
+                               h.seq_lens, h.q_lens, bs, q)
+    r = np.repeat(np.arange(len(h.q_lens)), h.q_lens)
+    rows = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], h.q_lens))
+    words = np.full(bs * q, -1, dtype=np.int64)  # as StepGraphs.run fills them
+    words[rows] = h.tree_mask
+    qsl = torch.arange(bs + 1, dtype=torch.int32) * q
+    pmeta = AttnMetadata(t(tok[2]), t(tables.astype(np.int32)), t(lens.astype(np.int32)), qsl, q,
+                         256, t(words))
+    out = model(t(tok[0]), t(tok[1]), runner.kv_caches, pmeta)
+    torch.testing.assert_close(out[t(rows)], ref, rtol=1e-5, atol=1e-5)
+    plain = AttnMetadata(*(getattr(pmeta, f) for f in ("slot_mapping", "block_tables", "seq_lens",
+                                                         "query_start_loc", "max_query_len",
+                                                         "max_seq_len")))
+    out_causal = model(t(tok[0]), t(tok[1]), runner.kv_caches, plain)
+    assert not torch.allclose(out_causal[t(rows)], ref, atol=1e-3)  # the masks mattered

@@ -47,9 +47,19 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
     cache = CacheConfig(args.block_size, target_runner.num_blocks, 0, 0.0, False)
     runner = ModelRunner(None, target_runner.dtype, target_runner.device, cache, max_model_len,
                          model=draft_model, enforce_eager=args.enforce_eager,
-                         max_num_seqs=args.max_num_seqs, max_spec_tokens=1)
+                         max_num_seqs=args.max_num_seqs, max_spec_tokens=1,
+                         tree_rows=_draft_tree_rows(args))
     return DraftModelProposer(runner, args.block_size, sampler, args.spec_tree_budget,
                               args.spec_tree_topk)
+
+
+def _draft_tree_rows(args) -> int:
+    """Rows of the draft model's largest tree level (`DraftModelProposer.propose_trees`): the
+    root and the nodes before the last level, topk + topk^2 per level after the first."""
+    if not args.spec_tree_budget:
+        return 0
+    k, topk = args.num_speculative_tokens, args.spec_tree_topk
+    return min(1 + topk + max(k - 2, 0) * topk * topk, 64)
 
 
 def build_spec_prefill(args, target_runner, draft_model, max_model_len: int):
