@@ -21,6 +21,7 @@ from common import (SHAPES, copy_bandwidth, env_info, kv_bytes_per_token, random
 
 from luceio import AsyncEngine, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from luceio.sampling_params import RequestOutputKind  # noqa: E402
+from luceio.spec.proposer import Proposal, Proposer  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -237,7 +238,7 @@ def section_spec(quick: bool) -> None:
         print(rows[-10:], flush=True)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the target's own greedy continuation, each draft corrupted with probability
     1 - accept_rate: a proposer of known quality, to check the speedup projection end to end."""
 
@@ -253,16 +254,23 @@ class OracleProposer:
             cont = ref[len(toks):len(toks) + inp.k]
             out.append([t if torch.rand(1, generator=self.rng).item() < self.rate
                         else int(torch.randint(0, self.vocab, (1,), generator=self.rng)) for t in cont])
-        return out
+        return Proposal(out)
 
 
-def section_forced_acceptance(quick: bool) -> None:
-    """End-to-end decode tokens/s with drafts of a forced acceptance rate vs plain decoding."""
-    rows = RESULTS.setdefault("spec_forced_acceptance_1.5b", [])
-    model = random_model("qwen2.5-coder-1.5b", max_positions=2048)
+def section_forced_acceptance(quick: bool, kind: str = "bf16") -> None:
+    """End-to-end decode tokens/s with drafts of a forced acceptance rate vs plain decoding;
+    `kind` Q4_K_M / Q8_0: random weights quantized through the GGUF load path."""
+    key = "spec_forced_acceptance_1.5b" + ("" if kind == "bf16" else "_" + kind)
+    rows = RESULTS.setdefault(key, [])
+    if kind == "bf16":
+        model = random_model("qwen2.5-coder-1.5b", max_positions=2048)
+    else:
+        from decode_gguf import random_model as random_quant_model
+        model = random_quant_model("qwen2.5-1.5b", kind, 2048)
     # random weights give near-flat logits whose bf16 argmax flips between kernel paths; peaked
-    # logits keep the greedy trajectory stable so the oracle's references stay valid
-    model.lm_head.weight.mul_(30.0)
+    # logits keep the greedy trajectory stable so the oracle's references stay valid (the final
+    # norm's weight scales the logits whatever the head's type)
+    model.norm.weight.mul_(30.0)
     new = 128 if quick else 256
     for batch in (1, 4, 16):
         prompts = [torch.randint(0, 151936, (512,)).tolist() for _ in range(batch)]
@@ -309,6 +317,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections", default="decode,hf,concurrency,kernels,spec,forced")
     ap.add_argument("--json-name", default="gpu_bench.json")
+    ap.add_argument("--forced-type", default="bf16", help="bf16, Q4_K_M or Q8_0 weights for "
+                    "the forced-acceptance section")
     a = ap.parse_args()
     sections = a.sections.split(",")
     RESULTS["env"] = env_info()
@@ -318,7 +328,7 @@ def main() -> None:
     todo = [("decode", lambda: section_decode(bw, a.quick, "hf" in sections)),
             ("concurrency", lambda: section_concurrency(a.quick)),
             ("kernels", lambda: section_kernels(bw)), ("spec", lambda: section_spec(a.quick)),
-            ("forced", lambda: section_forced_acceptance(a.quick))]
+            ("forced", lambda: section_forced_acceptance(a.quick, a.forced_type))]
     todo = sorted((t for t in todo if t[0] in sections), key=lambda t: sections.index(t[0]))
     run_sections(todo, RESULTS, os.path.join(a.out, a.json_name))
 

@@ -16,7 +16,7 @@ against a device-to-device copy (read + write) measured in the same run. Weights
 codes and scales (`random_quant_weight`); only shapes and the layout matter for speed.
 `dequantize_triton` (the prefill path's first half) is timed once per quantized matrix:
 bandwidth = (quantized bytes read + bf16 bytes written) / time. `--set` overrides fields of the
-arch's KernelConfig (compare launch configs). Writes DIR/qgemm.json (default
+arch's KernelConfig (compare launch configs). Writes DIR/qgemm.json (`--json-name`; default DIR
 bench/results/h200).
 """
 from __future__ import annotations
@@ -131,9 +131,10 @@ def bench_matrix(n: int, k: int, qtype: str, rows: list[int], repeats: int, dev)
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         exact = x.float() @ w32.T
-        # one row of a quantized weight runs the int8 GEMV: exact for the int8-rounded x
-        ok, err = verify(kernel(x, w), quantize_x_ref(x) @ w32.T if m == 1 and qtype != "bf16"
-                         else exact)
+        # up to gemv_max_m rows of a quantized weight run the int8 GEMV: exact for the
+        # int8-rounded x
+        int8_x = qtype != "bf16" and m <= configs.get_config(dev).gemv_max_m
+        ok, err = verify(kernel(x, w), quantize_x_ref(x) @ w32.T if int8_x else exact)
         ok_ref, err_ref = verify(F.linear(x, dense), exact)
         t = time_per_call([lambda w=wc: kernel(x, w, out=out) for wc in weights], repeats)
         t_ref = time_per_call([lambda w=wc: F.linear(x, w) for wc in dense_copies], repeats)
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
                     help="folder for qgemm.json")
     ap.add_argument("--quick", action="store_true", help="3 matrices, q4_k and bf16, M = 1, 16")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json-name", default="qgemm.json")
     ap.add_argument("--rows", default=None, help="comma-separated M values (default 1,4,8,16)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a KernelConfig field (integers), e.g. gemv_block_n=32")
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
                       f"{r['speedup_vs_cublas']:7.2f}x "
                       f"{'ok' if r['ok'] else 'FAIL'} ({r['max_err']:.2g})", flush=True)
     failed = [r for r in results if not (r["ok"] and r.get("dequant_ok", True))]
-    write_json(os.path.join(args.out, "qgemm.json"),
+    write_json(os.path.join(args.out, args.json_name),
                dict(env=env_info(), copy_GBps=copy_bps / 1e9, quick=args.quick,
                     repeats=args.repeats, config=configs.config_to_dict(cfg), results=results))
     if failed:

@@ -14,12 +14,16 @@
 #   final           GPU tests; decode at batch 1 from random weights (no files); qgemm at M = 1
 #   gemv-split      bench/gemv_sweep.py over the one-row GEMV's split-K fields, then
 #                   bench/step_profile.py A/Bs of the best ones on the 7B and 0.5B decode step
+#   rows            all the GPU tests, then bench/qgemm.py at M = 1, 4, 8, 16 (the multi-row int8
+#                   GEMV up to gemv_max_m rows) and an A/B of M = 12, 16 on the GEMV
+#   verify          bench/tree_verify_cost.py at batch 1/4/16, forced-acceptance decode on
+#                   Q4_K_M weights, batch-1 decode from random Q4_K_M / Q8_0 weights
 #   decode          luceio on the same files at contexts 512 and 8192, beside llama-bench's
 #                   numbers ($OUT/decode_gguf.json)
 # Needs carry: .llamacpp/src .llamacpp/bench.sh .llamacpp/build.sh .llamacpp/make_gguf.py
 #              .llamacpp/prepare.sh (see ../shared/tools/llamacpp/README.md).
 set -uo pipefail
-export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py:$PWD/.whl/gg  # .whl/gg: the gguf wheel, unzipped
+export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py:$PWD/.whl/gg${PYTHONPATH:+:$PYTHONPATH}  # .whl/gg: the gguf wheel, unzipped; or wheels installed to a --target on PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export GGUF_DIR=$PWD/.llamacpp/gguf
 SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
@@ -66,5 +70,17 @@ case $1 in
     sets=(); for s in ${PROFILE_SETS:-}; do sets+=(--set "$s"); done
     timeout ${PROFILE_S:-250} python bench/step_profile.py --shapes ${PROFILE_SHAPES:-qwen2.5-7b,qwen2.5-0.5b} \
       --no-eager "${sets[@]}" --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-400 ;;
+  rows)
+    timeout ${TEST_S:-330} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+    timeout ${QGEMM_S:-150} python bench/qgemm.py --repeats 10 --out "$OUT" 2>&1 | grep -v -i warn | tail -60
+    timeout ${QGEMM_AB_S:-80} python bench/qgemm.py --repeats 10 --rows 12,16 --set gemv_max_m=16 \
+      --json-name qgemm_gemv16.json --out "$OUT" 2>&1 | grep -v -i warn | tail -40 ;;
+  verify)
+    timeout ${TREE_S:-240} python bench/tree_verify_cost.py --out "$OUT" 2>&1 | grep -v -i warn | tail -40
+    timeout ${FORCED_S:-150} python bench/gpu_bench.py --sections forced --forced-type Q4_K_M --quick \
+      --json-name gpu_bench_forced_q4km.json --out "$OUT" 2>&1 | grep -v -i warn | tail -20
+    timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
+      --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -1,8 +1,10 @@
-"""What a verify step costs on the GPU by its number of draft rows, batch 1: a plain decode step
-and a chain verify of k drafts (CUDA graphs), tree verifies of N nodes on the tree graphs of an
-engine with `spec_tree_budget` N, and the same trees eagerly (an engine without tree graphs),
-on random weights at a real shape through the load path (decode_gguf.py's `random_model`). Each step is the runner's own `prepare` + `execute` on one request with
-`--context` cached tokens, timed as the median of `--repeats` back-to-back steps (synchronised).
+"""What a verify step costs on the GPU by its number of draft rows, at batch 1/4/16 (every
+request of the batch verifying the same shape): a plain decode step and a chain verify of k
+drafts (CUDA graphs), tree verifies of N nodes on the tree graphs of an engine with
+`spec_tree_budget` N, and (`--eager`) a tree on an engine without tree graphs, on random
+weights at a real shape through the load path (decode_gguf.py's `random_model`). Each step is
+the runner's own `prepare` + `execute` on requests with `--context` cached tokens, timed as
+the median of `--repeats` back-to-back steps (synchronised).
 Tokens per verify from bench/spec_tree.py divided by these costs give the speedup a tree buys.
 
     python bench/tree_verify_cost.py [--shape qwen2.5-1.5b] [--type Q4_K_M] [--context 512]
@@ -33,8 +35,11 @@ def binary_tree(n: int) -> DraftTree:
     return DraftTree(list(range(100, 100 + n)), [(i - 1) // 2 if i else -1 for i in range(n)])
 
 
-def step_ms(eng, req, n_new: int, spec: list[int], tree, repeats: int) -> float:
-    sched = SchedulerOutput([ScheduledRequest(req, n_new, spec, tree)], [])
+def step_ms(eng, reqs, n_new: int, spec: list[int], tree, repeats: int) -> float:
+    """Median time of one step that gives every request in `reqs` the same verify rows."""
+    sched = SchedulerOutput([ScheduledRequest(r, n_new, list(spec), tree) for r in reqs], [])
+    for r in reqs:
+        r.spec_token_ids, r.spec_tree = list(spec), tree
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -43,26 +48,24 @@ def step_ms(eng, req, n_new: int, spec: list[int], tree, repeats: int) -> float:
         eng.runner.execute(inp)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
+    for r in reqs:
+        r.spec_token_ids, r.spec_tree = [], None
     return statistics.median(times)
 
 
-def _engine_and_request(model, a, **kw):
-    eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8, num_speculative_tokens=4,
-                      speculative_method="ngram", **kw)
+def _engine_and_requests(model, a, batch: int, **kw):
+    eng = make_engine(model, a.context + 512, kv_gib=4, max_num_seqs=max(8, batch),
+                      num_speculative_tokens=4, speculative_method="ngram", **kw)
     vocab = eng.runner.cfg.vocab_size
-    eng.add_request("r", torch.randint(0, vocab, (a.context,)).tolist(),
-                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    eng.step()  # the prompt: its KV is cached; the request decodes from here
-    req = eng.scheduler.requests["r"]
-    assert eng.kv.allocate_slots(req, 64)  # room for the largest verify
-    return eng, req
-
-
-def _tree_ms(eng, req, tree, repeats):
-    req.spec_token_ids, req.spec_tree = list(tree.tokens), tree
-    ms = step_ms(eng, req, tree.num_nodes + 1, req.spec_token_ids, tree, repeats)
-    req.spec_token_ids, req.spec_tree = [], None
-    return ms
+    for i in range(batch):
+        eng.add_request(f"r{i}", torch.randint(0, vocab, (a.context,)).tolist(),
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while any(r.num_computed_tokens < a.context for r in eng.scheduler.requests.values()):
+        eng.step()  # the prompts: their KV is cached; the requests decode from here
+    reqs = [eng.scheduler.requests[f"r{i}"] for i in range(batch)]
+    for r in reqs:
+        assert eng.kv.allocate_slots(r, 64)  # room for the largest verify
+    return eng, reqs
 
 
 def main() -> None:
@@ -70,31 +73,39 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2.5-1.5b")
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--trees", default="4,8,16,24")
+    ap.add_argument("--eager", action="store_true", help="also an eager tree of 8 nodes")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
     model = random_model(a.shape, a.type, a.context + 1024)
-    eng, req = _engine_and_request(model, a)
     rows = []
-    plain = step_ms(eng, req, 1, [], None, a.repeats)
-    rows.append({"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)})
-    for k in (2, 4):
-        req.spec_token_ids = list(range(200, 200 + k))
-        ms = step_ms(eng, req, k + 1, req.spec_token_ids, None, a.repeats)
-        rows.append({"step": f"chain verify k={k} (graph)", "rows": k + 1, "ms": round(ms, 3)})
-    req.spec_token_ids = []
-    ms = _tree_ms(eng, req, binary_tree(8), a.repeats)
-    rows.append({"step": "tree of 8 nodes (eager)", "rows": 9, "ms": round(ms, 3)})
-    del eng, req
-    for n in (4, 8, 12, 16, 24, 32):
-        eng, req = _engine_and_request(model, a, spec_tree_budget=n)
-        ms = _tree_ms(eng, req, binary_tree(n), a.repeats)
-        rows.append({"step": f"tree of {n} nodes (tree graph)", "rows": n + 1, "ms": round(ms, 3)})
-        del eng, req
-        torch.cuda.empty_cache()
-    for r in rows:
-        r["vs_plain"] = round(r["ms"] / plain, 2)
-        print(r, flush=True)
+    for batch in batches:
+        eng, reqs = _engine_and_requests(model, a, batch)
+        plain = step_ms(eng, reqs, 1, [], None, a.repeats)
+        found = [{"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)}]
+        for k in (2, 4):
+            ms = step_ms(eng, reqs, k + 1, list(range(200, 200 + k)), None, a.repeats)
+            found.append({"step": f"chain verify k={k} (graph)", "rows": k + 1,
+                          "ms": round(ms, 3)})
+        if a.eager and batch == 1:
+            ms = step_ms(eng, reqs, 9, binary_tree(8).tokens, binary_tree(8), a.repeats)
+            found.append({"step": "tree of 8 nodes (eager)", "rows": 9, "ms": round(ms, 3)})
+        del eng, reqs
+        for n in (int(v) for v in a.trees.split(",")):
+            eng, reqs = _engine_and_requests(model, a, batch, spec_tree_budget=n)
+            tree = binary_tree(n)
+            ms = step_ms(eng, reqs, n + 1, tree.tokens, tree, a.repeats)
+            found.append({"step": f"tree of {n} nodes (tree graph)", "rows": n + 1,
+                          "ms": round(ms, 3)})
+            del eng, reqs
+            torch.cuda.empty_cache()
+        for r in found:
+            r.update(batch=batch, vs_plain=round(r["ms"] / plain, 2))
+            print(r, flush=True)
+        rows += found
     write_json(os.path.join(a.out, "tree_verify_cost.json"),
                {"env": env_info(), "shape": a.shape, "type": a.type, "context": a.context,
                 "rows": rows})

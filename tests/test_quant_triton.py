@@ -92,7 +92,9 @@ def test_quant_skinny_matches_reference(gen, qtype):
             b = bias.to(dtype) if with_bias else None
             with configs.use_config(SPLIT if split else SMALL):
                 out = qt.quant_matmul_skinny(x, w, b)
-            check(out, quant_linear_ref(gemv_input(x), w, b), TOL[dtype], gen,
+            xr = gemv_input(x)
+            check(out, quant_linear_ref(xr, w, b.to(xr.dtype) if with_bias else None),
+                  TOL[dtype], gen,
                   f"{qtype} [{n}, {k}] M={m} {dtype} split={split} bias={with_bias}")
             assert out.dtype == dtype
 
@@ -144,8 +146,10 @@ def test_bf16_activations(gen):
 
 
 def gemv_input(x):
-    """What the kernel multiplies: one row goes through the int8 GEMV (x quantized per group)."""
-    return quantize_x_ref(x) if x.shape[0] == 1 else x
+    """What the kernel multiplies: up to `gemv_max_m` rows go through the int8 GEMV (x quantized
+    per group)."""
+    rows = x.numel() // x.shape[-1]
+    return quantize_x_ref(x) if rows <= SMALL.gemv_max_m else x
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_k", "q6_k", "q8_0"])
@@ -167,8 +171,8 @@ def test_gemv_error_within_the_int8_bound(gen, qtype):
 @pytest.mark.parametrize("m", [1, 3])
 def test_parts_write_one_output(gen, m, monkeypatch):
     """A projection stored as parts of different types (q4_k, q6_k, q8_0, q4_k) equals the
-    concatenation of the parts' references, bias included; at one row x is quantized once per
-    layout (the 4-bit planes and q8_0's group order), not once per part."""
+    concatenation of the parts' references, bias included; x is quantized once per layout (the
+    4-bit planes and q8_0's group order), not once per part."""
     k, sizes = 512, [24, 8, 16, 9]
     ws = [weight(gen, q, n, k) for q, n in zip(["q4_k", "q6_k", "q8_0", "q4_k"], sizes)]
     bias = gen.randn(sum(sizes))
@@ -181,7 +185,26 @@ def test_parts_write_one_output(gen, m, monkeypatch):
         out = qt.quant_matmul_parts(x, ws, bias)
     ref = torch.cat([quant_linear_ref(gemv_input(x), w) for w in ws], dim=-1) + bias
     check(out, ref, TOL[torch.float32], gen, f"parts M={m}")
-    assert calls == ([True, False] if m == 1 else [])
+    assert calls == [True, False]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gemv_rows_equal_one_row_each(gen, qtype):
+    """The GEMV reads the weight once for several rows of x, and each row's result is the bits
+    that row gives alone: a verify step's rows equal the decode steps they stand for. Rows go in
+    launches of `gemv_rows_per_launch` (2 here: 5 rows are 2 + 2 + 1), with and without split-K."""
+    k = 512 if qtype.endswith("_k") else 160
+    w = weight(gen, qtype, 9, k)
+    bias = gen.randn(9)
+    x = gen.randn(5, k)
+    for base in (SMALL, SPLIT):
+        cfg = KernelConfig(**{**base.__dict__, "gemv_rows_per_launch": 2})
+        with configs.use_config(cfg):
+            rows = qt.quant_matmul_skinny(x, w, bias)
+            alone = torch.cat([qt.quant_matmul_skinny(x[i:i + 1], w, bias) for i in range(5)])
+        assert torch.equal(rows, alone), f"{qtype} split={base is SPLIT} (seed {gen.seed_value})"
+        check(rows, quant_linear_ref(quantize_x_ref(x), w, bias), TOL[torch.float32], gen,
+              f"{qtype} 5 rows")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -211,7 +234,8 @@ def test_quant_matmul_routes_by_rows(gen, monkeypatch):
         with configs.use_config(cfg):
             got = qt.quant_matmul(x, w, bias, out=out)
         assert got is out and bool(calls) == expect_skinny, f"{lead}: skinny={bool(calls)}"
-        check(out, quant_linear_ref(x, w, bias), TOL[torch.float32], gen, f"x {list(lead)}")
+        ref = quant_linear_ref(gemv_input(x) if expect_skinny else x, w, bias)
+        check(out, ref, TOL[torch.float32], gen, f"x {list(lead)}")
 
 
 def test_linear_dispatch_goes_to_triton(gen, monkeypatch):
@@ -223,7 +247,8 @@ def test_linear_dispatch_goes_to_triton(gen, monkeypatch):
     w = weight(gen, "q8_0", 7, 64)
     x = gen.randn(2, 64)
     with configs.use_config(SMALL):
-        check(K.linear(x, w), quant_linear_ref(x, w), TOL[torch.float32], gen, "dispatch")
+        check(K.linear(x, w), quant_linear_ref(gemv_input(x), w), TOL[torch.float32], gen,
+              "dispatch")
     assert called
 
 

@@ -58,6 +58,8 @@ class KernelConfig:
     # K = 14336) is too few warps to keep enough loads in flight
     gemv_split_min_programs: int = 256
     gemv_min_tiles_per_split: int = 2
+    gemv_max_m: int = 8                  # quantized: up to this many rows of x the int8 GEMV runs,
+    gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
     dense_gemv_block_n: int = 64         # 1 row of a dense weight (dense_matmul_skinny)
     dense_gemv_block_k: int = 256
     dense_gemv_num_warps: int = 4

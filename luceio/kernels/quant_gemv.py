@@ -1,5 +1,8 @@
-"""The one-row quantized GEMV (decode at batch 1): y = x @ W^T for x [1, K] and W in the
-repacked layout of `quant.py`, on integer dot products.
+"""The quantized GEMV of decode and speculative verify: y = x @ W^T for a few rows of x [M, K]
+(M <= `gemv_max_m`) and W in the repacked layout of `quant.py`, on integer dot products. Each
+weight tile is loaded and its codes unpacked once, then multiplied with every row of x (a
+leading axis of the tiles): at M rows the weight is read once, where a kernel per row would read
+it M times.
 
 Why integers: at one row a GEMV must turn every 4-6 bit code into a number and multiply it, and
 done in fp32 that is ~10 instructions a weight, which caps a Triton kernel at ~15-20% of HBM
@@ -24,10 +27,13 @@ interpreter) `_dp4a` runs the same product with shifts and multiplies, exactly.
 
 Layout: one warp per program, one thread per 32-group (16 bytes of codes; q8_0 as two 16-byte
 half-groups), the program's BLOCK_N rows in each thread's registers. Every tile is loaded from
-addresses contiguous along the thread axis (`_row_tile`, `_shared_tile`, `_x_tile`), so
+addresses contiguous along the thread axis (`_row_tile`, `_shared_tile`, `_x_rows`), so
 Triton gives the load the layout the dot products use: with a tie between rows and groups in its
 contiguity order, Triton 3.6 put threads across rows and moved each tile through shared memory,
 which held this kernel at ~37% of copy bandwidth (`bench/results/h200/gemv_sweep_history/`).
+
+Every row of x is computed exactly as it would be alone (the same integer products and fp32 sums in
+the same order), so a verify step's rows equal the decode steps they replace.
 
 The grid is (cdiv(N, BLOCK_N), SPLIT_K); with SPLIT_K > 1 the programs write fp32 partials and
 the last one of a row block to arrive sums them in split order (deterministic), in the same
@@ -133,20 +139,33 @@ def _shared_tile(base, row0, N, stride, g0, g_end, BN: tl.constexpr, G: tl.const
 
 
 @triton.jit
-def _x_tile(base, first, limit, G: tl.constexpr, W: tl.constexpr):
-    """[1, G, W] words of x from base[first ..] (contiguous), 0 at and past `limit`."""
-    c = first + tl.arange(0, G * W)
-    return tl.reshape(tl.load(base + c, mask=c < limit, other=0), [1, G, W])
+def _x_rows(base, mi, M, s_m, first, limit, G: tl.constexpr, W: tl.constexpr,
+            BM: tl.constexpr):
+    """[BM, 1, G, W] words of x rows mi (< M) from base[m * s_m + first ..] (contiguous along
+    the words), 0 at and past `limit` within a row."""
+    c = first + tl.arange(0, G * W)[None, :]
+    v = tl.load(base + mi[:, None] * s_m + c, mask=(mi[:, None] < M) & (c < limit), other=0)
+    return tl.reshape(v, [BM, 1, G, W])
+
+
+@triton.jit
+def _x_groups(base, mi, M, s_m, grp, gm):
+    """[BM, 1, G]: base[m * s_m + grp] of rows mi (< M), 0 where not `gm`."""
+    v = tl.load(base + mi[:, None] * s_m + grp[None, :], mask=(mi[:, None] < M) & gm[None, :],
+                other=0)
+    return v[:, None, :]
 
 
 @triton.jit
 def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
-                 bias_ptr, out_ptr, part_ptr, cnt_ptr, N, KG, groups_per_split, s_qs, s_qh, s_d,
-                 s_sc, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 G: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRED: tl.constexpr):
+                 bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs,
+                 s_qh, s_d, s_sc, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
+                 ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PAIRED: tl.constexpr):
     # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
-    # so every type's tile is [BN, G * H, 4] with one thread per (half-)group
+    # so every type's tile is [BN, G * H, 4] with one thread per (half-)group; the M rows of x
+    # are a leading axis that every weight tile is broadcast over (loaded and decoded once)
     H: tl.constexpr = 2 if QTYPE == "q8_0" else 1
     GH: tl.constexpr = G * H
     K_QUANT: tl.constexpr = QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k"
@@ -156,11 +175,12 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     nmask = rows < N
+    mi = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, KG)
 
-    acc = tl.zeros([BLOCK_N, GH], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, GH], tl.float32)
     WG: tl.constexpr = 4 * H                                             # words per group
     if PREFETCH:  # the next tile's code words load while this tile computes
         nxt = _row_tile(qs_ptr, row0, N, s_qs, g_start * WG, g_end * WG, BLOCK_N, G * WG)
@@ -171,21 +191,25 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
         else:
             words = _row_tile(qs_ptr, row0, N, s_qs, g0 * WG, g_end * WG, BLOCK_N, G * WG)
         words = tl.reshape(words, [BLOCK_N, GH, 4])                      # [BN, GH, 4] int32
-        zero = tl.zeros_like(words)
+        shape4: tl.constexpr = [BLOCK_M, BLOCK_N, GH, 4]
+        zero = tl.zeros(shape4, tl.int32)
         if QTYPE == "q8_0":  # x in group order; per half-group: its group's scale, d * xs
             half = g0 * 2 + tl.arange(0, GH)
-            xs = tl.load(xs_ptr + half // 2, mask=half < g_end * 2, other=0.0)[None, :]
-            xw = tl.broadcast_to(_x_tile(xq_ptr, g0 * 8, g_end * 8, GH, 4), words.shape)
-            s_lo = tl.sum(_dp4a(words, xw, zero, ASM), 2)                # [BN, GH]
-        else:  # x in two planes: elements 0-15 and 16-31 of every group
+            xs = _x_groups(xs_ptr, mi, M, KG, half // 2, half < g_end * 2)  # [BM, 1, GH]
+            xw = tl.broadcast_to(_x_rows(xq_ptr, mi, M, KG * 8, g0 * 8, g_end * 8, GH, 4,
+                                         BLOCK_M), shape4)
+            s_lo = tl.sum(_dp4a(tl.broadcast_to(words[None], shape4), xw, zero, ASM), 3)
+        else:  # x in two planes: elements 0-15 and 16-31 of every group (all rows' low
+            # halves, then all rows' high halves)
             grp = g0 + tl.arange(0, G)
             gm = grp < g_end
-            xs = tl.load(xs_ptr + grp, mask=gm, other=0.0)[None, :]      # [1, G]
-            sum_lo = tl.load(xsum_ptr + grp, mask=gm, other=0)[None, :]  # int32 [1, G]
-            sum_hi = tl.load(xsum_ptr + KG + grp, mask=gm, other=0)[None, :]
-            x_lo = tl.broadcast_to(_x_tile(xq_ptr, g0 * 4, g_end * 4, G, 4), words.shape)
-            x_hi = tl.broadcast_to(_x_tile(xq_ptr + KG * 4, g0 * 4, g_end * 4, G, 4),
-                                   words.shape)
+            xs = _x_groups(xs_ptr, mi, M, KG, grp, gm)                   # [BM, 1, G]
+            sum_lo = _x_groups(xsum_ptr, mi, M, KG, grp, gm)             # int32 [BM, 1, G]
+            sum_hi = _x_groups(xsum_ptr + M * KG, mi, M, KG, grp, gm)
+            x_lo = tl.broadcast_to(_x_rows(xq_ptr, mi, M, KG * 4, g0 * 4, g_end * 4, G, 4,
+                                           BLOCK_M), shape4)
+            x_hi = tl.broadcast_to(_x_rows(xq_ptr + M * KG * 4, mi, M, KG * 4, g0 * 4,
+                                           g_end * 4, G, 4, BLOCK_M), shape4)
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
             if FIVE:
@@ -200,10 +224,13 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                 h1 = ((h01 >> 32) & 0xFFFFFFFF).to(tl.int32)
                 lo |= _spread2((h0 >> (8 * jj)) & 255)
                 hi |= _spread2((h1 >> (8 * jj)) & 255)
-                s_lo = tl.sum(_dp4a(lo, x_lo, zero, ASM), 2)             # [BN, G] int32
-                s_hi = tl.sum(_dp4a(hi, x_hi, zero, ASM), 2)
+            lo = tl.broadcast_to(lo[None], shape4)
+            hi = tl.broadcast_to(hi[None], shape4)
+            if QTYPE == "q6_k":
+                s_lo = tl.sum(_dp4a(lo, x_lo, zero, ASM), 3)             # [BM, BN, G] int32
+                s_hi = tl.sum(_dp4a(hi, x_hi, zero, ASM), 3)
             else:
-                s_lo = tl.sum(_dp4a(hi, x_hi, _dp4a(lo, x_lo, zero, ASM), ASM), 2)
+                s_lo = tl.sum(_dp4a(hi, x_hi, _dp4a(lo, x_lo, zero, ASM), ASM), 3)
         if PAIRED:  # q4_k / q5_k in `quant.pair_scales` form: (d, dmin) and (sc, mn) pairs
             dd = _shared_tile(d_ptr.to(tl.pointer_type(tl.int32)), row0, N, s_d // 2, g0,
                               g_end, BLOCK_N, G, 8)
@@ -220,6 +247,7 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                              2).to(tl.float32)
         else:
             d = _row_tile(d_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)
+        d = d[None]                                                      # [1, BN, G]
         if QTYPE != "q8_0":
             x_sum = sum_lo + sum_hi
         if QTYPE == "q4_0":
@@ -229,12 +257,12 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
         elif QTYPE == "q8_0":
             acc += (d * xs) * s_lo.to(tl.float32)
         elif QTYPE == "q4_1" or QTYPE == "q5_1":
-            mm = _row_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)
+            mm = _row_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)[None]
             acc += xs * (d * s_lo.to(tl.float32) + mm * x_sum.to(tl.float32))
         elif QTYPE == "q6_k":
             # a group's two int8 sub-scales are adjacent: one 16-bit load (little-endian)
             pair = _row_tile(sc_ptr.to(tl.pointer_type(tl.int16)), row0, N, s_sc // 2, g0,
-                             g_end, BLOCK_N, G).to(tl.int32)
+                             g_end, BLOCK_N, G).to(tl.int32)[None]
             sc_lo = ((pair << 24) >> 24).to(tl.float32)
             sc_hi = (pair >> 8).to(tl.float32)
             acc += (d * xs) * (sc_lo * (s_lo - 32 * sum_lo).to(tl.float32)
@@ -244,31 +272,36 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                 sc = _row_tile(sc_ptr, row0, N, s_sc, g0, g_end, BLOCK_N, G)
                 mn = _row_tile(mn_ptr, row0, N, s_sc, g0, g_end, BLOCK_N, G)
                 dmin = _shared_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G, 8)
-            acc += xs * ((d * sc.to(tl.float32)) * s_lo.to(tl.float32)
-                         - (dmin.to(tl.float32) * mn.to(tl.float32)) * x_sum.to(tl.float32))
+            acc += xs * ((d * sc.to(tl.float32)[None]) * s_lo.to(tl.float32)
+                         - (dmin.to(tl.float32) * mn.to(tl.float32))[None]
+                         * x_sum.to(tl.float32))
 
-    y = tl.sum(acc, 1)                                                   # [BN]
+    y = tl.sum(acc, 2)                                                   # [BM, BN]
+    omask = (mi < M)[:, None] & nmask[None, :]
+    cols = rows[None, :]
     if SPLIT:
         # Each split writes its partial; the last split of this row block to finish (an
         # acq_rel counter) sums all partials in split order, so the result does not depend on
         # which program finished last, and resets the counter for the next launch.
         nsplit = tl.num_programs(1)
-        tl.store(part_ptr + split.to(tl.int64) * N + rows, y, mask=nmask)
+        tl.store(part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + cols, y, mask=omask)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == nsplit - 1:
-            y = tl.zeros([BLOCK_N], tl.float32)
+            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, nsplit):
-                y += tl.load(part_ptr + s * N + rows, mask=nmask, other=0.0,
-                             cache_modifier=".cg")
+                y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + cols,
+                             mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                y += tl.load(bias_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=nmask)
+                y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+            tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+                     mask=omask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=nmask)
+            y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+                 mask=omask)
 
 
 _COUNTERS: dict = {}
@@ -308,12 +341,15 @@ def quantize_x(x: torch.Tensor, planes: bool = True
 
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
          use_asm: bool, xqs: dict | None = None) -> None:
-    """out2 [1, N] = x2 [1, K] @ W^T (+ bias), x quantized to int8 per group on the way.
+    """out2 [M, N] = x2 [M, K] @ W^T (+ bias), x quantized to int8 per group on the way, for
+    M up to `gemv_max_m`: the rows go `gemv_rows_per_launch` at a time, each launch reading
+    the weight once for all its rows (a row's result does not depend on the other rows).
     `weights` / `strides` as `quant_args.weight_args` gives them, with qs as int32 words;
     K is split by `skinny_split_k(..., gemv=True)` (the gemv_* fields). Two launches: x's
     quantization and the GEMV (split-K partials are summed by the GEMV's last split). `xqs`:
-    quantized forms of this x already made (layout -> `quantize_x`'s triple), shared by the
-    parts of a fused projection, which then quantize x once."""
+    quantized forms of this x already made (layout, or (layout, first row, rows) past one row
+    -> `quantize_x`'s triple), shared by the parts of a fused projection, which then quantize
+    x once."""
     from .quant_args import paired
     from .quant_triton import skinny_split_k
     qs, qh, d, m, sc, mn = weights
@@ -326,25 +362,32 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     s_qs, s_qh = strides[0], qh.stride(0)
     s_d, s_sc = d.stride(0), sc.stride(0)
     planes = qtype != "q8_0"
-    if xqs is not None and planes in xqs:
-        xq, xs, xsum = xqs[planes]
-    else:
-        xq, xs, xsum = quantize_x(x2.reshape(-1), planes=planes)
-        if xqs is not None:
-            xqs[planes] = (xq, xs, xsum)
+    num_m = x2.shape[0]
+    step = max(1, cfg.gemv_rows_per_launch)
     g = max(1, cfg.gemv_block_k // 32)
     kg = k // 32
     n_programs = triton.cdiv(n, cfg.gemv_block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(kg, g), gemv=True)
-    part = torch.empty((split, n), dtype=torch.float32, device=x2.device) if split > 1 else out2
-    counters = _split_counters(x2.device, n_programs) if split > 1 else xsum
     has_bias = bias is not None
-    bias_arg = bias if has_bias else out2
-    _gemv_kernel[(n_programs, split)](
-        xq.view(torch.int32), xs, xsum, qs, qh, d, m, sc, mn, bias_arg, out2, part, counters,
-        n, kg, tiles * g, s_qs, s_qh, s_d, s_sc, QTYPE=qtype, BLOCK_N=cfg.gemv_block_n, G=g,
-        PREFETCH=cfg.gemv_prefetch, ASM=use_asm, SPLIT=split > 1, HAS_BIAS=has_bias,
-        PAIRED=pair, num_warps=cfg.gemv_num_warps)
+    for r0 in range(0, num_m, step):
+        rows = min(step, num_m - r0)
+        x_r, out_r = x2[r0:r0 + rows], out2[r0:r0 + rows]
+        key = planes if num_m == 1 else (planes, r0, rows)  # one row: what producers fill
+        if xqs is not None and key in xqs:
+            xq, xs, xsum = xqs[key]
+        else:
+            xq, xs, xsum = quantize_x(x_r.reshape(-1), planes=planes)
+            if xqs is not None:
+                xqs[key] = (xq, xs, xsum)
+        part = torch.empty((split, rows, n), dtype=torch.float32, device=x2.device) \
+            if split > 1 else out_r
+        counters = _split_counters(x2.device, n_programs) if split > 1 else xsum
+        _gemv_kernel[(n_programs, split)](
+            xq.view(torch.int32), xs, xsum, qs, qh, d, m, sc, mn, bias if has_bias else out_r,
+            out_r, part, counters, rows, n, kg, tiles * g, out_r.stride(0), s_qs, s_qh, s_d,
+            s_sc, QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows),
+            BLOCK_N=cfg.gemv_block_n, G=g, PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
+            SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=pair, num_warps=cfg.gemv_num_warps)
 
 
 def quantize_x_ref(x: torch.Tensor) -> torch.Tensor:

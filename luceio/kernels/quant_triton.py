@@ -290,6 +290,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
     cfg = get_config(x.device)
     interp = _interpreting()
+    gemv_rows = qtype != DENSE and num_m <= cfg.gemv_max_m
     use_dot = num_m > 1
     if use_dot:  # M padded to 16 rows; a dot takes K >= 16 (BLOCK_K / 2 per half)
         block_m, block_n, num_warps = 16, max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
@@ -297,7 +298,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
     else:
         block_m, block_n, num_warps = 1, cfg.dense_gemv_block_n, cfg.dense_gemv_num_warps
         block_k = cfg.dense_gemv_block_k
-    if not use_dot and qtype != DENSE:
+    if gemv_rows:
         from .quant_gemv import gemv
         qs, *rest = weights
         gemv(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,

@@ -28,7 +28,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from luceio.kernels import quant, quant_triton as qt  # noqa: E402
+from luceio.kernels import configs, quant, quant_triton as qt  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
 from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
 
@@ -36,6 +36,7 @@ DEV = "cuda"
 TOL = dict(atol=2e-2, rtol=1e-2)
 SHAPES = [(4096, 4096), (896, 4864)]
 ROWS = [1, 4, 8, 16, 64]
+GEMV_MAX_M = configs.get_config(torch.device(DEV)).gemv_max_m
 
 
 @pytest.fixture
@@ -65,9 +66,22 @@ def test_quant_matmul_bf16(seed, qtype, shape):
         check(quant_linear_ref(x, w, bias), exact, seed, what + " (reference)")
         out = qt.quant_matmul(x, w, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-        if m == 1:  # the int8 GEMV: exact for the int8-rounded x (kernels/quant_gemv.py)
+        if m <= GEMV_MAX_M:  # the int8 GEMV: exact for the int8-rounded x (kernels/quant_gemv.py)
             exact = torch.addmm(bias.float(), quantize_x_ref(x), w32.T)
         check(out, exact, seed, what)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gemv_rows_equal_one_row_each_bf16(seed, qtype):
+    """Natively: the GEMV's rows (a verify step's) give the bits each row gives alone (the
+    decode steps they stand for), on a split-K shape and an unsplit one."""
+    for n, k in SHAPES:
+        w = quant.random_quant_weight(qtype, n, k, device=DEV)
+        bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+        x = torch.randn(GEMV_MAX_M, k, device=DEV).to(torch.bfloat16)
+        rows = qt.quant_matmul(x, w, bias)
+        alone = torch.cat([qt.quant_matmul(x[i:i + 1], w, bias) for i in range(x.shape[0])])
+        assert torch.equal(rows, alone), f"{qtype} [{n}, {k}] (seed {seed})"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -103,5 +117,6 @@ def test_skinny_in_cuda_graph(seed):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    check(out, x.float() @ dequantize(w).T, seed, "replayed")
+    xr = quantize_x_ref(x) if x.shape[0] <= GEMV_MAX_M else x.float()
+    check(out, xr @ dequantize(w).T, seed, "replayed")
 
