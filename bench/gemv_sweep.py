@@ -1,6 +1,11 @@
 """Launch-config sweep of the one-row int8 quantized GEMV (kernels/quant_gemv.py) on the GPU.
 
     python bench/gemv_sweep.py [--out DIR] [--repeats N]
+    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8]
+
+`--rows`: instead, the several-row launches' `gemv_rows_block_n` is swept at each M given (the
+arch's one-row config otherwise), each config checked for rows bit-equal to one row alone;
+writes DIR/gemv_rows_sweep.json.
 
 GEMV_SWEEP_QTYPES, GEMV_SWEEP_GRID ("bn,bk,warps,prefetch;...") and GEMV_SWEEP_SPLITS
 ("2048:1,4096:2": gemv_split_min_programs:gemv_min_tiles_per_split) narrow the sweep.
@@ -64,6 +69,49 @@ def run_config(cfg, cases, repeats, copy_bps) -> list[float]:
     return pct
 
 
+def rows_sweep(args, dev, base, copy_bps) -> int:
+    """gemv_rows_block_n at each M of --rows: % of copy per matrix and qtype, gmean per qtype."""
+    ms = [int(v) for v in args.rows.split(",")]
+    block_ns = [int(v) for v in args.block_ns.split(",")]
+    results = []
+    for qtype in QTYPES:
+        for m in ms:
+            cases = []
+            for name, n, k in MATRICES:
+                if qtype.endswith("_k") and k % 256:
+                    continue
+                w = prepare_weight(random_quant_weight(qtype, n, k, device=dev), torch.bfloat16)
+                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                cases.append((name, w, weight_copies(w, nbytes(w)), x,
+                              torch.empty(m, n, device=dev, dtype=torch.bfloat16), nbytes(w)))
+            for bn in block_ns:
+                cfg = replace(base, gemv_rows_block_n=bn)
+                pct, equal = [], True
+                with configs.use_config(cfg):
+                    for name, w, wcopies, x, out, w_bytes in cases:
+                        rows = quant_matmul_skinny(x, w)
+                        alone = torch.cat([quant_matmul_skinny(x[i:i + 1], w) for i in range(m)])
+                        equal &= bool(torch.equal(rows, alone))
+                        t = time_per_call([lambda w=wc: quant_matmul_skinny(x, w, out=out)
+                                           for wc in wcopies], args.repeats)
+                        pct.append(100 * (w_bytes + 2 * (x.numel() + out.numel())) / t / copy_bps)
+                results.append(dict(qtype=qtype, M=m, rows_block_n=bn, rows_equal_alone=equal,
+                                    matrices=[c[0] for c in cases], pct_copy=pct,
+                                    gmean=gmean(pct)))
+                print(f"{qtype} M={m} rows_block_n={bn:2d}: " + " ".join(f"{p:5.1f}" for p in pct)
+                      + f"  gmean {gmean(pct):5.1f}%  rows==alone {equal}", flush=True)
+            del cases
+            torch.cuda.empty_cache()
+    for m in ms:
+        best = max(block_ns, key=lambda bn: gmean([r["gmean"] for r in results
+                                                   if r["M"] == m and r["rows_block_n"] == bn]))
+        print(f"M={m}: best rows_block_n over all qtypes {best}")
+    write_json(os.path.join(args.out, "gemv_rows_sweep.json"),
+               dict(env=env_info(), copy_GBps=copy_bps / 1e9, config=configs.config_to_dict(base),
+                    results=results))
+    return 0 if all(r["rows_equal_alone"] for r in results) else 1
+
+
 def gmean(v: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in v) / len(v))
 
@@ -73,12 +121,16 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rows", default=None, help="sweep gemv_rows_block_n at these M instead")
+    ap.add_argument("--block-ns", default="1,2,4,8", help="gemv_rows_block_n values (--rows)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     copy_bps = copy_bandwidth(dev)
     base = configs.get_config(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy {copy_bps / 1e9:.0f} GB/s", flush=True)
+    if args.rows:
+        return rows_sweep(args, dev, base, copy_bps)
     results = {}
     for qtype in QTYPES:
         cases = []

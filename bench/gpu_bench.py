@@ -268,9 +268,14 @@ def section_forced_acceptance(quick: bool, kind: str = "bf16") -> None:
         from decode_gguf import random_model as random_quant_model
         model = random_quant_model("qwen2.5-1.5b", kind, 2048)
     # random weights give near-flat logits whose bf16 argmax flips between kernel paths; peaked
-    # logits keep the greedy trajectory stable so the oracle's references stay valid (the final
-    # norm's weight scales the logits whatever the head's type)
-    model.norm.weight.mul_(30.0)
+    # logits keep the greedy trajectory stable so the oracle's references stay valid. bf16: the
+    # head's weight (tied to the embedding, so the inputs scale too: what the earlier runs did;
+    # scaling the final norm instead left bf16 greedy runs diverging between the verify and
+    # decode paths); a quantized head cannot be scaled in place, so the final norm's weight
+    if kind == "bf16":
+        model.lm_head.weight.mul_(30.0)
+    else:
+        model.norm.weight.mul_(30.0)
     new = 128 if quick else 256
     for batch in (1, 4, 16):
         prompts = [torch.randint(0, 151936, (512,)).tolist() for _ in range(batch)]

@@ -106,6 +106,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
         self.pipeline = StepPipeline(self, args.resolved_async_scheduling(device))
+        if self.spec is not None and self.pipeline.overlap:
+            # a plain step costs what an overlapped one costs: the first plain step after a
+            # drafting step ran synchronously, so the cost model's plain probe is two steps
+            self.spec.plain_probe_steps = 2
         # steps: launched; sync_steps: per reason, steps processed before the next was
         # scheduled (pipeline.py); discarded_tokens: computed for requests already finished.
         # Read them through `stats()`
@@ -372,8 +376,13 @@ class LLMEngine:
         if not batch.decode_only:
             return  # a prefill chunk rode along: not comparable
         drafted = any(s.spec_token_ids for s in sched)
-        seconds = result.seconds + (self.spec.last_draft_seconds if drafted else 0.0)
-        self.spec.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()), seconds)
+        if not drafted and self.pipeline.overlap and not result.overlapped:
+            # a plain step launched with nothing in flight (after a drafting step) paid host
+            # work that plain decoding hides: it is not what drafting is weighed against
+            return
+        # result.seconds is the step's period, its drafting included (pipeline._process)
+        self.spec.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()),
+                          result.seconds)
 
     def _record_prompt_logprobs(self, batch: Batch, result: StepResult) -> None:
         for rid, lps in result.prompt_logprobs.items():

@@ -134,7 +134,9 @@ class StepResult:
     prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
     kv_scores: dict = field(default_factory=dict)  # residency keys policy: id -> block scores
     started: float = 0.0  # perf_counter() when `execute` began
-    seconds: float = 0.0  # the step's time as the host saw it (set by the pipeline)
+    overlapped: bool = False  # launched while the step before it was still in flight
+    seconds: float = 0.0  # the step's period: from the step before it being ready (or its own
+    # launch, if none came just before) to its tokens being ready (set by the pipeline)
     samples: DeviceSamples | None = None
     device_prompt_logprobs: dict[str, tuple[LogprobTensors, int]] = field(default_factory=dict)
     copy: HostCopy | None = None
@@ -197,8 +199,10 @@ class StepPipeline:
         if batch is None:
             if previous is not None:
                 outputs += self._retire("idle")
+            self._last_ready = 0.0  # the next step's period starts at its own launch
             return outputs + eng.finish_step(None, None)
         result = eng.execute(batch)
+        result.overlapped = previous is not None
         self.in_flight = None
         reason = self._sync_reason(batch)
         if reason is None:
@@ -249,7 +253,10 @@ class StepPipeline:
         if len(finished) == len(batch.sched.scheduled):
             return []
         result.resolve()
-        # the step's time: from its launch, or from when the step before it was ready if later
+        # the step's time: the period since the step before it was ready, so the host work a
+        # synchronous step cannot hide (drafting, scheduling, preparing its inputs) counts
+        # against it, as it costs throughput; from its launch when no step came just before
         now = time.perf_counter()
-        result.seconds, self._last_ready = now - max(result.started, self._last_ready), now
+        since = self._last_ready if self._last_ready else result.started
+        result.seconds, self._last_ready = now - since, now
         return self.engine.finish_step(batch, result)

@@ -189,20 +189,27 @@ def test_parts_write_one_output(gen, m, monkeypatch):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_gemv_rows_equal_one_row_each(gen, qtype):
+@pytest.mark.parametrize("rows_block_n", [0, 4])
+def test_gemv_rows_equal_one_row_each(gen, qtype, rows_block_n):
     """The GEMV reads the weight once for several rows of x, and each row's result is the bits
     that row gives alone: a verify step's rows equal the decode steps they stand for. Rows go in
-    launches of `gemv_rows_per_launch` (2 here: 5 rows are 2 + 2 + 1), with and without split-K."""
+    launches of `gemv_rows_per_launch` (2 here: 5 rows are 2 + 2 + 1), with and without split-K,
+    and with a block_n of their own (`gemv_rows_block_n` 4 against one row's 16: 3 programs
+    along N where one row has 1, which must not change how K is split: with
+    `gemv_split_min_programs` 3 one row splits K in 3, and so must the rows)."""
     k = 512 if qtype.endswith("_k") else 160
     w = weight(gen, qtype, 9, k)
     bias = gen.randn(9)
     x = gen.randn(5, k)
-    for base in (SMALL, SPLIT):
-        cfg = KernelConfig(**{**base.__dict__, "gemv_rows_per_launch": 2})
+    three = KernelConfig(**{**SMALL.__dict__, "gemv_split_min_programs": 3})
+    for base in (SMALL, SPLIT, three):
+        cfg = KernelConfig(**{**base.__dict__, "gemv_rows_per_launch": 2,
+                              "gemv_rows_block_n": rows_block_n})
         with configs.use_config(cfg):
             rows = qt.quant_matmul_skinny(x, w, bias)
             alone = torch.cat([qt.quant_matmul_skinny(x[i:i + 1], w, bias) for i in range(5)])
-        assert torch.equal(rows, alone), f"{qtype} split={base is SPLIT} (seed {gen.seed_value})"
+        assert torch.equal(rows, alone), \
+            f"{qtype} {base.gemv_split_min_programs} rows_block_n={rows_block_n} (seed {gen.seed_value})"
         check(rows, quant_linear_ref(quantize_x_ref(x), w, bias), TOL[torch.float32], gen,
               f"{qtype} 5 rows")
 

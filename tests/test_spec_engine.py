@@ -1,6 +1,7 @@
 """Speculative decoding in the engine: lossless under continuous batching, chunked prefill,
 preemption and aborts (tiny random models, fp32, CPU)."""
 import asyncio
+import time
 
 import pytest
 
@@ -132,6 +133,71 @@ def test_cost_model_stops_speculating_when_it_does_not_pay():
     assert all(d[1] for d in decisions)
     spec._step = 16
     assert spec.pays(4) is False  # the periodic plain step that refreshes the baseline
+    spec.plain_probe_steps = 2  # with overlapped scheduling: two plain steps, then by cost
+    assert [spec.pays(4, step) for step in (16, 17, 18)] == [False, False, True]
+
+
+def test_cost_model_charges_a_drafting_step_its_host_work(tiny_llama, monkeypatch):
+    """A drafting step runs synchronously, so the host work before its launch (scheduling and
+    preparing its inputs) is not hidden under a step in flight: the cost model must see it.
+    Preparing a drafting step is made to take >= 0.1 s; the recorded cost of drafting steps is
+    at least that (it was measured from the launch before, which left it out)."""
+    llm = LLM(tiny_llama, **engine_kwargs(speculative_method="ngram"))
+    eng = llm.engine
+    prepare = eng.runner.prepare
+
+    def slow_prepare(sched, kv):
+        if any(s.spec_token_ids for s in sched.scheduled):
+            time.sleep(0.1)
+        return prepare(sched, kv)
+
+    monkeypatch.setattr(eng.runner, "prepare", slow_prepare)
+    llm.generate([{"prompt_token_ids": repetitive_prompts(3)[2]}],
+                 SamplingParams(max_tokens=12, **GREEDY))
+    assert eng.spec.stats.num_verify_steps > 0
+    assert eng.spec._cost[(1, True)] >= 0.1
+
+
+def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
+    """With overlapped scheduling a plain step's cost is its period in the pipeline; the first
+    plain step after a drafting step was launched with nothing in flight and paid host work
+    that plain decoding hides, so the cost model must not take it as the baseline (it made
+    drafting look cheap and kept it on where it lost). The probe is two plain steps, the
+    second overlapped. Drafts here are always wrong: every step emits one token, so 60 tokens
+    take 60 steps, past the probe at steps 16 and 17."""
+    from luceio.spec.proposer import Proposal, Proposer
+
+    class Wrong(Proposer):
+        def propose(self, inputs):
+            return Proposal([[(int(inp.tokens[-1]) + 1) % 300 + 3] * min(inp.k, 1)
+                             for inp in inputs])
+
+    llm = LLM(tiny_llama, **engine_kwargs(speculative_method="ngram", async_scheduling=True))
+    eng = llm.engine
+    eng.spec.proposer = Wrong()
+    assert eng.spec.plain_probe_steps == 2
+    seen, log = [], []
+    observe, observe_spec = eng.spec.observe, eng._observe_spec
+
+    def spy_observe(batch_size, drafted, num_tokens, seconds):
+        seen.append(drafted)
+        observe(batch_size, drafted, num_tokens, seconds)
+
+    def spy_observe_spec(batch, result):
+        seen.clear()
+        observe_spec(batch, result)
+        drafted = any(s.spec_token_ids for s in batch.sched.scheduled)
+        log.append((batch.decode_only, drafted, result.overlapped, list(seen)))
+
+    eng.spec.observe, eng._observe_spec = spy_observe, spy_observe_spec
+    ref = LLM(tiny_llama, **engine_kwargs()).generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=60, **GREEDY))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=60, **GREEDY))
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    decode = [e for e in log if e[0]]
+    assert all(e[3] == [] for e in decode if not e[1] and not e[2])  # sync plain: not observed
+    assert any(e[3] == [False] for e in decode if not e[1] and e[2])  # overlapped plain: observed
+    assert all(e[3] == [True] for e in decode if e[1])  # drafting steps always are
 
 
 def test_cost_model_follows_acceptance_not_one_unlucky_step():

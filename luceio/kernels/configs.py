@@ -60,6 +60,8 @@ class KernelConfig:
     gemv_min_tiles_per_split: int = 2
     gemv_max_m: int = 8                  # quantized: up to this many rows of x the int8 GEMV runs,
     gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
+    gemv_rows_block_n: int = 0           # block_n of launches of several rows (each row adds
+    # registers; K is split as for one row, so each row's sums stay those of one row); 0: gemv_block_n
     dense_gemv_block_n: int = 64         # 1 row of a dense weight (dense_matmul_skinny)
     dense_gemv_block_k: int = 256
     dense_gemv_num_warps: int = 4

@@ -366,8 +366,12 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     step = max(1, cfg.gemv_rows_per_launch)
     g = max(1, cfg.gemv_block_k // 32)
     kg = k // 32
-    n_programs = triton.cdiv(n, cfg.gemv_block_n)
-    split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(kg, g), gemv=True)
+    # K is split as one row splits it (whatever the rows' block_n), so every row sums its
+    # partials exactly as it would alone
+    split, tiles = skinny_split_k(cfg, triton.cdiv(n, cfg.gemv_block_n), triton.cdiv(kg, g),
+                                  gemv=True)
+    block_n = cfg.gemv_rows_block_n if num_m > 1 and cfg.gemv_rows_block_n else cfg.gemv_block_n
+    n_programs = triton.cdiv(n, block_n)
     has_bias = bias is not None
     for r0 in range(0, num_m, step):
         rows = min(step, num_m - r0)
@@ -386,7 +390,7 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
             xq.view(torch.int32), xs, xsum, qs, qh, d, m, sc, mn, bias if has_bias else out_r,
             out_r, part, counters, rows, n, kg, tiles * g, out_r.stride(0), s_qs, s_qh, s_d,
             s_sc, QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows),
-            BLOCK_N=cfg.gemv_block_n, G=g, PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
+            BLOCK_N=block_n, G=g, PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=pair, num_warps=cfg.gemv_num_warps)
 
 

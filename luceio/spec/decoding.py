@@ -64,6 +64,9 @@ class SpecDecoder:
         self._accepted, self._drafted = 4 * _ACCEPT_PRIOR, 4.0  # decayed token counts
         self._step = 0
         self.last_draft_seconds = 0.0
+        # plain steps at the start of each probe cycle (the engine sets 2 with overlapped
+        # scheduling: only the second is overlapped, the cost plain decoding really has)
+        self.plain_probe_steps = 1
 
     # proposing ---------------------------------------------------------------------------------
     def batch_cap(self, batch_size: int) -> int:
@@ -123,12 +126,12 @@ class SpecDecoder:
         (1 - a^(k+1)) / (1 - a) for acceptance rate a and k drafts, exceed the measured cost of
         a drafting step relative to a plain step of the same batch-size bucket. `a` is counted
         over the last ~50 verified drafts, so one unlucky step does not switch drafting off.
-        Every `_PROBE_EVERY * 2` steps one plain step refreshes the baseline cost and one drafting
-        step re-measures the other side (and acceptance, while drafting is off). `step`: the
-        plan step asked about (default: the current one)."""
+        Every `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline cost
+        and one drafting step re-measures the other side (and acceptance, while drafting is
+        off). `step`: the plan step asked about (default: the current one)."""
         b = _bucket(batch_size)
         phase = (self._step if step is None else step) % (2 * _PROBE_EVERY)
-        if phase == 0:
+        if phase < self.plain_probe_steps:
             return False  # measure plain decoding
         if phase == _PROBE_EVERY:
             return True  # measure speculation
