@@ -69,6 +69,18 @@ def run_config(cfg, cases, repeats, copy_bps) -> list[float]:
     return pct
 
 
+def _weights(qtype: str, m: int, dev):
+    """Per matrix of MATRICES that `qtype` fits: (name, weight, its copies, x [m, K] bf16,
+    out [m, N], weight bytes)."""
+    for name, n, k in MATRICES:
+        if qtype.endswith("_k") and k % 256:
+            continue
+        w = prepare_weight(random_quant_weight(qtype, n, k, device=dev), torch.bfloat16)
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        yield (name, w, weight_copies(w, nbytes(w)), x,
+               torch.empty(m, n, device=dev, dtype=torch.bfloat16), nbytes(w))
+
+
 def rows_sweep(args, dev, base, copy_bps) -> int:
     """gemv_rows_block_n at each M of --rows: % of copy per matrix and qtype, gmean per qtype."""
     ms = [int(v) for v in args.rows.split(",")]
@@ -76,14 +88,7 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
     results = []
     for qtype in QTYPES:
         for m in ms:
-            cases = []
-            for name, n, k in MATRICES:
-                if qtype.endswith("_k") and k % 256:
-                    continue
-                w = prepare_weight(random_quant_weight(qtype, n, k, device=dev), torch.bfloat16)
-                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                cases.append((name, w, weight_copies(w, nbytes(w)), x,
-                              torch.empty(m, n, device=dev, dtype=torch.bfloat16), nbytes(w)))
+            cases = list(_weights(qtype, m, dev))
             for bn in block_ns:
                 cfg = replace(base, gemv_rows_block_n=bn)
                 pct, equal = [], True
@@ -133,15 +138,8 @@ def main(argv=None) -> int:
         return rows_sweep(args, dev, base, copy_bps)
     results = {}
     for qtype in QTYPES:
-        cases = []
-        for name, n, k in MATRICES:
-            if qtype.endswith("_k") and k % 256:
-                continue
-            w = prepare_weight(random_quant_weight(qtype, n, k, device=dev), torch.bfloat16)
-            x = torch.randn(1, k, device=dev).to(torch.bfloat16)
-            exact = x.float() @ dequantize(w).T
-            cases.append((name, w, weight_copies(w, nbytes(w)), x,
-                          torch.empty(1, n, device=dev, dtype=torch.bfloat16), exact, nbytes(w)))
+        cases = [(name, w, copies, x, out, x.float() @ dequantize(w).T, w_bytes)
+                 for name, w, copies, x, out, w_bytes in _weights(qtype, 1, dev)]
         rows = []
         for bn, bk, nw, pf in GRID:
             cfg = replace(base, gemv_block_n=bn, gemv_block_k=bk, gemv_num_warps=nw,

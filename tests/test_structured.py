@@ -187,6 +187,43 @@ def test_random_walks_through_every_grammar_validate(compiler, llm):
             assert m.is_terminated and _valid(schema, tok.decode(ids)), (schema, tok.decode(ids))
 
 
+@pytest.mark.parametrize("kind", ["json", "tool call"])
+def test_length_bounded_strings_refuse_raw_control_characters(compiler, llm, kind):
+    """Inside a string with a maxLength, a token holding a raw control character (JSON needs
+    it escaped) is never allowed, in a JSON schema and in a tool call's arguments; a letter
+    is. Negative control: xgrammar's own compilation of the same schema allows it (the bug
+    `fix_length_bounded_strings` mends)."""
+    tok = llm.get_tokenizer()
+    schema = _obj({"s": {"type": "string", "maxLength": 8}}, additionalProperties=False)
+    controls = [t for t in range(tok.vocab_size)
+                if (text := tok.decode([t])) and any(ord(c) < 32 for c in text)
+                and t not in tok.eos_token_ids]
+    letter = tok.encode("a", add_special_tokens=False)[0]
+    assert controls, "the tiny vocabulary has tokens with control characters"
+    if kind == "json":
+        spec, prefix = GrammarSpec.of(S(json=schema, **TIGHT)), '{"s": "'
+    else:
+        fmt = HermesToolParser.call_format
+        spec = GrammarSpec.of(tool_call_constraint([{"name": "f", "parameters": schema}], fmt,
+                                                   parallel=False))
+        prefix = fmt.begin + '{"name":"f","arguments":{"s":"'
+    m = compiler.matcher(compiler.compile(spec))
+    ids = tok.encode(prefix, add_special_tokens=False)
+    assert m.accept(ids) == len(ids)
+    row = torch.zeros(1, compiler.bitmask_words, dtype=torch.int32)
+    m.fill_rows(row, 0, [])
+    allowed = _allowed(row[0], tok.vocab_size)
+    assert letter in allowed and not allowed & set(controls)
+    if kind == "json":  # the negative control
+        raw = compiler.xgr.GrammarMatcher(compiler._compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, strict_mode=True))
+        for t in ids:
+            assert raw.accept_token(t)
+        mask = compiler.xgr.allocate_token_bitmask(1, compiler.vocab_size)
+        raw.fill_next_token_bitmask(mask)
+        assert _allowed(mask[0], tok.vocab_size) & set(controls)
+
+
 def test_drafts_walk_matches_one_token_at_a_time(compiler, llm):
     """Each row of a drafts walk equals a fresh matcher's mask after the drafts before it; a
     refused draft's row repeats; the walk leaves the matcher where it was."""
