@@ -1,6 +1,6 @@
-"""Editor-assistant latency on the CPU: the real Qwen2.5-Coder-0.5B GGUF, each request taken
-through the server's own path in-process (the OpenAI body parsed by `luceio.server.protocol`,
-run by the AsyncEngine, shaped by the response builder; no HTTP).
+"""Editor-assistant latency on the CPU: the real Qwen2.5-Coder-0.5B GGUF (`--model` for
+another), each request taken through the server's own path in-process (the OpenAI body parsed
+by `luceio.server.protocol`, run by the AsyncEngine, shaped by the response builder; no HTTP).
 
 (a) Fill-in-the-middle (`suffix` on /v1/completions) on a ~4K-token source file (a Python
     standard-library module): cold (nothing of it cached), warm (the same file with a second edit
@@ -61,8 +61,9 @@ READ_LINES = {"type": "function", "function": {
 
 
 class Bench:
-    def __init__(self, threads: int | None, max_model_len: int = 8192):
-        args = EngineArgs(model=resolve_model("qwen2.5-coder-0.5b"), device="cpu",
+    def __init__(self, threads: int | None, max_model_len: int = 8192,
+                 model: str = "qwen2.5-coder-0.5b"):
+        args = EngineArgs(model=resolve_model(model), device="cpu",
                           max_model_len=max_model_len, cpu_threads=threads)
         self.engine = AsyncEngine.from_engine_args(args)
         self.state = ServerState(self.engine, ServerArgs())
@@ -209,6 +210,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=None, help="agent turns (default 4, quick; 6)")
     ap.add_argument("--agent-context", type=int, default=1024,
                     help="tokens of source in the agent's system prompt (the shared prefix)")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b",
+                    help="a short name (MODELS.md) or a GGUF path")
     ap.add_argument("--out", default=RESULTS)
     a = ap.parse_args()
     repeats, decode_tokens, turns = (3, 128, 4) if a.quick else (6, 128, 6)
@@ -216,12 +219,12 @@ def main() -> None:
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(__file__)).stdout.strip()
     results = {"env": env_info(), "git_head": head, "quick": a.quick,
-               "model": "qwen2.5-coder-0.5b (GGUF Q4_K_M)", "cores": os.cpu_count(),
+               "model": f"{a.model} (GGUF)", "cores": os.cpu_count(),
                "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
 
     async def run() -> None:
         t = time.perf_counter()
-        b = Bench(a.threads, max(8192, a.agent_context + 4096))
+        b = Bench(a.threads, max(8192, a.agent_context + 4096), a.model)
         results["load_s"] = round(time.perf_counter() - t, 1)
         results["torch_threads"] = torch.get_num_threads()
         loop = asyncio.get_running_loop()

@@ -382,7 +382,7 @@ class LLMEngine:
             return
         # result.seconds is the step's period, its drafting included (pipeline._process)
         self.spec.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()),
-                          result.seconds)
+                          result.seconds, tree=any(s.spec_tree is not None for s in sched))
 
     def _record_prompt_logprobs(self, batch: Batch, result: StepResult) -> None:
         for rid, lps in result.prompt_logprobs.items():

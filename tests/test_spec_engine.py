@@ -155,7 +155,7 @@ def test_cost_model_charges_a_drafting_step_its_host_work(tiny_llama, monkeypatc
     llm.generate([{"prompt_token_ids": repetitive_prompts(3)[2]}],
                  SamplingParams(max_tokens=12, **GREEDY))
     assert eng.spec.stats.num_verify_steps > 0
-    assert eng.spec._cost[(1, True)] >= 0.1
+    assert eng.spec._cost[(1, "chain")] >= 0.1
 
 
 def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
@@ -179,9 +179,9 @@ def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
     seen, log = [], []
     observe, observe_spec = eng.spec.observe, eng._observe_spec
 
-    def spy_observe(batch_size, drafted, num_tokens, seconds):
+    def spy_observe(batch_size, drafted, num_tokens, seconds, tree=False):
         seen.append(drafted)
-        observe(batch_size, drafted, num_tokens, seconds)
+        observe(batch_size, drafted, num_tokens, seconds, tree)
 
     def spy_observe_spec(batch, result):
         seen.clear()

@@ -158,10 +158,10 @@ def test_greedy_tree_speculation_equals_plain_decoding(tiny_models, sched, arch,
     counters = []
     real_init = decoding.SpecDecoder.__init__
 
-    def counting_init(self, method, k, proposer, sampler):
+    def counting_init(self, method, k, proposer, sampler, **kw):
         proposer = _TreeCounter(proposer)
         counters.append(proposer)
-        real_init(self, method, k, proposer, sampler)
+        real_init(self, method, k, proposer, sampler, **kw)
     monkeypatch.setattr(decoding.SpecDecoder, "__init__", counting_init)
     prompts = _branchy_prompts(16)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
@@ -264,3 +264,69 @@ def test_sampled_draft_model_trees_are_seeded(tiny_llama):
     b, _ = _run(tiny_llama, _branchy_prompts(5), params, **kw)
     assert a == b and all(len(x) == 16 for x in a)
     assert eng.spec.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_switching_between_trees_and_chains_equals_plain_decoding(tiny_llama, tmp_path_factory,
+                                                                  method, monkeypatch):
+    """The adaptive budget switches a step between trees and chains (and plain steps): forced
+    here to go tree, chain, plain, tree, ... whatever it measures, greedy output equals plain
+    decoding for both proposers (the draft model's state follows both kinds of step)."""
+    from conftest import make_tiny_model
+    from luceio import SamplingParams
+    from luceio.spec import decoding
+    modes = []
+
+    def forced(self, batch_size, step=None):
+        step = self._step if step is None else step
+        return ("tree", "chain", None)[step % 3]
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", forced)
+    prompts = _branchy_prompts(8)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20)
+    expected, _ = _run(tiny_llama, prompts, params)
+    kw = dict(speculative_method=method, num_speculative_tokens=3, spec_tree_budget=8)
+    if method == "draft":
+        kw["draft_model"] = make_tiny_model(str(tmp_path_factory.mktemp("switch") / "m"),
+                                            "llama", seed=7)
+    real_apply = decoding.SpecDecoder.apply
+
+    def spy_apply(self, reqs, drafts, probs, trees=None):
+        modes.append(trees is not None)
+        real_apply(self, reqs, drafts, probs, trees)
+    monkeypatch.setattr(decoding.SpecDecoder, "apply", spy_apply)
+    got, eng = _run(tiny_llama, prompts, params, **kw)
+    assert got == expected
+    assert True in modes and False in modes  # both kinds of step ran
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_adaptive_budget_picks_what_pays():
+    """From measured costs and emitted tokens: trees when they are worth more than chains,
+    chains when trees cost too much for what they add, plain decoding when neither is worth a
+    plain step; what is not measured yet is tried; the drafting probe alternates the two."""
+    from luceio.request import Request
+    from luceio.sampling_params import SamplingParams
+    from luceio.spec import SpecDecoder
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None, tree_budget=12)
+    spec._step = 3
+    assert spec.mode(1) == "tree"  # nothing measured
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), eos_token_ids=set(),
+                  max_model_len=64)
+    spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)
+    spec.observe(1, drafted=True, num_tokens=3, seconds=0.020, tree=True)
+    for _ in range(100):
+        spec._record(req, 12, 2, tree=True)  # a tree verify emits 3 tokens: worth 1.5 steps
+    assert spec.mode(1) == "chain"  # chains not measured yet
+    spec.observe(1, drafted=True, num_tokens=2, seconds=0.012)
+    for _ in range(100):
+        spec._record(req, 4, 2)  # acceptance 0.5: 1.94 tokens per chain verify, over 1.2 steps
+    assert spec.mode(1) == "chain"
+    for _ in range(200):
+        spec._record(req, 12, 4, tree=True)  # trees now emit ~5 tokens: worth ~2.5
+    assert spec.mode(1) == "tree"
+    spec.observe(16, drafted=False, num_tokens=16, seconds=0.010)
+    spec.observe(16, drafted=True, num_tokens=40, seconds=0.060, tree=True)  # ~5 / 6 = 0.83
+    spec.observe(16, drafted=True, num_tokens=28, seconds=0.030)  # 1.75 / 3 = 0.58
+    assert spec.mode(16) is None and spec.mode(1) == "tree"
+    assert spec.mode(16, 8) == "tree" and spec.mode(16, 24) == "chain"  # the probes
+    assert spec.mode(16, 16) is None and spec.mode(1, 32) is None  # the plain probes

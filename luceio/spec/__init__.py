@@ -30,7 +30,8 @@ def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
         proposer = _draft_proposer(args, target_runner, max_model_len, draft_model, sampler)
     else:
         raise ValueError(f"unknown speculative method {method!r} (ngram or draft)")
-    return SpecDecoder(method, args.num_speculative_tokens, proposer, sampler)
+    return SpecDecoder(method, args.num_speculative_tokens, proposer, sampler,
+                       tree_budget=args.spec_tree_budget)
 
 
 def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sampler):

@@ -51,8 +51,10 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, method: str, num_speculative_tokens: int, proposer, sampler):
+    def __init__(self, method: str, num_speculative_tokens: int, proposer, sampler,
+                 tree_budget: int = 0):
         self.method = method
+        self.tree_budget = tree_budget  # > 0: the proposer may draft trees (`spec.tree`)
         self.k_max = num_speculative_tokens
         self.proposer = proposer
         self.sampler = sampler
@@ -60,8 +62,10 @@ class SpecDecoder:
         self._ema: dict[str, float] = {}
         self._idle: dict[str, int] = {}
         self._released: list[str] = []  # proposer state is freed on the loop thread, between steps
-        self._cost: dict[tuple[int, bool], float] = {}  # (batch bucket, drafted) -> step seconds
-        self._accepted, self._drafted = 4 * _ACCEPT_PRIOR, 4.0  # decayed token counts
+        # (batch bucket, "plain" | "chain" | "tree") -> step seconds
+        self._cost: dict[tuple[int, str], float] = {}
+        self._accepted, self._drafted = 4 * _ACCEPT_PRIOR, 4.0  # chains: decayed token counts
+        self._tree_emitted, self._tree_verifies = 0.0, 0.0  # trees: decayed, per request
         self._step = 0
         self.last_draft_seconds = 0.0
         # plain steps at the start of each probe cycle (the engine sets 2 with overlapped
@@ -109,36 +113,64 @@ class SpecDecoder:
             k = math.ceil(ema) + 1
         return max(0, min(k, cap, room))
 
-    def plan(self, running: list[Request]) -> tuple[list[Request], list[int]]:
-        """Loop thread: which requests draft this step, and how many tokens each."""
+    def plan(self, running: list[Request]) -> tuple[list[Request], list[int], bool]:
+        """Loop thread: which requests draft this step, how many tokens each, and whether as
+        trees (with a tree budget: `mode`)."""
         for rid in self._released:
             self.proposer.release(rid)
         self._released.clear()
         self._step += 1
-        cap = self.batch_cap(len(running)) if self.pays(len(running)) else 0
+        mode = self.mode(len(running))
+        cap = self.batch_cap(len(running)) if mode is not None else 0
         reqs = [r for r in running if self.eligible(r)] if cap else []
         ks = [self.k_for(r, cap) for r in reqs]
-        return [r for r, k in zip(reqs, ks) if k], [k for k in ks if k]
+        return [r for r, k in zip(reqs, ks) if k], [k for k in ks if k], mode == "tree"
 
     # cost model: does speculation pay at this batch size on this machine? -------------------
     def pays(self, batch_size: int, step: int | None = None) -> bool:
-        """Drafting pays when the tokens a drafting step is expected to emit per request,
-        (1 - a^(k+1)) / (1 - a) for acceptance rate a and k drafts, exceed the measured cost of
-        a drafting step relative to a plain step of the same batch-size bucket. `a` is counted
-        over the last ~50 verified drafts, so one unlucky step does not switch drafting off.
+        """Whether a step of `batch_size` requests drafts (`mode` is not None)."""
+        return self.mode(batch_size, step) is not None
+
+    def mode(self, batch_size: int, step: int | None = None) -> str | None:
+        """How a step of `batch_size` requests drafts: "chain", "tree" (with a tree budget) or
+        None (plain decoding). A way of drafting is worth the tokens a drafting step is expected
+        to emit per request over its measured cost relative to a plain step of the same
+        batch-size bucket; the best one runs while it is worth at least the plain step's one
+        token. Chains expect (1 - a^(k+1)) / (1 - a) tokens for acceptance rate a and k drafts,
+        `a` counted over the last ~50 verified drafts (one unlucky step does not switch drafting
+        off); trees expect what their recent verifies emitted. A way not measured yet is tried.
         Every `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline cost
-        and one drafting step re-measures the other side (and acceptance, while drafting is
-        off). `step`: the plan step asked about (default: the current one)."""
+        and one drafting step re-measures a way of drafting (the two in turn, so acceptance and
+        cost stay current while a way is off). `step`: the plan step asked about (default: the
+        current one)."""
         b = _bucket(batch_size)
-        phase = (self._step if step is None else step) % (2 * _PROBE_EVERY)
+        step = self._step if step is None else step
+        phase = step % (2 * _PROBE_EVERY)
         if phase < self.plain_probe_steps:
-            return False  # measure plain decoding
-        if phase == _PROBE_EVERY:
-            return True  # measure speculation
-        spec, plain = self._cost.get((b, True)), self._cost.get((b, False))
-        if spec is None or plain is None:
-            return True
-        return self.expected_tokens(self.batch_cap(batch_size)) >= spec / plain
+            return None  # measure plain decoding
+        modes = ("tree", "chain") if self.tree_budget else ("chain",)
+        if phase == _PROBE_EVERY:  # measure a way of drafting
+            return modes[step // (2 * _PROBE_EVERY) % len(modes)]
+        worth = {m: self._worth(b, m, self.batch_cap(batch_size)) for m in modes}
+        unknown = [m for m in modes if worth[m] is None]
+        if unknown:
+            return unknown[0]
+        best = max(modes, key=lambda m: worth[m])
+        return best if worth[best] >= 1.0 else None
+
+    def _worth(self, bucket: int, mode: str, k: int) -> float | None:
+        """Tokens per request a `mode` drafting step is expected to emit over its cost in plain
+        steps; None while a part of that is unmeasured."""
+        cost, plain = self._cost.get((bucket, mode)), self._cost.get((bucket, "plain"))
+        if cost is None or plain is None:
+            return None
+        if mode == "chain":
+            tokens = self.expected_tokens(k)
+        elif self._tree_verifies:
+            tokens = self._tree_emitted / self._tree_verifies
+        else:
+            return None
+        return tokens / (cost / plain)
 
     def acceptance_rate(self) -> float:
         """Recent fraction of draft tokens accepted (decayed counts, with a weak prior)."""
@@ -149,20 +181,22 @@ class SpecDecoder:
         a = min(self.acceptance_rate(), 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
-    def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float) -> None:
-        """Records one decode step's time (drafting included)."""
+    def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float,
+                tree: bool = False) -> None:
+        """Records one decode step's time (drafting included); `tree`: it verified trees."""
         if seconds <= 0 or num_tokens <= 0:
             return
-        key = (_bucket(batch_size), drafted)
+        key = (_bucket(batch_size), "tree" if tree else "chain" if drafted else "plain")
         prev = self._cost.get(key)
         self._cost[key] = seconds if prev is None else \
             _COST_EMA * seconds + (1 - _COST_EMA) * prev
 
-    def draft(self, reqs: list[Request], ks: list[int]):
-        """Worker thread: runs the proposer (reads request tokens, writes only its own state)."""
+    def draft(self, reqs: list[Request], ks: list[int], tree: bool = True):
+        """Worker thread: runs the proposer (reads request tokens, writes only its own state);
+        `tree`: a proposer with a tree budget may draft trees (`plan`'s choice)."""
         t0 = time.perf_counter()
         self.last_draft_seconds = 0.0
-        proposal = self.proposer.propose([ProposalInput(r.all_token_ids, k, r)
+        proposal = self.proposer.propose([ProposalInput(r.all_token_ids, k, r, tree)
                                           for r, k in zip(reqs, ks)])
         self.last_draft_seconds = time.perf_counter() - t0
         self.stats.draft_seconds += self.last_draft_seconds
@@ -249,10 +283,10 @@ class SpecDecoder:
                 logprobs[r.request_id] = self.sampler.logprobs(
                     raw[seq], torch.tensor(toks, device=raw.device),
                     [r.params.logprobs] * len(toks))
-            self._record(r, s.spec_tree.num_nodes, len(toks) - 1)
+            self._record(r, s.spec_tree.num_nodes, len(toks) - 1, tree=True)
         return tokens, logprobs, paths
 
-    def _record(self, r: Request, num_drafts: int, num_accepted: int) -> None:
+    def _record(self, r: Request, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
         st = self.stats
         if r.is_finished:  # aborted during the step: its state is already released
             return
@@ -260,8 +294,12 @@ class SpecDecoder:
         st.num_verify_steps += 1
         st.num_draft_tokens += num_drafts
         st.num_accepted_tokens += num_accepted
-        self._accepted = _ACCEPT_DECAY * self._accepted + num_accepted
-        self._drafted = _ACCEPT_DECAY * self._drafted + num_drafts
+        if tree:  # a tree's nodes are mostly siblings: count what a verify emits
+            self._tree_emitted = _ACCEPT_DECAY * self._tree_emitted + num_accepted + 1
+            self._tree_verifies = _ACCEPT_DECAY * self._tree_verifies + 1
+        else:
+            self._accepted = _ACCEPT_DECAY * self._accepted + num_accepted
+            self._drafted = _ACCEPT_DECAY * self._drafted + num_drafts
         prev = self._ema.get(r.request_id)
         self._ema[r.request_id] = num_accepted if prev is None else \
             _EMA * num_accepted + (1 - _EMA) * prev

@@ -55,7 +55,7 @@ class DraftModelProposer(Proposer):
         draft forward per draft position. `Proposal.probs`: when any request samples, the
         distributions [sum(len(drafts)), vocab] the drafts were drawn from. With a tree budget:
         `propose_trees`."""
-        if self.tree_budget:
+        if self.tree_budget and all(p.tree for p in batch):
             return self.propose_trees(batch)
         reqs, ks, sampler = [p.request for p in batch], [p.k for p in batch], self.sampler
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]

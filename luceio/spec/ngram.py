@@ -136,7 +136,7 @@ class NgramProposer(Proposer):
     def propose(self, requests: list[ProposalInput]) -> Proposal:
         if not requests:
             return Proposal([])
-        if self.tree_budget:
+        if self.tree_budget and all(r.tree for r in requests):
             trees = [self.tree(np.asarray(r.tokens, dtype=np.int64).reshape(-1), r.k)
                      for r in requests]
             return Proposal([t.tokens for t in trees], trees=trees)

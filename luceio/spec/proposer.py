@@ -26,11 +26,15 @@ class ProposalInput:
     request: the engine's request, for proposers that keep per-request state
         (its ``request_id``) or sample with its parameters (a draft model);
         None where the proposer needs only the tokens (n-gram lookup).
+    tree: whether a proposer with a tree budget may answer with a tree (False:
+        a chain of at most ``k``, as without a budget). One value for a batch:
+        the engine decides per step which of the two pays (`SpecDecoder`).
     """
 
     tokens: TokenHistory
     k: int
     request: Any = None
+    tree: bool = True
 
 
 @dataclass
