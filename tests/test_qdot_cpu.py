@@ -201,3 +201,21 @@ def test_kernels_read_nothing_past_their_arrays():
             qd.dequantize_rows(fenced, 0, rows)
             qd.dequantize_rows(cw, 0, want)
             assert np.array_equal(rows, want), (qtype, n, k)
+
+
+def test_matvec_writes_only_its_rows():
+    """The kernel has no bounds checks on its output either: matvec's result rows are a view
+    into a larger buffer filled with a sentinel, which must be left as it was past the M rows,
+    for M = 0 too (a prefill chunk that is not a prompt's last computes the logits of no rows:
+    the kernel's one-row branch wrote row 0 of an empty output, which corrupted the heap of a
+    real 1.5B serving a 4K-token prompt in two chunks)."""
+    for qtype in qd.KINDS:
+        n, k = 13, 256
+        cw = qd.prepare(random_quant_weight(qtype, n, k))
+        for m in (0, 1, 2, 5):
+            x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
+            buf = np.full((m + 4, n), 7.0, np.float32)
+            qd.matvec(x, cw, buf[:m])
+            assert (buf[m:] == 7.0).all(), (qtype, m)
+        y = qc.qdot_linear(torch.zeros(0, k), cw)
+        assert tuple(y.shape) == (0, n)

@@ -127,8 +127,10 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
     """out[:, :] = x @ W^T. x: fp32 [M, K] C-contiguous; out: fp32 [M, N] (rows may be a
     strided view). Rows of W run on as many numba threads as torch uses, 4 at a time for one
     activation row; several activation rows go 4 at a time through each weight row."""
-    use_torch_threads()
     rows, k = x.shape
+    if rows == 0:  # the kernel's one-row branch would write row 0 (a prefill chunk that is not
+        return     # a prompt's last asks the LM head for no rows)
+    use_torch_threads()
     matvec_kernel(w.kind, *w.arrays, x, *_scratch(rows if rows == 1 else -(-rows // 4) * 4, k), out)
 
 
