@@ -36,7 +36,7 @@ from common import copy_bandwidth, env_info, write_json  # noqa: E402
 
 from luceio.kernels import configs, prepare_weight  # noqa: E402
 from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
-from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
+from luceio.kernels.quant_x import quantize_x_ref  # noqa: E402
 from luceio.kernels.quant_triton import (dense_matmul_skinny, dequantize_triton,  # noqa: E402
                                          quant_matmul_skinny)
 

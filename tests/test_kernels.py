@@ -168,7 +168,7 @@ def test_producers_also_write_the_gemv_input(gen, layouts, dtype):
     """`rms_norm` and `silu_and_mul` given `xqs` write the same output as without, and the
     int8 forms `quantize_x` makes of that output (both layouts, bit for bit)."""
     from luceio.kernels.elementwise_triton import xq_layouts
-    from luceio.kernels.quant_gemv import quantize_x
+    from luceio.kernels.quant_x import quantize_x
     n, d = 224, 1088  # 7 groups (one norm program, masked tail); 34 groups over two programs
     x, r, w = rnd(gen, 1, n, dtype=dtype), rnd(gen, 1, n, dtype=dtype), rnd(gen, n, dtype=dtype)
     gu = rnd(gen, 1, 2 * d, dtype=dtype)

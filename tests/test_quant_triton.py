@@ -29,7 +29,7 @@ from luceio.kernels import configs, quant, quant_gemv, quant_triton as qt  # noq
 from luceio.kernels.configs import KernelConfig  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
 from luceio.kernels.quant_args import paired  # noqa: E402
-from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
+from luceio.kernels.quant_x import quantize_x_ref  # noqa: E402
 
 INTERPRETED = type(qt._skinny_kernel).__name__ == "InterpretedFunction"
 if not INTERPRETED and not torch.cuda.is_available():

@@ -109,7 +109,7 @@ def linear_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
 
 def gemv_input_buffers(parts: list, rows: int, k: int, device: torch.device) -> dict:
     """Empty buffers for the int8 forms of a [rows, K] input that the one-row quantized GEMV
-    of `parts` reads (`quant_gemv.quantize_x`: True = two planes, False = q8_0's group order),
+    of `parts` reads (`quant_x.quantize_x`: True = two planes, False = q8_0's group order),
     when that GEMV is what will run (one row, quantized parts, Triton); else {}. The kernel
     that produces the input (`rms_norm`, `silu_and_mul` with `xqs=`) fills them in the same
     launch, which saves the GEMV's own quantizing launch."""

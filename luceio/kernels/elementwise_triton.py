@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_gemv import store_xq, xq_buffers
+from .quant_x import store_xq, xq_buffers
 
 
 def _warps(block: int) -> int:
@@ -87,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def xq_layouts(layouts, rows: int, n: int, device) -> dict:
-    """The int8 forms (`quant_gemv.quantize_x` layouts: True = two planes, False = group
+    """The int8 forms (`quant_x.quantize_x` layouts: True = two planes, False = group
     order) that a one-row output is also written in, as empty buffers for the kernel to fill."""
     if not layouts:
         return {}

@@ -7,7 +7,7 @@ it M times.
 Why integers: at one row a GEMV must turn every 4-6 bit code into a number and multiply it, and
 done in fp32 that is ~10 instructions a weight, which caps a Triton kernel at ~15-20% of HBM
 bandwidth on an H200 (measured, bench/gemv_sweep.py). Here x is first quantized per 32-group
-to int8 (`_quantize_x_kernel`: scale = max |x| / 127, round half away from zero; llama.cpp's
+to int8 (`quant_x.py`: scale = max |x| / 127, round half away from zero; llama.cpp's
 q8_1 does the same), so four codes times four activations are one `dp4a` (an int8 4-way dot
 product with an int32 accumulator): codes are unpacked four at a time with 32-bit masks
 (`w & 0x0F0F0F0F` is four low nibbles), and the only float work is once per group. The result
@@ -45,43 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def store_xq(x, grp, gmask, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
-             PLANES: tl.constexpr):
-    """Quantizes fp32 groups x [BLOCK_G, 32] (groups `grp` [BLOCK_G, 1], `gmask` the real ones)
-    and stores them as `quantize_x` lays them out. Shared with the kernels that produce a
-    GEMV's input and hand it over already quantized (elementwise_triton.py)."""
-    col = tl.arange(0, 32)[None, :]
-    amax = tl.max(tl.abs(x), 1)                                                 # [BG]
-    scale = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # no 1/0 anywhere
-    t = x * inv[:, None]
-    q = tl.where(t >= 0, t + 0.5, t - 0.5).to(tl.int32)
-    q = tl.minimum(tl.maximum(q, -127), 127)
-    if PLANES:
-        dst = (col // 16) * (KG * 16) + grp * 16 + (col % 16)
-    else:
-        dst = grp * 32 + col
-    tl.store(xq_ptr + dst, q.to(tl.int8), mask=gmask)
-    tl.store(xs_ptr + grp, scale[:, None], mask=gmask)
-    halves = tl.reshape(q, [BLOCK_G, 2, 16])
-    sums = tl.sum(halves, 2)                                                    # [BG, 2]
-    tl.store(xsum_ptr + tl.arange(0, 2)[None, :] * KG + grp, sums, mask=gmask)
-
-
-@triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
-                       PLANES: tl.constexpr):
-    """x [K] -> xq int8 [K], scale fp32 [K/32], and int32 sums of xq [2, K/32] (elements 0-15
-    and 16-31 of each group). xq is in group order, or with PLANES in two planes [2, K/32, 16]
-    (elements 0-15, then 16-31, of every group), which keeps the 4-bit GEMV's x loads
-    contiguous: its code word j meets x words j of both planes."""
-    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]          # [BG, 1]
-    gmask = grp < KG
-    col = tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + grp * 32 + col, mask=gmask, other=0.0).to(tl.float32)  # [BG, 32]
-    store_xq(x, grp, gmask, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G, PLANES)
+from .quant_x import quantize_x
 
 
 @triton.jit
@@ -318,27 +282,6 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def xq_buffers(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty (xq, scale, sums) for a K-element x: what `quantize_x` returns."""
-    kg = k // 32
-    return (torch.empty(k, dtype=torch.int8, device=device),
-            torch.empty(kg, dtype=torch.float32, device=device),
-            torch.empty((2, kg), dtype=torch.int32, device=device))
-
-
-def quantize_x(x: torch.Tensor, planes: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [K] (K % 32 == 0) -> (xq int8 [K] (two planes, or group order), scale fp32 [K/32],
-    xq sums int32 [2, K/32]); see `_quantize_x_kernel`."""
-    k = x.numel()
-    kg = k // 32
-    xq, xs, xsum = xq_buffers(k, x.device)
-    block_g = 16
-    _quantize_x_kernel[(triton.cdiv(kg, block_g),)](x, xq, xs, xsum, kg, BLOCK_G=block_g,
-                                                   PLANES=planes, num_warps=4)
-    return xq, xs, xsum
-
-
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
          use_asm: bool, xqs: dict | None = None) -> None:
     """out2 [M, N] = x2 [M, K] @ W^T (+ bias), x quantized to int8 per group on the way, for
@@ -392,12 +335,3 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
             s_sc, QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows),
             BLOCK_N=block_n, G=g, PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=has_bias, PAIRED=pair, num_warps=cfg.gemv_num_warps)
-
-
-def quantize_x_ref(x: torch.Tensor) -> torch.Tensor:
-    """The dequantized int8 x the GEMV multiplies (xq * scale), in fp32: its reference input."""
-    g = x.float().reshape(-1, 32)
-    amax = g.abs().amax(1, keepdim=True)
-    t = g * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.where(t >= 0, t + 0.5, t - 0.5).trunc().clamp(-127, 127)
-    return (q * (amax / 127.0)).reshape(x.shape)

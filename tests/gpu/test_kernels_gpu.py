@@ -200,7 +200,7 @@ def test_producers_write_the_gemv_input(seed, dtype):
     """rms_norm and silu_and_mul with `xqs` (one row): their output unchanged, and its int8
     forms equal to what the GEMV's own quantizing launch makes of it, bit for bit."""
     from luceio.kernels.elementwise_triton import xq_layouts
-    from luceio.kernels.quant_gemv import quantize_x
+    from luceio.kernels.quant_x import quantize_x
     for n in (896, 3584, 5120):
         x, r = (torch.randn(1, n, device=DEV).to(dtype) for _ in range(2))
         w = torch.randn(n, device=DEV).to(dtype)

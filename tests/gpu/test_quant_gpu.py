@@ -30,7 +30,7 @@ pytest.importorskip("triton")
 
 from luceio.kernels import configs, quant, quant_triton as qt  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
-from luceio.kernels.quant_gemv import quantize_x_ref  # noqa: E402
+from luceio.kernels.quant_x import quantize_x_ref  # noqa: E402
 
 DEV = "cuda"
 TOL = dict(atol=2e-2, rtol=1e-2)
