@@ -207,8 +207,14 @@ def test_tree_commit_leaves_the_kv_of_plain_decoding(tiny_llama):
     torch.testing.assert_close(tree[:, :, :m], plain[:, :, :m], atol=1e-4, rtol=1e-4)
 
 
-def test_seeded_tree_sampling_is_reproducible(tiny_llama):
+def test_seeded_tree_sampling_is_reproducible(tiny_llama, monkeypatch):
+    """Seeded sampling through trees gives the same tokens run after run. Every step drafts a
+    tree: which steps draft, and how, is otherwise the adaptive budget's choice from measured
+    step times, and a seeded request's tokens depend on it (each way consumes its generator
+    differently), so two runs could differ by timing alone."""
     from luceio import SamplingParams
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "tree")
     params = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=20, ignore_eos=True)
     kw = dict(speculative_method="ngram", num_speculative_tokens=4, spec_tree_budget=10)
     a, eng = _run(tiny_llama, _branchy_prompts(6), params, **kw)
@@ -253,10 +259,13 @@ def test_greedy_draft_model_trees_equal_plain_decoding(tiny_llama, tmp_path_fact
         assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
 
 
-def test_sampled_draft_model_trees_are_seeded(tiny_llama):
+def test_sampled_draft_model_trees_are_seeded(tiny_llama, monkeypatch):
     """Children are point masses, accepted with the target's probability of their token: at a
-    low temperature (a peaked p) the draft = target's top child is mostly accepted."""
+    low temperature (a peaked p) the draft = target's top child is mostly accepted. Every step
+    drafts a tree (as in the test above, so timing cannot change the draws)."""
     from luceio import SamplingParams
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "tree")
     params = SamplingParams(temperature=0.1, seed=11, max_tokens=16, ignore_eos=True)
     kw = dict(speculative_method="draft", draft_model=tiny_llama, num_speculative_tokens=3,
               spec_tree_budget=6)
