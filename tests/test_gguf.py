@@ -377,16 +377,17 @@ def test_tokenizer_matches_llama_cpp_reference(llama_cpp_vocabs, vocab):
 
 # ---- a synthetic GGUF written with gguf's own writer (offline) -------------------------------
 
-def _write_gguf(path, arch: str, quant: dict | None = None) -> dict[str, np.ndarray]:
+def _write_gguf(path, arch: str, quant: dict | None = None, heads: int = 4) -> dict[str, np.ndarray]:
     """A 2-layer model with known HF-layout weights, stored the way llama.cpp's converter
     stores them (llama: Q/K rows permuted, tied embeddings; qwen2: q/k/v bias, untied output).
     Returns the HF state dict that loading must give back. `quant` maps GGUF tensor kinds
     (`attn_q`, `ffn_down`, `token_embd`, ...) to a GGMLQuantizationType to store them in
     (quantized with gguf's own quantizer) instead of F16; the state dict returned is then the
-    unquantized one."""
+    unquantized one. `heads` query heads share hidden 64 (head_dim 64 / heads), over heads / 2
+    KV heads."""
     from gguf import GGUFWriter
 
-    hidden, heads, kv_heads, ffn, vocab = 64, 4, 2, 96, 259
+    hidden, kv_heads, ffn, vocab = 64, heads // 2, 96, 259
     head_dim = hidden // heads
     rng = np.random.default_rng(1)
 

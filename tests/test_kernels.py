@@ -234,6 +234,31 @@ def test_decode_single_split_default_config(gen, dtype):
     run_attention(gen, configs.TABLE["default"], args, dtype, "decode, one split")
 
 
+@pytest.mark.parametrize("layouts", [(True,), (False, True)])
+@pytest.mark.parametrize("ctx", [20, 100])  # one split (the decode kernel writes), four (the reduce)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_also_writes_the_o_input(gen, layouts, ctx, dtype):
+    """One decode token with `xqs`: the same output as without, and the int8 forms
+    `quantize_x` makes of it for the o projection, bit for bit, from the kernel that writes
+    the output (a group of 7 heads: padded rows of a program must not spill into the next)."""
+    from luceio.kernels.elementwise_triton import xq_layouts
+    from luceio.kernels.quant_x import quantize_x
+    group, kv_heads, head_dim = 7, 2, 64
+    args = make_batch(gen, [1, 0], [ctx, 9], kv_heads, group, head_dim, dtype)
+    splits, _ = attention_triton.decode_splits(SMALL, 2, kv_heads, args[7], 0, 16)
+    assert (splits == 1) == (ctx == 20)
+    xqs = xq_layouts(layouts, 1, kv_heads * group * head_dim, DEVICE)
+    with configs.use_config(SMALL):
+        out = triton_ops.paged_attention(*args, xqs=xqs)
+        assert torch.equal(out, triton_ops.paged_attention(*args)), gen.seed_value
+    for planes, got in xqs.items():
+        want = quantize_x(out.reshape(-1), planes=planes)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (planes, gen.seed_value)
+    with pytest.raises(ValueError, match="one decode token"):
+        triton_ops.paged_attention(*make_batch(gen, [1, 1], [5, 9], kv_heads, group, head_dim,
+                                               dtype), xqs=xqs)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("head_dim", [64, 128])

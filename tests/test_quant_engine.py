@@ -82,23 +82,30 @@ def test_gguf_refuses_requantization(tmp_path):
         LLM(str(path), quantization="int8", **engine_kwargs(max_model_len=256))
 
 
-def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch):
-    """On the Triton kernels (interpreted here), the norms and SiLU writing the one-row GEMV's
-    int8 input themselves (`Linear.int8_input`) give the same logits, bit for bit, as the GEMV
-    quantizing it in its own launch: the decode steps of a mixed-type GGUF (a q4_0 + q8_0 fused
-    QKV, so both int8 layouts) produce identical greedy tokens and log-probabilities."""
+@pytest.mark.parametrize("heads", [4, 2])
+def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
+    """On the Triton kernels (interpreted here), the norms, SiLU and (head_dim 32: heads=2) the
+    decode attention writing the one-row GEMV's int8 input themselves (`Linear.int8_input`)
+    give the same logits, bit for bit, as the GEMV quantizing it in its own launch: the decode
+    steps of a mixed-type GGUF (a q4_0 + q8_0 fused QKV, so both int8 layouts) produce
+    identical greedy tokens and log-probabilities."""
     import luceio.kernels as K
+    from luceio.kernels import triton_ops
     from test_gguf import _write_gguf
     path = tmp_path / "q.gguf"
-    _write_gguf(path, "qwen2", MIXED)
+    _write_gguf(path, "qwen2", MIXED, heads=heads)
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
-    made = []
-    buffers = K.gemv_input_buffers
+    made, attention_xqs = [], []
+    buffers, attention = K.gemv_input_buffers, triton_ops.paged_attention
     monkeypatch.setattr(K, "gemv_input_buffers", lambda *a: made.append(buffers(*a)) or made[-1])
+    monkeypatch.setattr(triton_ops, "paged_attention",
+                        lambda *a, **kw: attention_xqs.append(bool(kw.get("xqs"))) or
+                        attention(*a, **kw))
     llm = LLM(str(path), quantization="auto", **engine_kwargs(max_model_len=128))
     fused = llm.generate([{"prompt_token_ids": PROMPT[:9]}], params)[0].outputs[0]
     assert any(len(m) == 2 for m in made)  # the q4_0 + q8_0 QKV asked for both layouts
+    assert any(attention_xqs) == (heads == 2)  # head_dim 16 is no whole 32-group
     monkeypatch.setattr(K, "gemv_input_buffers", lambda *a: {})
     llm = LLM(str(path), quantization="auto", **engine_kwargs(max_model_len=128))
     plain = llm.generate([{"prompt_token_ids": PROMPT[:9]}], params)[0].outputs[0]

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import get_config, num_sms
+from .quant_x import emit_xq, xq_args, xq_flags
 
 _LOG2E = 1.4426950408889634
 
@@ -119,9 +120,11 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
                    scale_log2, tokens_per_split, num_splits,
                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
+                   xq0, xs0, xsum0, xq1, xs1, xsum1,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+                   DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+                   XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,8 +166,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if DIRECT_OUT:
+        o = o.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + q_start.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qmask)
+                 o, mask=qmask)
+        # one token: the group's heads are consecutive groups of 32 of the o projection's input
+        g0 = kvh * (GROUP * HEAD_DIM // 32)
+        emit_xq(tl.reshape(o.to(tl.float32), [BLOCK_H * BLOCK_D]), g0,
+                g0 + GROUP * HEAD_DIM // 32, num_heads * HEAD_DIM // 32,
+                xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_H * BLOCK_D, XQ_PLANES, XQ_GROUPS)
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 domain
         part = (b.to(tl.int64) * num_heads + heads) * num_splits + split   # [B, H, S] index
@@ -174,7 +183,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 
 @triton.jit
 def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          xq0, xs0, xsum0, xq1, xs1, xsum1,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
@@ -193,9 +204,11 @@ def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_
                 mask=smask[:, None] & dmask[None, :], other=0.0)
     den = tl.sum(w, 0)
     den = tl.where(den == 0.0, 1.0, den)
-    res = tl.sum(o * w[:, None], 0) / den
-    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + h * s_oh + offs_d,
-             res.to(out_ptr.dtype.element_ty), mask=dmask)
+    res = (tl.sum(o * w[:, None], 0) / den).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + h * s_oh + offs_d, res, mask=dmask)
+    g0 = h * (HEAD_DIM // 32)  # one token: head h is groups g0 ... of the o projection's input
+    emit_xq(res.to(tl.float32), g0, g0 + HEAD_DIM // 32, tl.num_programs(1) * HEAD_DIM // 32,
+            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_D, XQ_PLANES, XQ_GROUPS)
 
 
 @triton.jit
@@ -307,15 +320,24 @@ def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, tree_mask: torch.Tensor | None = None,
+                    xqs: dict | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
     `tree_mask`: int64 [num_tokens], per query token the bits of its request's query tokens it
-    sees (draft-tree verification; see `attention.paged_attention_ref`)."""
+    sees (draft-tree verification; see `attention.paged_attention_ref`). `xqs` (from the o
+    projection's `int8_input`; one decode token, head_dim a multiple of 32): also filled with
+    the output quantized for that GEMV, by the kernel that writes the output."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    xqs = xqs or {}
+    if xqs and (max_query_len != 1 or num_tokens != 1 or head_dim % 32 or
+                head_dim != triton.next_power_of_2(head_dim)):
+        raise ValueError(f"attention writes a quantized GEMV input for one decode token of a "
+                         f"power-of-two head_dim >= 32, got {num_tokens} tokens, "
+                         f"max_query_len {max_query_len}, head_dim {head_dim}")
     if num_tokens == 0 or num_seqs == 0:
         return out
     if q.stride(-1) != 1:
@@ -348,14 +370,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl,
             scale_log2, tokens, splits, *strides, out.stride(0), out.stride(1),
+            *xq_args(xqs if direct else {}, out),
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
             BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
-            DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages)
+            DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages,
+            **xq_flags(xqs if direct else {}))
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),
+                *xq_args(xqs, out),
                 HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps)
+                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps, **xq_flags(xqs))
         return out
 
     block_m = cfg.prefill_block_m

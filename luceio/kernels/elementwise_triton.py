@@ -9,25 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_x import store_xq, xq_buffers
+from .quant_x import emit_xq, xq_args, xq_buffers, xq_flags
 
 
 def _warps(block: int) -> int:
     return min(16, max(1, block // 512))
-
-
-@triton.jit
-def _emit_xq(y, g0, KG, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK: tl.constexpr,
-             XQ_PLANES: tl.constexpr, XQ_GROUPS: tl.constexpr):
-    """A produced GEMV input y [BLOCK] (groups g0 ...) also quantized, in the layouts asked for."""
-    if XQ_PLANES or XQ_GROUPS:
-        grp = g0 + tl.arange(0, BLOCK // 32)[:, None]
-        gmask = grp < KG
-        yg = tl.reshape(y, [BLOCK // 32, 32])
-        if XQ_PLANES:
-            store_xq(yg, grp, gmask, xq0, xs0, xsum0, KG, BLOCK // 32, True)
-        if XQ_GROUPS:
-            store_xq(yg, grp, gmask, xq1, xs1, xsum1, KG, BLOCK // 32, False)
 
 
 @triton.jit
@@ -49,8 +35,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     o = (w * y).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * s_o + offs, o, mask=mask)
-    _emit_xq(o.to(tl.float32), 0, N // 32, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK,
-             XQ_PLANES, XQ_GROUPS)
+    emit_xq(o.to(tl.float32), 0, N // 32, N // 32, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK,
+            XQ_PLANES, XQ_GROUPS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -79,9 +65,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), out, res_out, float(eps),
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-                                  *_xq_args(xqs, out), N=n, BLOCK=block,
+                                  *xq_args(xqs, out), N=n, BLOCK=block,
                                   HAS_RES=residual is not None, num_warps=_warps(block),
-                                  **_xq_flags(xqs))
+                                  **xq_flags(xqs))
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))
 
@@ -97,17 +83,6 @@ def xq_layouts(layouts, rows: int, n: int, device) -> dict:
     return {planes: xq_buffers(n, device) for planes in layouts}
 
 
-def _xq_args(xqs: dict, dummy: torch.Tensor) -> list:
-    args = []
-    for planes in (True, False):
-        args.extend(xqs.get(planes, (dummy,) * 3))
-    return args
-
-
-def _xq_flags(xqs: dict) -> dict:
-    return {"XQ_PLANES": True in xqs, "XQ_GROUPS": False in xqs} if xqs else {}
-
-
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1,
                          D: tl.constexpr, BLOCK: tl.constexpr,
@@ -121,8 +96,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xs
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype, then * up
     o = (s * u).to(dt)
     tl.store(out_ptr + t * s_o + offs, o, mask=mask)
-    _emit_xq(o.to(tl.float32), tl.program_id(1) * (BLOCK // 32), D // 32, xq0, xs0, xsum0,
-             xq1, xs1, xsum1, BLOCK, XQ_PLANES, XQ_GROUPS)
+    emit_xq(o.to(tl.float32), tl.program_id(1) * (BLOCK // 32), D // 32, D // 32,
+            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK, XQ_PLANES, XQ_GROUPS)
 
 
 def silu_and_mul(x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
@@ -136,8 +111,8 @@ def silu_and_mul(x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
     if x2.shape[0] and d:
         block = max(32, min(1024, triton.next_power_of_2(d)))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), *_xq_args(xqs, out), D=d, BLOCK=block,
-            num_warps=_warps(block), **_xq_flags(xqs))
+            x2, out, x2.stride(0), out.stride(0), *xq_args(xqs, out), D=d, BLOCK=block,
+            num_warps=_warps(block), **xq_flags(xqs))
     return out.view(*x.shape[:-1], d)
 
 

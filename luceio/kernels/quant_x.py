@@ -1,7 +1,8 @@
 """x's int8 quantization for the quantized GEMV (`quant_gemv.py`): per 32-group, scale =
 max |x| / 127, round half away from zero (llama.cpp's q8_1 does the same), the int32 sums of
 each group's two halves beside it; the kernel, its launcher, the store the norms and SiLU share
-to hand the GEMV its input already quantized (elementwise_triton.py), and the torch reference.
+to hand the GEMV its input already quantized (`emit_xq`: elementwise_triton.py, the decode
+attention's epilogue), and the torch reference.
 """
 from __future__ import annotations
 
@@ -35,6 +36,22 @@ def store_xq(x, grp, gmask, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
 
 
 @triton.jit
+def emit_xq(y, g0, g_end, KG, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK: tl.constexpr,
+            XQ_PLANES: tl.constexpr, XQ_GROUPS: tl.constexpr):
+    """A produced GEMV input y [BLOCK] (groups g0 ... of 32, the real ones below g_end) also
+    quantized, in the layouts asked for: how a norm, SiLU or the attention epilogue hands the
+    next GEMV its input without a launch of `_quantize_x_kernel`."""
+    if XQ_PLANES or XQ_GROUPS:
+        grp = g0 + tl.arange(0, BLOCK // 32)[:, None]
+        gmask = grp < g_end
+        yg = tl.reshape(y, [BLOCK // 32, 32])
+        if XQ_PLANES:
+            store_xq(yg, grp, gmask, xq0, xs0, xsum0, KG, BLOCK // 32, True)
+        if XQ_GROUPS:
+            store_xq(yg, grp, gmask, xq1, xs1, xsum1, KG, BLOCK // 32, False)
+
+
+@triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
                        PLANES: tl.constexpr):
     """x [K] -> xq int8 [K], scale fp32 [K/32], and int32 sums of xq [2, K/32] (elements 0-15
@@ -54,6 +71,19 @@ def xq_buffers(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return (torch.empty(k, dtype=torch.int8, device=device),
             torch.empty(kg, dtype=torch.float32, device=device),
             torch.empty((2, kg), dtype=torch.int32, device=device))
+
+
+def xq_args(xqs: dict, dummy: torch.Tensor) -> list:
+    """The six pointer arguments of `emit_xq` for `xqs` (`xq_layouts`), `dummy` where absent."""
+    args = []
+    for planes in (True, False):
+        args.extend(xqs.get(planes, (dummy,) * 3))
+    return args
+
+
+def xq_flags(xqs: dict) -> dict:
+    """`emit_xq`'s constexpr flags for `xqs`."""
+    return {"XQ_PLANES": True in xqs, "XQ_GROUPS": False in xqs} if xqs else {}
 
 
 def quantize_x(x: torch.Tensor, planes: bool = True

@@ -91,6 +91,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        # the decode attention kernel can hand o_proj its input quantized: whole 32-groups a head
+        self.attn_quantizes_o_input = (cfg.head_dim % 32 == 0 and
+                                       not cfg.head_dim & (cfg.head_dim - 1))
 
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None,
                 xqs: dict | None = None):
@@ -103,10 +106,13 @@ class Attention(nn.Module):
                                    meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
         if probe is not None:  # speculative prefill reads the attention of the last window
             probe(q, k_cache, meta, self.scale)
+        o_xqs = self.o_proj.int8_input(n, x.device) \
+            if self.attn_quantizes_o_input and meta.max_query_len == 1 else {}
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
-                                    self.scale, tree_mask=meta.tree_mask)
-        return self.o_proj(o.reshape(n, self.q_size))
+                                    self.scale, tree_mask=meta.tree_mask,
+                                    **({"xqs": o_xqs} if o_xqs else {}))
+        return self.o_proj(o.reshape(n, self.q_size), o_xqs)
 
 
 class MLP(nn.Module):

@@ -218,6 +218,31 @@ def test_producers_write_the_gemv_input(seed, dtype):
         assert all(torch.equal(a, b) for a, b in zip(xqs[True], want)), (d, seed)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_writes_the_o_input(seed, dtype):
+    """One decode token (Qwen2.5 0.5B / 7B head layouts, short and long contexts: the direct
+    and the split path) with `xqs`: output unchanged, its int8 forms equal to the GEMV's own
+    quantizing launch's, bit for bit."""
+    from luceio.kernels.elementwise_triton import xq_layouts
+    from luceio.kernels.quant_x import quantize_x
+    for heads, kv_heads, head_dim in ((14, 2, 64), (28, 4, 128)):
+        for ctx in (40, 3000):
+            bs, pages = 16, -(-(ctx + 1) // 16)
+            kc, vc = (torch.randn(pages + 2, bs, kv_heads, head_dim, device=DEV).to(dtype)
+                      for _ in range(2))
+            q = torch.randn(1, heads, head_dim, device=DEV).to(dtype)
+            bt = torch.randperm(pages + 2, device=DEV)[None, :pages].to(torch.int32)
+            args = (q, kc, vc, bt, torch.tensor([ctx + 1], dtype=torch.int32, device=DEV),
+                    torch.tensor([0, 1], dtype=torch.int32, device=DEV), 1, ctx + 1,
+                    head_dim ** -0.5)
+            xqs = xq_layouts((False, True), 1, heads * head_dim, DEV)
+            out = triton_ops.paged_attention(*args, xqs=xqs)
+            assert torch.equal(out, triton_ops.paged_attention(*args)), (heads, ctx, seed)
+            for planes, got in xqs.items():
+                want = quantize_x(out.reshape(-1), planes=planes)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (heads, ctx, planes)
+
+
 def test_dispatch_uses_triton_on_gpu(monkeypatch):
     monkeypatch.delenv("LUCEIO_KERNELS", raising=False)
     x = torch.randn(4, 64, device=DEV)
