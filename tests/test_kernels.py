@@ -228,6 +228,20 @@ def test_decode_multi_split(gen, dtype, group, head_dim):
     run_attention(gen, SMALL, args, dtype, f"decode ({splits} splits of {tokens})")
 
 
+@pytest.mark.parametrize("bound", [100, 129, 1000, 5000])
+def test_decode_splits_follow_the_real_context(gen, bound):
+    """A decode launch sized for a longer context than the batch holds (as a CUDA graph
+    captured for max_model_len is) cuts each sequence's real length over its splits: the
+    same attention whatever the bound, with contexts shorter than one split, exactly one
+    split, and ragged over several."""
+    ctx = [99, 31, 7, 64]
+    args = make_batch(gen, [1, 1, 1, 1], ctx, 2, 4, 64, torch.float32)
+    with configs.use_config(SMALL):
+        out = triton_ops.paged_attention(*args[:7], bound, *args[8:])
+    check(out, paged_attention_ref(*args), ATTN_TOL[torch.float32], gen,
+          f"decode sized for {bound} tokens")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_single_split_default_config(gen, dtype):
     args = make_batch(gen, [1, 1, 0, 1], [50, 3, 30, 129], 2, 4, 64, dtype)

@@ -3,10 +3,12 @@
 Same semantics as the references in `attention.py` (read its docstring for the cache layout).
 
 * write_kv: one program per token writes all its KV heads to `slot_mapping[t]` (< 0: skipped).
-* decode (max_query_len == 1): grid (num_seqs, num_kv_heads, num_splits). A program holds the
-  whole GQA group of query heads of one KV head (padded to >= 16 rows for tl.dot), walks
-  `tokens_per_split` keys of the context with an online softmax and writes its normalised
-  partial output and log-sum-exp; `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges
+* decode (max_query_len == 1): grid (num_seqs, num_kv_heads, num_splits), num_splits sized
+  from `max_seq_len` (`decode_splits`). A program holds the whole GQA group of query heads of
+  one KV head (padded to >= 16 rows for tl.dot), walks its split of the sequence's real length
+  (cut evenly, at least `decode_min_tokens_per_split` keys, whole BLOCK_N tiles: a CUDA graph
+  captured for the model's whole context still spreads a short context over its splits) with
+  an online softmax and writes its normalised partial output and log-sum-exp; `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges
   the splits. With one split the first kernel writes the output directly.
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
@@ -118,7 +120,7 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
-                   scale_log2, tokens_per_split, num_splits,
+                   scale_log2, min_tokens_per_split, num_splits,
                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
                    xq0, xs0, xsum0, xq1, xs1, xsum1,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -145,6 +147,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
     if DOT_F32:
         q = q.to(tl.float32)
 
+    # this sequence's own split of its real length (a graph's grid is sized for the longest
+    # context it may see): splits past its end find nothing and are weighted 0 by the reduce
+    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), min_tokens_per_split),
+                               BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
@@ -358,8 +364,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_h = max(16, triton.next_power_of_2(group))
         block_n, stages = _fit_shared(block_h, cfg.decode_block_n, cfg.decode_num_stages,
                                       block_d, elt, cfg.max_shared_kb)
-        splits, tokens = decode_splits(cfg, num_seqs, num_kv_heads, max_seq_len,
-                                       num_sms(q.device), block_n)
+        splits, _ = decode_splits(cfg, num_seqs, num_kv_heads, max_seq_len, num_sms(q.device),
+                                  block_n)
         direct = splits == 1
         if direct:
             po = pl = out  # unused
@@ -369,7 +375,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             pl = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl,
-            scale_log2, tokens, splits, *strides, out.stride(0), out.stride(1),
+            scale_log2, cfg.decode_min_tokens_per_split, splits, *strides, out.stride(0),
+            out.stride(1),
             *xq_args(xqs if direct else {}, out),
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
             BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
