@@ -3,7 +3,15 @@ batched across requests, with its own paged KV cache managed by the same block-p
 
 The draft cache of a request holds the tokens it was fed; after verification the valid part is
 the longest common prefix of what it was fed and the request's (now verified) tokens, so the
-cache stays consistent after rejections and the next round only feeds the 1–2 new tokens."""
+cache stays consistent after rejections and the next round only feeds the 1–2 new tokens.
+
+A chain's draft steps are launched back to back with no host read between them: from the second
+step on, a request's input id is the draft the step before sampled, gathered on the device
+(`runner.DeviceTokenIds`, overlapped scheduling's mechanism, inside graph replays too), so the
+host prepares step j+1 while the device runs step j and the drafts reach the host in one read
+after the last step. Which requests a step extends, its block allocations and its draws (one
+per step over the same rows, so per-request generators advance alike) are those of drafting
+step by step with a read after each: greedy and seeded drafts do not depend on it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVCacheManager
+from ..pipeline import DeviceSamples
+from ..sampler import device_tensor
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
 from .proposer import Proposal, ProposalInput, Proposer
@@ -52,38 +62,74 @@ class DraftModelProposer(Proposer):
 
     def propose(self, batch: list[ProposalInput]) -> Proposal:
         """Drafts batch[i].k tokens for each batch[i].request (tokens: batch[i].tokens), in one
-        draft forward per draft position. `Proposal.probs`: when any request samples, the
-        distributions [sum(len(drafts)), vocab] the drafts were drawn from. With a tree budget:
-        `propose_trees`."""
+        draft forward per draft position, all launched before the one host read of the drafts
+        (see the module docstring). `Proposal.probs`: when any request samples, the
+        distributions [sum(len(drafts)), vocab] the drafts were drawn from, on the device. With
+        a tree budget: `propose_trees`."""
         if self.tree_budget and all(p.tree for p in batch):
             return self.propose_trees(batch)
-        reqs, ks, sampler = [p.request for p in batch], [p.k for p in batch], self.sampler
+        reqs = [p.request for p in batch]
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
-        drafts: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        live = [i for i, k in enumerate(ks) if k > 0]
+        steps, sampled, probs = self._launch(seqs, reqs, [p.k for p in batch])
+        drafts, order = self._read_drafts(seqs, steps, sampled)
+        if not probs:
+            return Proposal(drafts, None)
+        flat = torch.cat(probs)  # step-major rows, as `order` counts them
+        return Proposal(drafts, flat[device_tensor(order, torch.int64, flat.device)])
+
+    def _launch(self, seqs: list[DraftSeq], reqs, ks: list[int]):
+        """Queues the draft steps without reading anything back. Returns the requests each step
+        extended (indices into `seqs`), its sampled ids and, when any request samples, the
+        probabilities it drew them from (device tensors, one row per request it extended)."""
         any_sampled = any(not r.params.greedy for r in reqs)
+        steps: list[list[int]] = []
+        sampled: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        live = [i for i, k in enumerate(ks) if k > 0]
         for step in range(max(ks, default=0)):
-            live = [i for i in live if len(drafts[i]) < ks[i] and self._room(seqs[i])]
+            live = [i for i in live if step < ks[i] and self._room(seqs[i], step)]
             if not live:
                 break
-            sched = SchedulerOutput([ScheduledRequest(seqs[i], seqs[i].num_tokens_with_spec -
-                                                      seqs[i].num_computed_tokens) for i in live], [])
-            inp = self.runner.prepare(sched, self.kv)
-            logits = self.runner.execute(inp)
+            previous = DeviceSamples([seqs[i].request_id for i in steps[-1]], sampled[-1], None,
+                                     []) if steps else None
             live_reqs = [reqs[i] for i in live]
-            processed = sampler.process(logits, live_reqs)
-            tokens = sampler.draw(processed, live_reqs).tolist()
-            p = processed.softmax(-1) if any_sampled else None
-            for row, i in enumerate(live):
-                s = seqs[i]
-                s.num_computed_tokens = len(s.all_token_ids)
-                s.all_token_ids.append(tokens[row])
-                drafts[i].append(tokens[row])
-                if p is not None:
-                    probs[i].append(p[row])
-        flat = [t for i in range(len(reqs)) for t in probs[i]]
-        return Proposal(drafts, torch.stack(flat) if any_sampled and flat else None)
+            processed = self._step_logits(seqs, live, live_reqs, step, previous)
+            steps.append(live)
+            sampled.append(self.sampler.draw(processed, live_reqs))
+            if any_sampled:
+                probs.append(processed.softmax(-1))
+        return steps, sampled, probs
+
+    def _step_logits(self, seqs: list[DraftSeq], live: list[int], live_reqs, step: int,
+                     previous: DeviceSamples | None) -> torch.Tensor:
+        """Draft step `step` over `seqs[i]` for i in `live`: their processed logits. Past the
+        first step a request's input is its draft from `previous`, which only the device holds:
+        its draft sequence counts it as computed without having it, so `prepare` leaves a
+        placeholder for it."""
+        sched = SchedulerOutput([ScheduledRequest(seqs[i], len(seqs[i].all_token_ids) + step -
+                                                  seqs[i].num_computed_tokens) for i in live], [])
+        inp = self.runner.prepare(sched, self.kv)
+        if previous is not None:
+            inp.ids_from = previous.ids_for(inp.device_ids)
+        logits = self.runner.execute(inp)
+        for i in live:
+            seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) + step
+        return self.sampler.process(logits, live_reqs)
+
+    @staticmethod
+    def _read_drafts(seqs: list[DraftSeq], steps: list[list[int]], sampled: list[torch.Tensor]
+                     ) -> tuple[list[list[int]], list[int]]:
+        """Reads every step's drafts in one transfer and appends them to the draft sequences.
+        Returns the drafts per request and, request by request, the step-major row of each."""
+        flat = torch.cat(sampled).tolist() if sampled else []
+        drafts: list[list[int]] = [[] for _ in seqs]
+        rows: list[list[int]] = [[] for _ in seqs]
+        for row, i in enumerate(i for live in steps for i in live):
+            drafts[i].append(flat[row])
+            rows[i].append(row)
+        for s, d in zip(seqs, drafts):
+            s.all_token_ids.extend(d)
+        return drafts, [row for r in rows for row in r]
 
     def propose_trees(self, batch: list[ProposalInput]) -> Proposal:
         """Draft trees (`spec.tree`), EAGLE-2 style: level by level, the `tree_topk` most
@@ -186,10 +232,13 @@ class DraftModelProposer(Proposer):
         self.kv.trim(s, n)
         return s
 
-    def _room(self, s: DraftSeq) -> bool:
-        if len(s.all_token_ids) >= self.runner.cfg.max_position_embeddings:
+    def _room(self, s: DraftSeq, pending: int = 0) -> bool:
+        """Room in the context and the draft cache for the sequence's tokens and the `pending`
+        drafts sampled for it that it does not hold yet (`propose`)."""
+        n = len(s.all_token_ids) + pending
+        if n >= self.runner.cfg.max_position_embeddings:
             return False
-        return self.kv.allocate_slots(s, len(s.all_token_ids) - s.num_computed_tokens)
+        return self.kv.allocate_slots(s, n - s.num_computed_tokens)
 
     def release(self, request_id: str) -> None:
         s = self.seqs.pop(request_id, None)

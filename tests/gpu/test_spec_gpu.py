@@ -1,0 +1,59 @@
+"""Draft-model speculation on the GPU: a chain's k draft steps replay the draft's CUDA graphs
+back to back without a host synchronisation between them (`spec.draft`), and greedy output
+equals plain decoding."""
+import pytest
+import torch
+
+from conftest import engine_kwargs
+from luceio import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=48)
+
+
+def prompts(n):
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 384, (5 + 9 * i,), generator=g).tolist()}
+            for i in range(n)]
+
+
+def test_draft_steps_launch_without_a_host_sync(tiny_llama, monkeypatch):
+    """With torch's sync debug mode set to "error", a host synchronisation while the draft steps
+    are launched (a `.tolist()`, a pageable copy, a stream synchronize) raises. Checked: every
+    propose call whose steps all replay graphs (each request feeds at most 2 tokens first: the
+    draft's (batch, 2) graphs; catching up on a prompt runs eagerly). Every step drafts a chain
+    (not the cost model's choice) of up to 4 tokens (4 requests: larger batches draft
+    fewer), greedy and seeded sampled requests in one batch; the greedy ones must equal plain
+    decoding."""
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "chain")
+    params = [SamplingParams(**GREEDY) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=20, seed=i, ignore_eos=True, max_tokens=48)
+              for i in range(4)]
+    plain = LLM(tiny_llama, **engine_kwargs(device="cuda", enforce_eager=True)).generate(
+        prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
+    llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="draft",
+                                          draft_model=tiny_llama, num_speculative_tokens=4))
+    proposer = llm.engine.spec.proposer
+    assert proposer.runner.graphs is not None and proposer.runner.graphs.graphs
+    launch, checked = proposer._launch, []
+
+    def strict(seqs, reqs, ks):
+        if max(len(s.all_token_ids) - s.num_computed_tokens for s in seqs) > 2:
+            return launch(seqs, reqs, ks)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = launch(seqs, reqs, ks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(len(out[0]))  # draft steps launched
+        return out
+
+    proposer._launch = strict
+    outs = llm.generate(prompts(4), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs][::2] == \
+        [o.outputs[0].token_ids for o in plain][::2]
+    assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
+    assert len(checked) > 5 and max(checked) > 1

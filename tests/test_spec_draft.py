@@ -1,0 +1,136 @@
+"""The draft-model proposer's chain path (issue 14 item 5): its k draft steps are launched back to
+back with the drafts on the device, read back once per `propose` call. The oracle is drafting
+step by step with a host read after each step (the code before): drafts, their probabilities
+and the draft cache's blocks must be identical, for greedy, seeded and unseeded sampling, mixed
+k in one batch, sequences that reach the context limit and a draft cache that runs out of
+blocks part-way (tiny random models, fp32, CPU)."""
+import pytest
+import torch
+
+from conftest import engine_kwargs
+from luceio import LLM, SamplingParams
+from luceio.request import Request
+from luceio.scheduler import ScheduledRequest, SchedulerOutput
+from luceio.spec.proposer import Proposal, ProposalInput
+
+PARAMS = [SamplingParams(temperature=0.0),
+          SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=5),
+          SamplingParams(temperature=1.1, min_p=0.05, seed=6),
+          SamplingParams(temperature=0.8)]  # unseeded: the sampler's own generator
+READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def proposer_of(path, num_kv_blocks=256):
+    llm = LLM(path, **engine_kwargs(speculative_method="draft", draft_model=path,
+                                    num_speculative_tokens=5, num_kv_blocks=num_kv_blocks))
+    return llm.engine.spec.proposer
+
+
+def step_by_step(self, batch: list[ProposalInput]) -> Proposal:
+    """The reference: one draft step at a time, its samples read back before the next."""
+    reqs, ks, sampler = [p.request for p in batch], [p.k for p in batch], self.sampler
+    seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
+    drafts, probs = [[] for _ in reqs], [[] for _ in reqs]
+    live = [i for i, k in enumerate(ks) if k > 0]
+    any_sampled = any(not r.params.greedy for r in reqs)
+    for step in range(max(ks, default=0)):
+        live = [i for i in live if len(drafts[i]) < ks[i] and self._room(seqs[i])]
+        if not live:
+            break
+        sched = SchedulerOutput([ScheduledRequest(seqs[i], seqs[i].num_tokens_with_spec -
+                                                  seqs[i].num_computed_tokens) for i in live], [])
+        logits = self.runner.execute(self.runner.prepare(sched, self.kv))
+        live_reqs = [reqs[i] for i in live]
+        processed = sampler.process(logits, live_reqs)
+        tokens = sampler.draw(processed, live_reqs).tolist()
+        p = processed.softmax(-1) if any_sampled else None
+        for row, i in enumerate(live):
+            seqs[i].num_computed_tokens = len(seqs[i].all_token_ids)
+            seqs[i].all_token_ids.append(tokens[row])
+            drafts[i].append(tokens[row])
+            if p is not None:
+                probs[i].append(p[row])
+    flat = [t for i in range(len(reqs)) for t in probs[i]]
+    return Proposal(drafts, torch.stack(flat) if any_sampled and flat else None)
+
+
+def requests(prompts, params):
+    return [Request(f"r{i}", p, params[i % len(params)], set(), 512)
+            for i, p in enumerate(prompts)]
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+def verify(reqs, drafts, rnd):
+    """Stands in for the target: accepts some drafts, then appends one token of its own."""
+    for i, (r, d) in enumerate(zip(reqs, drafts)):
+        r.all_token_ids += d[:(i + rnd) % (len(d) + 1)] + [(7 * i + 11 * rnd) % 380 + 3]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("params", [PARAMS[:1], PARAMS], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("case", ["roomy", "context-limit", "pool-runs-out"])
+def test_proposal_equals_step_by_step_drafting(tiny_llama, k, params, case):
+    """Three rounds of drafting with verification between them (so the draft cache rolls back
+    and catches up): the same drafts, the same probabilities bit for bit, the same blocks."""
+    lengths = {"roomy": [9, 30, 17, 46], "context-limit": [9, 509, 30, 17],
+               "pool-runs-out": [30, 31, 15, 46]}[case]
+    blocks = 9 if case == "pool-runs-out" else 256
+    ks = [k, 1, max(k - 2, 1), k]
+    new, ref = proposer_of(tiny_llama, blocks), proposer_of(tiny_llama, blocks)
+    new_reqs, ref_reqs = (requests(prompts_of(lengths), params) for _ in range(2))
+    for rnd in range(3):
+        got = new.propose([ProposalInput(r.all_token_ids, k_, r) for r, k_ in zip(new_reqs, ks)])
+        want = step_by_step(ref, [ProposalInput(r.all_token_ids, k_, r)
+                                  for r, k_ in zip(ref_reqs, ks)])
+        assert got.drafts == want.drafts
+        assert (got.probs is None) == (want.probs is None)
+        if want.probs is not None:
+            assert torch.equal(got.probs, want.probs)
+        assert new.kv.block_tables == ref.kv.block_tables
+        assert [(s.all_token_ids, s.num_computed_tokens) for s in new.seqs.values()] == \
+            [(s.all_token_ids, s.num_computed_tokens) for s in ref.seqs.values()]
+        verify(new_reqs, got.drafts, rnd)
+        verify(ref_reqs, want.drafts, rnd)
+    if case != "roomy":  # some request drafted fewer than it asked for
+        assert any(len(d) < k_ for d, k_ in zip(got.drafts, ks))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_one_host_read_per_propose_call(tiny_llama, k, monkeypatch):
+    """However many draft steps run, the drafts come back in one read (the old code read each
+    step's samples before launching the next: k reads). Reads inside the draft forwards are
+    left out: the CPU's kernels read their inputs on the host by design (the GPU test checks
+    the graph-replayed steps with torch's sync debug mode)."""
+    proposer = proposer_of(tiny_llama)
+    reqs = requests(prompts_of([9, 30, 17]), PARAMS[:3])
+    proposer.propose([ProposalInput(r.all_token_ids, k, r) for r in reqs])  # the prompts
+    verify(reqs, [[]] * len(reqs), 0)
+    reads, in_forward = [], []
+
+    def counted(name, real):
+        def read(t, *a, **kw):
+            if not in_forward:
+                reads.append(name)
+            return real(t, *a, **kw)
+        return read
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    forward = proposer.runner.execute
+
+    def execute(inp):
+        in_forward.append(True)
+        try:
+            return forward(inp)
+        finally:
+            in_forward.pop()
+
+    monkeypatch.setattr(proposer.runner, "execute", execute)
+    proposal = proposer.propose([ProposalInput(r.all_token_ids, k, r) for r in reqs])
+    monkeypatch.undo()
+    assert [len(d) for d in proposal.drafts] == [k] * len(reqs)
+    assert reads == ["tolist"]
