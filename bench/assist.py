@@ -1,6 +1,11 @@
 """Editor-assistant latency on the CPU: the real Qwen2.5-Coder-0.5B GGUF (`--model` for
 another), each request taken through the server's own path in-process (the OpenAI body parsed
 by `luceio.server.protocol`, run by the AsyncEngine, shaped by the response builder; no HTTP).
+On a GPU (`--random-shape qwen2.5-1.5b --tokenizer DIR`): random Q4_K_M-typed weights at that
+shape (bench/decode_gguf.py's, through the load path) with the real model's tokenizer, chat
+template and FIM tokens, exported once from its GGUF by `--export-tokenizer DIR` (the weights
+cannot travel to the lent GPU); the token counts and cache hits are the real ones, the replies
+are noise (the tool calls and JSON still follow their grammars).
 
 (a) Fill-in-the-middle (`suffix` on /v1/completions) on a ~4K-token source file (a Python
     standard-library module): cold (nothing of it cached), warm (the same file with a second edit
@@ -19,6 +24,9 @@ bench/results/cpu/assist.json.
 
     python bench/assist.py [--quick] [--threads N] [--sections fim,structured,agent]
         [--turns N] [--agent-context TOKENS] [--out FILE]
+    python bench/assist.py --export-tokenizer .models/qwen2.5-coder-tok   # here, once
+    python bench/assist.py --random-shape qwen2.5-1.5b --tokenizer .models/qwen2.5-coder-tok \
+        --out bench/results/h200/assist.json                                # on the GPU
 """
 from __future__ import annotations
 
@@ -62,10 +70,14 @@ READ_LINES = {"type": "function", "function": {
 
 class Bench:
     def __init__(self, threads: int | None, max_model_len: int = 8192,
-                 model: str = "qwen2.5-coder-0.5b"):
-        args = EngineArgs(model=resolve_model(model), device="cpu",
-                          max_model_len=max_model_len, cpu_threads=threads)
-        self.engine = AsyncEngine.from_engine_args(args)
+                 model: str = "qwen2.5-coder-0.5b", random_shape: str | None = None,
+                 tokenizer: str | None = None):
+        if random_shape:
+            self.engine = AsyncEngine(random_engine(random_shape, tokenizer, max_model_len))
+        else:
+            args = EngineArgs(model=resolve_model(model), device="cpu",
+                              max_model_len=max_model_len, cpu_threads=threads)
+            self.engine = AsyncEngine.from_engine_args(args)
         self.state = ServerState(self.engine, ServerArgs())
         self.tok = self.state.ctx.tokenizer
         self.count = 0
@@ -86,6 +98,41 @@ class Bench:
             "ttft_s": round(m.first_token_time - m.arrival_time, 3),
             "completion_tokens": m.num_generated_tokens,
             "decode_tok_s": round(decoded / decode_s, 2) if decoded > 0 else None}
+
+
+TOKENIZER_FILES = ("tokenizer_config", "generation_config", "config")
+
+
+def export_tokenizer(model: str, folder: str) -> None:
+    """The tokenizer of `model`'s GGUF (its vocabulary, chat template, special tokens) as
+    tokenizer.json plus the three JSON configs `luceio.tokenizer.Tokenizer` reads."""
+    from luceio.loader.gguf import load_gguf
+    ckpt = load_gguf(resolve_model(model))
+    os.makedirs(folder, exist_ok=True)
+    ckpt.tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    for name, data in zip(TOKENIZER_FILES, (ckpt.tokenizer_config, ckpt.generation_config,
+                                            ckpt.config)):
+        with open(os.path.join(folder, name + ".json"), "w") as f:
+            json.dump(data, f)
+
+
+def random_engine(shape: str, folder: str, max_model_len: int):
+    """An LLMEngine on CUDA over random Q4_K_M-typed weights at `shape`, with the tokenizer
+    `export_tokenizer` wrote to `folder`."""
+    import tokenizers
+    from decode_gguf import random_model
+    from luceio import LLMEngine
+    from luceio.tokenizer import Tokenizer
+    configs = []
+    for name in TOKENIZER_FILES:
+        with open(os.path.join(folder, name + ".json")) as f:
+            configs.append(json.load(f))
+    tok = Tokenizer(tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")),
+                    *configs)
+    model = random_model(shape, "Q4_K_M", max_model_len + 512)
+    args = EngineArgs(model=f"random-{shape}", dtype="bfloat16", device="cuda",
+                      max_model_len=max_model_len, max_num_seqs=8)
+    return LLMEngine(args, model=model, tokenizer=tok)
 
 
 # (a) ---------------------------------------------------------------------------------------------
@@ -212,19 +259,33 @@ def main() -> None:
                     help="tokens of source in the agent's system prompt (the shared prefix)")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b",
                     help="a short name (MODELS.md) or a GGUF path")
+    ap.add_argument("--random-shape", default=None,
+                    help="on CUDA: random Q4_K_M weights at this shape (bench/decode_gguf.py)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --random-shape: the folder --export-tokenizer wrote")
+    ap.add_argument("--export-tokenizer", default=None, metavar="DIR",
+                    help="write --model's tokenizer to DIR and exit")
     ap.add_argument("--out", default=RESULTS)
     a = ap.parse_args()
+    if a.export_tokenizer:
+        export_tokenizer(a.model, a.export_tokenizer)
+        return
+    if a.random_shape and not a.tokenizer:
+        raise SystemExit("--random-shape needs --tokenizer (a folder --export-tokenizer wrote)")
     repeats, decode_tokens, turns = (3, 128, 4) if a.quick else (6, 128, 6)
     turns = a.turns or turns
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(__file__)).stdout.strip()
     results = {"env": env_info(), "git_head": head, "quick": a.quick,
-               "model": f"{a.model} (GGUF)", "cores": os.cpu_count(),
+               "model": (f"random Q4_K_M weights at the {a.random_shape} shape, the tokenizer of "
+                         f"{a.tokenizer}" if a.random_shape else f"{a.model} (GGUF)"),
+               "cores": os.cpu_count(),
                "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
 
     async def run() -> None:
         t = time.perf_counter()
-        b = Bench(a.threads, max(8192, a.agent_context + 4096), a.model)
+        b = Bench(a.threads, max(8192, a.agent_context + 4096), a.model, a.random_shape,
+                  a.tokenizer)
         results["load_s"] = round(time.perf_counter() - t, 1)
         results["torch_threads"] = torch.get_num_threads()
         loop = asyncio.get_running_loop()

@@ -6,6 +6,8 @@
 #   prep-test       llama.cpp's CUDA build and the F16 GGUFs (background) while all the GPU
 #                   tests run ($OUT/gpu_tests.log)
 #   profile         bench/step_profile.py: kernels per decode step, GPU idle share
+#   pipeline        the kernel GPU tests, step_profile.py with max_model_len 1024 and 32768,
+#                   bench/assist.py at the 1.5B shape (random weights, the real tokenizer)
 #   build-and-test  llama.cpp's CUDA build (background, 16 cores) while `pytest -m gpu tests/gpu`
 #                   runs; test log in $OUT/gpu_tests.log
 #   llamacpp        random-weight GGUFs at Qwen2.5 0.5B/1.5B/7B shapes, quantized to Q4_K_M and
@@ -25,6 +27,13 @@
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py:$PWD/.whl/gg${PYTHONPATH:+:$PYTHONPATH}  # .whl/gg: the gguf wheel, unzipped; or wheels installed to a --target on PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# packages the GPU image lacks (xgrammar, starlette, jsonschema, gguf, ...) travel as wheels in
+# .whl (carry it): pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl
+if ls .whl/*.whl > /dev/null 2>&1; then
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 export GGUF_DIR=$PWD/.llamacpp/gguf
 SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
 case $1 in
@@ -41,6 +50,17 @@ case $1 in
     timeout ${TEST_S:-420} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
     wait; tail -2 "$OUT/llamacpp_build.log"; ls -la "$GGUF_DIR" ;;
+  pipeline)  # the kernel GPU tests; kernels per decode step with graphs sized for the context
+    # in use and for 32K; the editor-assistant bench at the 1.5B shape (carry .models/qwen2.5-coder-tok)
+    timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider > "$OUT/gpu_kernel_tests.log" 2>&1
+    echo "kernel gpu tests rc=$?"; tail -2 "$OUT/gpu_kernel_tests.log"
+    for L in ${MAX_LENS:-1024 32768}; do
+      timeout ${PROFILE_S:-130} python bench/step_profile.py --no-eager --max-model-len $L \
+        --json-name step_profile_len$L.json --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-300
+    done
+    timeout ${ASSIST_S:-200} python bench/assist.py --random-shape qwen2.5-1.5b \
+      --tokenizer .models/qwen2.5-coder-tok --turns 10 --agent-context 16000 \
+      --out "$OUT/assist_1.5b_random.json" 2>&1 | grep -v -i warn | cut -c1-300 | tail -20 ;;
   profile)  # kernels per decode step and the GPU's idle share, graphs on and off
     timeout ${PROFILE_S:-200} python bench/step_profile.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
   build-and-test)

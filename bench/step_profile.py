@@ -4,7 +4,7 @@ real shapes through the load path (decode_gguf.py's `random_model`), CUDA graphs
 
     python bench/step_profile.py [--shapes qwen2.5-0.5b,qwen2.5-7b] [--types Q4_K_M]
                                  [--context 512] [--steps 32] [--out bench/results/h200]
-                                 [--set FIELD=VALUE ...] [--no-eager]
+                                 [--set FIELD=VALUE ...] [--no-eager] [--max-model-len N]
 
 Steps are timed by torch.profiler (CUPTI): with CUDA graphs it still records the kernels the
 graph runs. `idle_fraction` = 1 - (GPU time of the step's kernels, overlaps merged) / (wall
@@ -92,8 +92,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                     help="run again with these kernel-config fields changed (an A/B in one run)")
     ap.add_argument("--no-eager", action="store_true", help="CUDA graphs only")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len, which sizes the graphs' attention grids "
+                         "(default: context + 512)")
     a = ap.parse_args()
-    results = {"env": env_info(), "context": a.context, "rows": []}
+    max_len = a.max_model_len or a.context + 512
+    results = {"env": env_info(), "context": a.context, "max_model_len": max_len, "rows": []}
     path = os.path.join(a.out, a.json_name)
     os.makedirs(a.out, exist_ok=True)
     import contextlib
@@ -112,11 +116,11 @@ def main() -> None:
         variants.append((item, dataclasses.replace(base, **changes)))
     for shape in a.shapes.split(","):
         for kind in a.types.split(","):
-            model = random_model(shape, kind, a.context + 1024)
+            model = random_model(shape, kind, max(a.context + 1024, max_len))
             for name, cfg in variants:
                 for eager in (False,) if a.no_eager else (False, True):
                     with configs.use_config(cfg) if cfg is not None else contextlib.nullcontext():
-                        eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=8,
+                        eng = make_engine(model, max_len, kv_gib=2, max_num_seqs=8,
                                           enforce_eager=eager)
                         row = {"shape": shape, "type": kind, "config": name,
                                "cuda_graphs": not eager,
