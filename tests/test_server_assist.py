@@ -1,7 +1,7 @@
 """The editor-assistant side of the server (issue 15) end to end: tool calls on chat completions,
 Anthropic Messages, OpenAI Responses, fill-in-the-middle (`suffix`, `/infill`), logit_bias /
 allowed_token_ids, prefix-cache hits in usage, every refused or warned field, and the shapes of
-requests captured from Claude Code and Codex CLI.
+requests captured from Claude Code, Codex CLI and Continue's CLI.
 
 Servers run in-process on a thread (uvicorn, 127.0.0.1, a free port): a tiny random-weight llama
 (context 256) for the protocol rules, and the real Qwen2.5-Coder-0.5B GGUF (marked `registry`,
@@ -683,6 +683,95 @@ def test_qwen_codex_turn_with_a_tool_result(qwen):
     text = "".join(p["text"] for o in done["output"] if o["type"] == "message"
                    for p in o["content"])
     assert text == (want["choices"][0]["message"]["content"] or "")
+
+
+# The two requests of a `cn -p` turn (Continue CLI 1.5.47, `provider: openai` in its config.yaml),
+# as captured: every field and message kind they sent, with the system prompt and the tool list
+# (9 tools in headless mode) cut short. Without `defaultCompletionOptions` in its config it sends
+# no sampling fields; with them, max_tokens, temperature and top_p.
+CONTINUE_SYSTEM = ("You are an agent in the Continue CLI. Given the user's prompt, you should use "
+                   "the tools available to you to answer the user's question.\n\n<env>\n"
+                   "Working directory: /tmp/cnrun/work\nPlatform: linux\n</env>")
+CONTINUE_TOOLS = [
+    {"type": "function", "function": {
+        "name": "Read", "description": "Read the contents of a file at the specified path",
+        "parameters": {"type": "object", "required": ["filepath"], "properties": {"filepath": {
+            "type": "string", "description": "The path to the file to read"}}}}},
+    {"type": "function", "function": {
+        "name": "List", "description": "List files in a directory",
+        "parameters": {"type": "object", "required": ["dirpath"], "properties": {"dirpath": {
+            "type": "string", "description": "The path to the directory to list"}}}}},
+    {"type": "function", "function": {
+        "name": "Bash", "description": "Executes a terminal command and returns the output",
+        "parameters": {"type": "object", "required": ["command"], "properties": {
+            "command": {"type": "string", "description": "The command to execute in the terminal."},
+            "timeout": {"type": "number",
+                        "description": "Optional timeout in seconds (max 600)."}}}}}]
+CONTINUE_ASK = ("Use the List tool to list the files in the current directory (dirpath \".\"), "
+                "then tell me their names.")
+CONTINUE_FIRST = {
+    "model": "qwen", "stream": True, "tools": CONTINUE_TOOLS,
+    "stream_options": {"include_usage": True},
+    "messages": [{"role": "system", "content": CONTINUE_SYSTEM},
+                 {"role": "user", "content": CONTINUE_ASK}]}
+CONTINUE_SECOND = {**CONTINUE_FIRST, "messages": CONTINUE_FIRST["messages"] + [
+    {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_9d0e7628c5f9cce69c433788", "type": "function",
+        "function": {"name": "List", "arguments": '{"dirpath":"."}'}}]},
+    {"role": "tool", "content": "Files in /tmp/cnrun/work:\nnotes.txt (file, 6 bytes)\n"
+                                "util.py (file, 32 bytes)",
+     "tool_call_id": "call_9d0e7628c5f9cce69c433788"}]}
+
+
+def _chat_stream(http: httpx.Client, body: dict) -> tuple[list[dict], dict]:
+    """A streamed chat completion's chunks (before the usage chunk) and its usage; checks the
+    stream's frame: the role first, one usage chunk with no choices, then [DONE]."""
+    with http.stream("POST", CH, json=body) as s:
+        assert s.status_code == 200, s.read()
+        data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage = chunks[-1]
+    assert usage["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
+    return chunks[:-1], usage["usage"]
+
+
+def _streamed_calls(chunks: list[dict]) -> list[tuple[str, dict]]:
+    """(name, arguments) of each tool call in a chat stream's deltas, as a client adds them up."""
+    calls: dict[int, list] = {}
+    for c in chunks:
+        for tc in c["choices"][0]["delta"].get("tool_calls") or []:
+            call = calls.setdefault(tc["index"], [None, ""])
+            if "id" in tc:
+                assert tc["id"].startswith("call_") and tc["function"]["name"]
+                call[0] = tc["function"]["name"]
+            call[1] += tc["function"]["arguments"]
+    return [(name, json.loads(args)) for name, args in calls.values()]
+
+
+@pytest.mark.registry
+def test_qwen_continue_cli_turn(qwen):
+    """The first request: the model calls List as it did in the captured run (greedy here), in
+    the deltas Continue reads (the call's id and name, then its arguments; finish_reason
+    tool_calls). The second, with the call and its result: the prompt up to the first's end is
+    read from the cache, and the model calls List again (as it kept doing in the captured run at
+    temperature 0.2), the same call streamed as not."""
+    with httpx.Client(base_url=qwen, headers=AUTH, timeout=120) as http:
+        chunks, usage = _chat_stream(http, {**CONTINUE_FIRST, **GREEDY, "max_tokens": 40})
+        assert _streamed_calls(chunks) == [("List", {"dirpath": "."})]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        first_prompt = usage["prompt_tokens"]
+        second = {**CONTINUE_SECOND, **GREEDY, "max_tokens": 40}
+        chunks, usage = _chat_stream(http, second)
+        want = http.post(CH, json={**second, "stream": False, "stream_options": None}).json()
+    assert usage["prompt_tokens"] == want["usage"]["prompt_tokens"] > first_prompt
+    assert usage["prompt_tokens_details"]["cached_tokens"] == first_prompt // BLOCK * BLOCK
+    (choice,) = want["choices"]
+    assert _streamed_calls(chunks) == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"]["tool_calls"]] == [("List", {"dirpath": "."})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"] == "tool_calls"
 
 
 # Qwen2.5-Coder's FIM tokens and text ids, from transformers' tokenizer of the same GGUF

@@ -4,8 +4,10 @@ llama.vscode send, each honoured with llama.cpp's meaning or refused naming it.
 References: a line-by-line port of llama.cpp's server loop for n_indent (`process_token`, which
 checks one line per token); a numpy sampler chain whose stages follow llama.cpp's definitions
 for the `samplers` ordering rule; llama.vim's request bodies written out from its source
-(autoload/llama.vim: `s:ring_update` and `llama#fim`); and, on the real Qwen2.5-Coder-0.5B
-(marked `registry`), the same prompt's greedy text and tokens from /v1/completions."""
+(autoload/llama.vim: `s:ring_update` and `llama#fim`); llama.vscode's request bodies written
+out from its source (v0.0.63, src/llama-server.ts: `/infill` with `n_cmpl`, and its chat, edit
+and agent bodies); and, on the real Qwen2.5-Coder-0.5B (marked `registry`), the same prompt's
+greedy text and tokens from /v1/completions."""
 from __future__ import annotations
 
 import itertools
@@ -16,8 +18,11 @@ import httpx
 import numpy as np
 import pytest
 
-from luceio.server.infill import CHAIN, _Stops, parse_infill, pick_fields
-from luceio.server.protocol import APIError
+from luceio.outputs import CompletionOutput, RequestOutput
+from luceio.sampling_params import SamplingParams
+from luceio.server.infill import CHAIN, InfillWire, _Stops, parse_infill, pick_fields
+from luceio.server.protocol import APIError, ParsedRequest
+from luceio.server.responses import ResponseBuilder
 
 
 # request bodies --------------------------------------------------------------------------------
@@ -33,6 +38,7 @@ def test_parse_infill_fields_and_llama_cpp_defaults():
     assert req.input_extra == [{"filename": "x.py", "text": "e"}, {"filename": "tmp", "text": "f"}]
     assert (req.max_tokens, req.stream, req.n_indent, req.t_max_predict_ms) == (32, True, 4, 250)
     assert req.response_fields == ["content", "timings/prompt_n"] and req.warnings == []
+    assert req.n_cmpl == 1 and parse_infill({"n_cmpl": 3}).n_cmpl == 3
     assert req.sampling == dict(temperature=0.2, top_k=0, top_p=0.95, min_p=0.05, seed=7,
                                 stop=["\n\n"], ignore_eos=False)
     bare = parse_infill({"input_prefix": "ab"})
@@ -49,7 +55,10 @@ def test_parse_infill_fields_and_llama_cpp_defaults():
 
 @pytest.mark.parametrize("body, param", [
     ({"repeat_penalty": 1.1}, "repeat_penalty"),
-    ({"n_cmpl": 2}, "n_cmpl"),
+    ({"n_cmpl": 0}, "n_cmpl"),
+    ({"n_cmpl": 129}, "n_cmpl"),
+    ({"n_cmpl": "3"}, "n_cmpl"),
+    ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"),  # llama.vscode's, with a LoRA file set
     ({"no_such_field": 1}, "no_such_field"),
     ({"input_prefix": 3}, "input_prefix"),
     ({"prompt": [1, 2]}, "prompt"),
@@ -234,6 +243,47 @@ def test_response_fields_pick_paths():
         {"timings": body["timings"]}
 
 
+def _wire(n_cmpl: int, **fields) -> InfillWire:
+    fill = parse_infill({"n_cmpl": n_cmpl, **fields})
+    req = ParsedRequest(False, "infill-t", "m", [{"prompt": None, "prompt_token_ids": [1, 2, 3]}],
+                        [""], [SamplingParams(n=n_cmpl)], False, False)
+    return InfillWire(ResponseBuilder(req, None), fill, "m", 0)
+
+
+def _out(index: int, text: str, n_tokens: int, finish: str | None = None) -> RequestOutput:
+    out = CompletionOutput(index, text, [7] * n_tokens, None, None, finish)
+    return RequestOutput("infill-t", None, [1, 2, 3], None, [out], False)
+
+
+def test_n_cmpl_wire_stops_each_completion_on_its_own():
+    """n_cmpl 2 with n_indent 4: completion 0 is cut by the rule while 1 runs on; the run stops
+    only once 1 has finished too; the response is their array, each with its own text, stop
+    type and token count. Streamed, the chunks carry their completion's index and the finals
+    come last, in index order."""
+    wire = _wire(2, n_indent=4)
+    assert wire.step(0, _out(0, "x\n", 2)) == [{"index": 0, "content": "x\n", "stop": False}]
+    assert wire.step(0, _out(1, "a\n    b", 3)) == [{"index": 1, "content": "a\n    b",
+                                                     "stop": False}]
+    assert wire.step(0, _out(0, "y = 1", 2)) == [] and wire.stop_reason is None
+    assert wire.step(0, _out(0, "more", 1)) == []  # text after the cut is dropped
+    assert wire.step(0, _out(1, "\n    c", 2, "stop")) == [
+        {"index": 1, "content": "\n    c", "stop": False}]
+    assert wire.stop_reason == "length"  # both done: 0 by the rule, 1 by the engine
+    tail = wire.end()
+    assert [(c["index"], c["stop"], c["content"]) for c in tail] == [(0, True, ""), (1, True, "")]
+    first, second = wire.response()
+    assert (first["index"], first["content"], first["stop_type"], first["tokens_predicted"]) == \
+        (0, "x\n", "limit", 4)
+    assert (second["index"], second["content"], second["stop_type"],
+            second["tokens_predicted"]) == (1, "a\n    b\n    c", "eos", 5)
+    assert first["tokens_evaluated"] == second["tokens_evaluated"] == 3
+    # one completion: an object, as before
+    one = _wire(1, response_fields=["index", "content"])
+    one.step(0, _out(0, "z", 1, "length"))
+    one.end()
+    assert one.response() == {"index": 0, "content": "z"}
+
+
 # llama.vim's requests against the real Qwen2.5-Coder-0.5B -----------------------------------------
 KEY = "sk-infill"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -335,3 +385,115 @@ def test_t_max_predict_ms(qwen):
     reply = qwen.post("/infill", json=body).json()
     assert reply == {"content": "".join(tokens[:first_newline + 1]),
                      "tokens_predicted": first_newline + 1, "stop_type": "limit"}
+
+
+# llama.vscode's requests against the real Qwen2.5-Coder-0.5B --------------------------------------
+# Written out from llama.vscode v0.0.63 (github.com/ggml-org/llama.vscode, commit 3938fb35,
+# src/llama-server.ts `createRequestPayload`), with its default settings: the cursor on the empty,
+# indented line of `def add(a, b):\n    \n\nprint(add(1, 2))\n` (the line's indentation is not sent:
+# `prompt` is "" and `n_indent` its width). `model` is the `llama-vscode.ai_model` setting, here
+# the served name; n_predict is cut from its default 128 to keep the test fast.
+VSCODE_EXTRA = [{"text": "def sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n",
+                 "time": 1796195518000, "filename": "/home/user/proj/util.py"}]
+# updateExtraContext: the ring buffer's chunks, sent to be cached before the next completion
+VSCODE_RING = {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": VSCODE_EXTRA,
+               "prompt": "", "n_predict": 0, "samplers": [], "cache_prompt": True,
+               "t_max_prompt_ms": 500, "t_max_predict_ms": 1}
+VSCODE_PREDICT = 16
+
+
+def llama_vscode_fim(**over) -> dict:
+    """getFIMCompletion's body: `n_cmpl` is the max_parallel_completions setting (default 3)."""
+    return {"id_slot": 0, "input_prefix": "def add(a, b):\n",
+            "input_suffix": "\n\nprint(add(1, 2))\n\n", "input_extra": VSCODE_EXTRA, "prompt": "",
+            "n_predict": VSCODE_PREDICT, "n_cmpl": 3, "top_k": 40, "top_p": 0.99, "stream": False,
+            "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "n_indent": 4,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 500, "model": "qwen", **over}
+
+
+@pytest.mark.registry
+def test_llama_vscode_requests(qwen):
+    """The ring update is answered with one token; the completion request reads its context from
+    the prefix cache and is answered, as llama.cpp answers n_cmpl 3, with an array of 3 results
+    (llama.vscode reads each one's `content`), each within the indentation rule. With the
+    extension's default `ai_model` the request names a model the server does not serve: 404."""
+    ring = qwen.post("/infill", json=VSCODE_RING)
+    assert ring.status_code == 200, ring.text
+    ring = ring.json()
+    assert (ring["index"], ring["tokens_predicted"], ring["stop"]) == (0, 1, True)
+    r = qwen.post("/infill", json=llama_vscode_fim())
+    assert r.status_code == 200, r.text
+    results = r.json()
+    assert isinstance(results, list) and [c["index"] for c in results] == [0, 1, 2]
+    for c in results:
+        assert c["stop"] is True and c["stop_type"] in ("eos", "limit", "word")
+        assert isinstance(c["content"], str) and _feed([c["content"]], 4)[0] == c["content"]
+        assert 1 <= c["tokens_predicted"] <= VSCODE_PREDICT
+        assert c["tokens_evaluated"] > ring["tokens_evaluated"]
+        # every full block the ring update's prompt shares with this one: all but its last two ids
+        assert c["tokens_cached"] == (ring["tokens_evaluated"] - 2) // 16 * 16 > 0
+    r = qwen.post("/infill", json=llama_vscode_fim(model="google/gemini-2.5-flash"))
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.registry
+def test_n_cmpl_greedy_and_stream(qwen):
+    """Greedy, every completion is /v1/completions' text cut by llama.cpp's n_indent rule (each
+    stopped by the rule on its own, then the run); streamed, each index's chunks add up to it and
+    each completion's final chunk comes last."""
+    tokens = _greedy_tokens(qwen, 24)
+    want, stopped = _llama_cpp_n_indent(tokens, 4)
+    assert stopped
+    body = {**llama_vim_fim(), **GREEDY, "t_max_predict_ms": 0, "response_fields": None,
+            "n_cmpl": 3}
+    results = qwen.post("/infill", json=body).json()
+    assert [(c["index"], c["content"], c["stop_type"]) for c in results] == \
+        [(i, want, "limit") for i in range(3)]
+    with qwen.stream("POST", "/infill", json={**body, "n_cmpl": 2, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    for i in range(2):
+        assert "".join(c["content"] for c in chunks if c["index"] == i) == want
+    assert [(c["index"], c["stop"]) for c in chunks[-2:]] == [(0, True), (1, True)]
+    assert not any(c["stop"] for c in chunks[:-2])
+
+
+@pytest.mark.registry
+def test_llama_vscode_chat_requests(qwen):
+    """Its chat (`createChatRequestPayload`), edit (`createChatEditRequestPayload`: llama.cpp's
+    `cache_prompt` is logged as unknown, not refused) and agent (`createToolsRequestPayload`:
+    streamed, `tools` with `strict`, `tool_choice` "auto", a `max_tokens` it computes) bodies on
+    /v1/chat/completions, with `ai_model` the served name."""
+    system = {"role": "system", "content": "You are an expert coder."}
+    ask = {"role": "user", "content": "Write a Python function that reverses a string."}
+    chat = {"messages": [system, ask], "stream": False, "temperature": 0.8, "model": "qwen",
+            "max_tokens": 8}  # max_tokens: added here to keep the test fast
+    edit = {"messages": [{"role": "system", "content": "You are an expert coder.\n"}, ask],
+            "stream": False, "cache_prompt": True, "temperature": 0.8, "top_p": 0.95,
+            "model": "qwen", "max_tokens": 8}
+    for body in (chat, edit):
+        r = qwen.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] and choice["finish_reason"] == "length"
+    terminal = {"type": "function", "function": {
+        "name": "run_terminal_command",
+        "description": "Runs the provided command in a terminal and returns the result. "
+                       "For Windows uses powershell.",
+        "parameters": {"type": "object", "properties": {"command": {
+            "type": "string", "description": "The command to be executed in the terminal"}},
+            "required": ["command"]},
+        "strict": True}}
+    agent = {"messages": [{"role": "system", "content": "You are an AI coding agent."},
+                          {"role": "user", "content": "Run ls with run_terminal_command."}],
+             "stream": True, "model": "qwen", "tools": [terminal], "tool_choice": "auto",
+             "max_tokens": 48, "temperature": 0}  # temperature: added here, for a fixed answer
+    with qwen.stream("POST", "/v1/chat/completions", json=agent) as s:
+        assert s.status_code == 200
+        lines = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls and calls[0]["function"]["name"] == "run_terminal_command"
+    args = json.loads("".join(tc["function"].get("arguments") or "" for tc in calls))
+    assert set(args) == {"command"} and "ls" in args["command"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -31,6 +31,11 @@ Rules
 - `response_fields`: the final response (the last chunk when streaming) carries only these
   fields, each keyed by its path as given ("timings/prompt_n"); paths not in the response are
   left out, as in llama.cpp.
+- `n_cmpl` (llama.vscode sends 3 by default): that many completions of the one prompt, sampled
+  independently (the prompt is prefilled once). As in llama.cpp, the response is then a JSON
+  array of final results, one per completion, ordered by their `index`; each has its own
+  n_indent and t_max_predict_ms stops and token counts. Streamed chunks carry their
+  completion's `index`; the final chunks come after the last completion ends, in index order.
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ from dataclasses import dataclass, field
 
 from ..outputs import RequestOutput
 from ..sampling_params import INFILL_MAX_TOP_K
-from .fields import bad, boolean, integer, number, seed, show, stop_strings, string_list, text
+from .fields import (MAX_N, bad, boolean, integer, number, seed, show, stop_strings,
+                     string_list, text)
 from .fim import FimFormat
 from .responses import ResponseBuilder
 
@@ -70,6 +76,7 @@ HONOURED = {
     "response_fields": "the final response's fields, by path",
     "cache_prompt": "accepted: luceio always reuses cached prefixes",
     "id_slot": "accepted: luceio has no slots; its prefix cache serves every request",
+    "n_cmpl": f"completions of the prompt, 1..{MAX_N} (default 1); more than one: a JSON array",
     "model": "the served model's name",
 }
 _NOT_APPLIED = {"t_max_prompt_ms": "llama.cpp's server does not apply it either"}
@@ -95,6 +102,7 @@ class InfillRequest:
     n_indent: int = 0
     t_max_predict_ms: int = 0
     response_fields: list[str] | None = None
+    n_cmpl: int = 1
     warnings: list[str] = field(default_factory=list)
 
     def prompt_token_ids(self, fmt: FimFormat, tokenizer) -> list[int]:
@@ -103,7 +111,7 @@ class InfillRequest:
 
     def sampling_kwargs(self, fmt: FimFormat) -> dict:
         """SamplingParams keyword arguments (all but max_tokens), the format's stop tokens added."""
-        return {**self.sampling, "stop_token_ids": list(fmt.stop_token_ids)}
+        return {**self.sampling, "n": self.n_cmpl, "stop_token_ids": list(fmt.stop_token_ids)}
 
 
 def parse_infill(body: dict) -> InfillRequest:
@@ -122,6 +130,9 @@ def parse_infill(body: dict) -> InfillRequest:
     integer(body, "id_slot", -1)
     warnings = [f"'{name}' is accepted and not applied: {why}"
                 for name, why in _NOT_APPLIED.items() if integer(body, name, None) is not None]
+    n_cmpl = integer(body, "n_cmpl", 1)
+    if not 1 <= n_cmpl <= MAX_N:
+        raise bad("n_cmpl", f"'n_cmpl' must be in [1, {MAX_N}], got {n_cmpl}")
     sampling = dict(
         temperature=number(body, "temperature", DEFAULTS["temperature"]),
         top_k=max(integer(body, "top_k", DEFAULTS["top_k"]), 0),
@@ -139,7 +150,7 @@ def parse_infill(body: dict) -> InfillRequest:
                          n_indent=max(integer(body, "n_indent", 0), 0),
                          t_max_predict_ms=max(integer(body, "t_max_predict_ms", 0), 0),
                          response_fields=string_list(body, "response_fields"),
-                         warnings=warnings)
+                         n_cmpl=n_cmpl, warnings=warnings)
 
 
 def _chunks(extra) -> list[dict]:
@@ -248,16 +259,19 @@ class _Stops:
 
 
 class InfillWire:
-    """llama.cpp's /infill response (`driver.Wire`): `{"content", "stop": false}` chunks, then
-    one with `stop: true`, the token counts, `stop_type` (eos, limit or word) with the
-    `stopping_word`, and `timings`. `tokens_cached` and `timings.cache_n` count the prompt
-    tokens read from the prefix cache."""
+    """llama.cpp's /infill response (`driver.Wire`): `{"index", "content", "stop": false}`
+    chunks, then one with `stop: true`, the token counts, `stop_type` (eos, limit or word) with
+    the `stopping_word`, and `timings`, per completion (`n_cmpl`; more than one: the response
+    is their array). `tokens_cached` and `timings.cache_n` count the prompt tokens read from the
+    prefix cache."""
     ping_event = None
 
     def __init__(self, builder: ResponseBuilder, fill: InfillRequest, model: str, cached: int):
         self.builder, self.fill, self.model, self.cached = builder, fill, model, cached
-        self.stops = _Stops(fill.n_indent, fill.t_max_predict_ms)
-        self.text: list[str] = []
+        n = fill.n_cmpl
+        self.stops = [_Stops(fill.n_indent, fill.t_max_predict_ms) for _ in range(n)]
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.predicted: list[int | None] = [None] * n  # tokens when a stop rule ended a choice
         self.first: float | None = None  # when the first token was sampled (monotonic)
         self.arrival: float | None = None
         self.stop_reason: str | None = None
@@ -272,46 +286,61 @@ class InfillWire:
             self.arrival = m.arrival_time if m is not None else now
             self.first = m.first_token_time if m is not None and m.first_token_time else now
         out = []
-        for delta in self.builder.absorb(prompt_index, ro):
-            if self.stops.stopped:
-                break
-            piece = self.stops.feed(delta.text, now - self.first)
-            if piece:
-                self.text.append(piece)
-                out.append({"content": piece, "stop": False})
-        if self.stops.stopped:
+        for index, deltas in self.builder.absorb_each(prompt_index, ro):
+            stops = self.stops[index]
+            for delta in deltas:
+                if stops.stopped:
+                    break
+                piece = stops.feed(delta.text, now - self.first)
+                if piece:
+                    self.text[index].append(piece)
+                    out.append({"index": index, "content": piece, "stop": False})
+            if stops.stopped and self.predicted[index] is None:
+                self.predicted[index] = self.builder.choice_tokens(index)
+        # a choice a rule stopped runs on in the engine: the run stops once every choice is done
+        if any(s.stopped for s in self.stops) and all(
+                s.stopped or self.builder.finish(i)[0] is not None
+                for i, s in enumerate(self.stops)):
             self.stop_reason = "length"  # llama.cpp's STOP_TYPE_LIMIT
         return out
 
     def end(self) -> list:
-        tail = [] if self.stops.stopped else self._held()
-        return tail + [self._final("")]
+        out = []
+        for index, stops in enumerate(self.stops):
+            if not stops.stopped:
+                out += self._held(index)
+            out.append(self._final(index, ""))
+        return out
 
-    def _held(self) -> list:
-        piece = self.stops.release()
+    def _held(self, index: int) -> list:
+        piece = self.stops[index].release()
         if piece:
-            self.text.append(piece)
-        return [{"content": piece, "stop": False}] if piece else []
+            self.text[index].append(piece)
+        return [{"index": index, "content": piece, "stop": False}] if piece else []
 
     @staticmethod
     def fail(message: str) -> list:
         return [{"error": {"code": 500, "message": message, "type": "server_error"}}]
 
-    def response(self) -> dict:
-        return self._final("".join(self.text))
+    def response(self) -> dict | list:
+        finals = [self._final(i, "".join(text)) for i, text in enumerate(self.text)]
+        return finals[0] if len(finals) == 1 else finals
 
-    def _final(self, content: str) -> dict:
-        reason, word = self.builder.finish()
-        usage = self.builder.usage()
-        stopped = self.stops.stopped or reason == "length"
+    def _final(self, index: int, content: str) -> dict:
+        reason, word = self.builder.finish(index)
+        stops = self.stops[index]
+        prompt_tokens = self.builder.usage()["prompt_tokens"]
+        predicted = self.predicted[index]
+        if predicted is None:
+            predicted = self.builder.choice_tokens(index)
+        stopped = stops.stopped or reason == "length"
         stop_type = "limit" if stopped else "word" if word is not None else "eos"
-        body = {"content": content, "stop": True, "model": self.model,
-                "tokens_predicted": usage["completion_tokens"],
-                "tokens_evaluated": usage["prompt_tokens"], "tokens_cached": self.cached,
+        body = {"index": index, "content": content, "stop": True, "model": self.model,
+                "tokens_predicted": predicted,
+                "tokens_evaluated": prompt_tokens, "tokens_cached": self.cached,
                 "truncated": False, "stop_type": stop_type,
-                "stopping_word": word if word is not None and not self.stops.stopped else "",
-                "timings": self._timings(usage["prompt_tokens"] - self.cached,
-                                         usage["completion_tokens"])}
+                "stopping_word": word if word is not None and not stops.stopped else "",
+                "timings": self._timings(prompt_tokens - self.cached, predicted)}
         return body if self.fill.response_fields is None else \
             pick_fields(body, self.fill.response_fields)
 

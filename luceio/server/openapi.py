@@ -177,6 +177,8 @@ def _assist_requests(sampling: dict, tools: bool, fim: bool) -> dict:
             "top_k": _int(_INT64_MIN, _INT64_MAX, description="<= 0: no top-k"),
             "seed": _int(_INT64_MIN, _INT64_MAX, description="-1: a random seed"),
             "id_slot": _int(_INT64_MIN, _INT64_MAX), "cache_prompt": _BOOL,
+            "n_cmpl": _int(1, MAX_N, description="completions of the prompt; more than one: "
+                           "the response is an array of results"),
             "samplers": _any_null(
                 {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": [
                     "temperature", "min_p", "top_k", "top_p"]}},

@@ -250,9 +250,20 @@ class ResponseBuilder:
     # non-streaming -----------------------------------------------------------------------------
     def absorb(self, prompt_index: int, ro: RequestOutput) -> list[Delta]:
         """Takes one output in; returns its deltas (one choice's when n is 1)."""
+        return [d for _, deltas in self.absorb_each(prompt_index, ro) for d in deltas]
+
+    def absorb_each(self, prompt_index: int, ro: RequestOutput) -> list[tuple[int, list[Delta]]]:
+        """Takes one output in; returns (choice index, its deltas) for each choice in it."""
         self._seen(prompt_index, ro)
-        return [d for o in ro.outputs
-                for d in self._absorb(prompt_index * self.req.n + o.index, o)[2]]
+        out = []
+        for o in ro.outputs:
+            index = prompt_index * self.req.n + o.index
+            out.append((index, self._absorb(index, o)[2]))
+        return out
+
+    def choice_tokens(self, index: int) -> int:
+        """The tokens choice `index` has generated so far."""
+        return len(self.choices[index].token_ids)
 
     def response(self) -> dict:
         choices = []
