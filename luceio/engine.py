@@ -293,14 +293,18 @@ class LLMEngine:
             self.structured.release(rid)
             if self.spec is not None:
                 self.spec.release(rid)
+        # their host copies (a swapped-out request's included): the moves' one release path,
+        # applied now rather than with the next step's moves so nothing lingers when idle
+        for rid in self.kv.host.take_drops():
+            self.runner.host_store.drop(rid)
 
     def schedule_step(self, previous: DeviceSamples | None = None) -> Batch | None:
         """`previous`: the sampled rows of the step in flight, which hold the input ids of this
         step's tokens still on the device."""
         sched = self.scheduler.schedule()
         if not sched:
-            if sched.swap_out or sched.kv_moves:  # blocks were freed but nothing runs: copy now
-                self.runner.swap(sched)
+            if sched.kv_moves:  # blocks were offloaded but nothing runs: copy them now
+                self.runner.host_store.apply(sched.kv_moves)
             return None
         inputs = self.runner.prepare(sched, self.kv)
         if inputs.device_ids:
@@ -313,7 +317,8 @@ class LLMEngine:
         there (their host copy starts, unwaited); speculative verify rows come back at once.
         Reads request state, writes only tensors: safe off-loop."""
         res = StepResult(started=time.perf_counter())
-        self.runner.swap(batch.sched)
+        # host copies first: an offload's device block may be reused by this very forward
+        self.runner.host_store.apply(batch.sched.kv_moves)
         logits = self.runner.execute(batch.inputs)
         # host work while the device runs the forward
         bitmask = batch.grammar.fill() if batch.grammar is not None else None
@@ -353,7 +358,7 @@ class LLMEngine:
             result.resolve()
             self._record_prompt_logprobs(batch, result)
             if self.spec is not None:
-                self._observe_spec(batch, result)
+                self.spec.observe_step(batch, result, self.pipeline.overlap)
             for rid, scores in result.kv_scores.items():
                 if rid in self.scheduler.requests:
                     self.kv.residency.set_scores(rid, scores)
@@ -365,24 +370,8 @@ class LLMEngine:
             for state in {self.states[r.parent_id] for r in changed if r.parent_id in self.states}:
                 self._emit(state)
         self._release_finished()
-        for rid in [r for r in self.runner.host_request_ids() if r not in self.scheduler.requests]:
-            self.runner.drop_host_kv(rid)  # finished or aborted (also mid swap-out) while swapped
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
-
-    def _observe_spec(self, batch: Batch, result: StepResult) -> None:
-        """Feeds decode-only steps' throughput to the speculation cost model."""
-        sched = batch.sched.scheduled
-        if not batch.decode_only:
-            return  # a prefill chunk rode along: not comparable
-        drafted = any(s.spec_token_ids for s in sched)
-        if not drafted and self.pipeline.overlap and not result.overlapped:
-            # a plain step launched with nothing in flight (after a drafting step) paid host
-            # work that plain decoding hides: it is not what drafting is weighed against
-            return
-        # result.seconds is the step's period, its drafting included (pipeline._process)
-        self.spec.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()),
-                          result.seconds, tree=any(s.spec_tree is not None for s in sched))
 
     def _record_prompt_logprobs(self, batch: Batch, result: StepResult) -> None:
         for rid, lps in result.prompt_logprobs.items():

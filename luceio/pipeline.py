@@ -26,6 +26,11 @@ Rules:
   schedule) and "off" (overlap is off). `counters["overlapped_steps"]` counts the others.
 - A step in flight whose requests have all finished is dropped without waiting for it; its
   tokens count in `counters["discarded_tokens"]`, as do extra tokens of finished requests.
+- Host copies of KV (`SchedulerOutput.kv_moves`: bounded residency, swap preemption) are made
+  when a step launches, before its forward, in stream order: an offload reads what the steps
+  before wrote, ahead of this forward reusing its block. Offloads happen only with no step in
+  flight (preemption waits for it; residency steps are synchronous), so their blocking copy to
+  the host waits on nothing else; a resumed request's reloads may queue behind a step in flight.
 """
 from __future__ import annotations
 

@@ -102,10 +102,10 @@ class ModelRunner:
         self.kv_pool = _zeros_pool((self.cfg.num_layers, 2, *shape), dtype, device)
         self.kv_caches = list(self.kv_pool)
         self.staging = Staging(device)
-        self.host_kv: dict[str, torch.Tensor] = {}  # swapped-out requests' blocks
-        # bounded residency's host copies (and, for the keys policy, pooled keys)
-        self.host_store = HostKVStore(self.kv_caches, device,
-                                      pool_keys=cache_config.resident_policy == "keys")
+        # host copies of KV blocks (bounded residency, swap preemption): the engine applies
+        # each step's `KVMoves` here before its forward; pooled keys for the keys policy only
+        self.host_store = HostKVStore(self.kv_caches, device, pool_keys=bool(
+            cache_config.resident_tokens) and cache_config.resident_policy == "keys")
         self.graphs = None
         self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) \
             if device.type == "cpu" and CpuDecoder.supports(dtype) else None
@@ -252,24 +252,6 @@ class ModelRunner:
             inp.score_tables[rid] = (list(kv.blocks_of(rid)), (r.num_computed_tokens + last) // bs)
         return inp
 
-    # swap preemption ---------------------------------------------------------------------------
-    def swap(self, out: SchedulerOutput) -> None:
-        """Copies preempted requests' blocks to host memory and resumed ones' back, bit-exact.
-        Runs before the step's forward, the first thing that may reuse the freed blocks."""
-        for rid, blocks in out.swap_out:
-            idx = torch.tensor(blocks, device=self.device)
-            # [num_layers, 2, len(blocks), block_size, num_kv_heads, head_dim]
-            self.host_kv[rid] = torch.stack([kv.index_select(1, idx) for kv in self.kv_caches]).cpu()
-        self.host_store.apply(out.kv_moves)  # residency: offloads, then reloads
-        for rid, blocks in out.swap_in:
-            data = self.host_kv.pop(rid, None)
-            if data is None:  # aborted while its step was being prepared
-                continue
-            data = data.to(self.device)
-            idx = torch.tensor(blocks, device=self.device)
-            for layer, kv in enumerate(self.kv_caches):
-                kv.index_copy_(1, idx, data[layer])
-
     def commit_tree_kv(self, inp: StepInputs, paths: dict[str, list[int]]) -> None:
         """Tree speculation: moves the KV of each request's accepted tree rows to the cache
         indices of their depths (row r at depth d: root index + r -> root index + d), so the
@@ -287,13 +269,6 @@ class ModelRunner:
         flat = self.kv_pool.view(*self.kv_pool.shape[:2], -1, *self.kv_pool.shape[4:])
         flat[:, :, torch.tensor(dst, device=self.device)] = \
             flat[:, :, torch.tensor(src, device=self.device)]
-
-    def drop_host_kv(self, request_id: str) -> None:
-        self.host_kv.pop(request_id, None)
-        self.host_store.drop(request_id)
-
-    def host_request_ids(self) -> list[str]:
-        return list(self.host_kv) + self.host_store.request_ids()
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()

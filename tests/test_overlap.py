@@ -53,7 +53,7 @@ def assert_clean(eng):
     pool = eng.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert not eng.has_unfinished_requests() and not eng.states and not eng.pipeline.busy
-    assert eng.runner.host_kv == {}
+    assert eng.runner.host_store.request_ids() == [] and eng.kv.swapped == {}
 
 
 def test_default_is_on_for_gpus_only_and_the_flag_parses():

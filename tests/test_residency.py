@@ -9,6 +9,7 @@ import torch
 from conftest import engine_kwargs, make_tiny_model
 from luceio import LLM, AsyncEngine, EngineArgs, SamplingParams
 from luceio.cache import BlockPool
+from luceio.cache.offload import HostCopies
 from luceio.cache.residency import OFFLOADED, Residency, ResidencyConfig
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -30,6 +31,7 @@ def assert_clean(eng):
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
     assert eng.runner.host_store.request_ids() == []
     assert eng.kv.residency.states == {}
+    assert eng.kv.swapped == {} and eng.kv.host.current == {}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +118,8 @@ def test_offloaded_blocks_come_back_bit_identical(tiny_llama):
 def test_plan_moves_blocks_by_score():
     """Planner level: the sink and recent blocks stay, the best-scored fill the rest, and a
     change of scores reloads what became important and offloads what did not."""
-    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16, policy="keys"))
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16, policy="keys"),
+                    HostCopies())
     pool = BlockPool(64)
     table = pool.allocate(20)  # 20 full blocks; the step adds token 320 (block 20)
     res.set_scores("r", np.arange(20)[::-1].astype(float))  # older = more important
@@ -124,40 +127,43 @@ def test_plan_moves_blocks_by_score():
     kept = [i for i, b in enumerate(table) if b != OFFLOADED]
     # budget 8 blocks - 1 tail block = 7 old blocks: sink 0, recent 18..19, best 1..4
     assert kept == [0, 1, 2, 3, 4, 18, 19]
-    assert res.take_moves().offload[0][1] == [i for i in range(20) if i not in kept]
+    assert res.host.take().offload[0][1] == [i for i in range(20) if i not in kept]
     scores = np.arange(20)[::-1].astype(float)
     scores[10] = 100.0
     res.set_scores("r", scores)
     res.plan("r", table, 320, 21, pool)
-    moves = res.take_moves()
+    moves = res.host.take()
     assert moves.reload[0][1] == [10] and moves.offload[0][1] == [4]
     assert [i for i, b in enumerate(table) if b != OFFLOADED] == [0, 1, 2, 3, 10, 18, 19]
     assert pool.num_free_blocks == 64 - 7
     res.plan("r", table, 320, 21, pool)  # nothing changed: no moves
-    assert not res.take_moves()
+    assert not res.host.take()
     # a new favourite set comes back at most max_reloads (2 here) blocks per plan
     scores = np.zeros(20)
     scores[[6, 7, 8, 9]] = [50, 40, 30, 20]
     res.set_scores("r", scores)
     res.plan("r", table, 320, 21, pool)
-    moves = res.take_moves()
+    moves = res.host.take()
     assert moves.reload[0][1] == [6, 7] and len(moves.offload[0][1]) == 2
     res.plan("r", table, 320, 21, pool)  # the rest follows at the next plan
-    assert res.take_moves().reload[0][1] == [8, 9]
+    assert res.host.take().reload[0][1] == [8, 9]
     assert [i for i, b in enumerate(table) if b != OFFLOADED] == [0, 6, 7, 8, 9, 18, 19]
     # hysteresis: an offloaded block scored a little above a resident one does not swap in
     scores[[6, 7, 8, 9]] = 10.0
     scores[12] = 11.0
     res.set_scores("r", scores)
     res.plan("r", table, 320, 21, pool)
-    assert not res.take_moves()
+    assert not res.host.take()
     scores[12] = 20.0
     res.set_scores("r", scores)
     res.plan("r", table, 320, 21, pool)
-    moves = res.take_moves()
-    assert moves.reload[0][1] == [12] and len(moves.offload[0][1]) == 1
-    res.release("r")
-    assert res.take_moves().drop == ["r"]
+    moves = res.host.take()
+    # block 6 goes (the oldest of the lowest scored); its host copy from before its reload is
+    # still current, so only its device block is freed
+    assert moves.reload[0][1] == [12] and not moves.offload
+    assert [i for i, b in enumerate(table) if b != OFFLOADED] == [0, 7, 8, 9, 12, 18, 19]
+    res.host.release("r")
+    assert res.host.take().drop == ["r"]
 
 
 def test_request_larger_than_the_pool_runs_in_its_budget(tiny_llama):
@@ -200,9 +206,10 @@ def test_spec_policy_needs_a_draft(tiny_llama):
 
 def test_preemption_with_residency(tiny_llama):
     """A budget covering the context keeps swap preemption exact; with a small budget, swap
-    preemption of a request with offloaded blocks falls back to recompute (which block set is
-    resident then also depends on how many blocks are free, so only completion and clean
-    accounting are asserted), and nothing is left behind."""
+    preemption offloads the rest of a request's blocks too (with the keys policy which block
+    set is resident also depends on how many blocks are free, so only completion and clean
+    accounting are asserted; test_swap.py checks exactness under `recency`), and nothing is
+    left behind."""
     ps = [prompt(60, i) for i in range(4)]
     ref, _ = run(tiny_llama, ps, max_tokens=120)
     outs, eng = run(tiny_llama, ps, max_tokens=120, kv_resident_tokens=512, num_kv_blocks=24,
@@ -214,7 +221,6 @@ def test_preemption_with_residency(tiny_llama):
     assert eng.scheduler.num_preemptions > 0
     assert all(len(o) == 120 for o in outs)
     assert_clean(eng)
-    assert eng.runner.host_kv == {}
 
 
 @pytest.mark.parametrize("n, batched", [(300, 2048), (97, 42)])
@@ -265,7 +271,7 @@ def test_abort_while_a_step_runs(tiny_llama):
 
 def test_shared_blocks_are_never_offloaded():
     """Offloading a block another request holds frees nothing: the planner keeps it."""
-    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16))
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16), HostCopies())
     pool = BlockPool(22)
     table = pool.allocate(20)
     pool.touch([table[5]])  # block 5 shared (a prefix-cache hit of another request)
@@ -342,13 +348,13 @@ def test_keys_policy_scores_then_redoes_the_last_prompt_chunk(tiny_llama):
 def test_release_cancels_pending_copies():
     """A request preempted (or aborted) in the step that planned its moves: the copies are
     cancelled and its host copies dropped, so a recompute never finds stale blocks."""
-    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16))
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16), HostCopies())
     pool = BlockPool(64)
     table = pool.allocate(20)
     res.plan("r", table, 320, 21, pool)
-    assert res.moves.offload
-    res.release("r")
-    moves = res.take_moves()
+    assert res.host.moves.offload
+    res.host.release("r")
+    moves = res.host.take()
     assert not moves.offload and not moves.reload and moves.drop == ["r"]
 
 
@@ -388,7 +394,7 @@ def test_n_samples_and_prompt_logprobs_under_residency(tiny_llama):
 
 
 def test_spec_scores_survive_preemption():
-    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16, policy="spec"))
+    res = Residency(ResidencyConfig(budget_tokens=8 * 16, block_size=16, policy="spec"), HostCopies())
     res.set_scores("r", np.arange(5.0))
     res.release("r", preempted=True)
     assert list(res.states["r"].scores) == [0, 1, 2, 3, 4]

@@ -177,19 +177,19 @@ def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
     eng.spec.proposer = Wrong()
     assert eng.spec.plain_probe_steps == 2
     seen, log = [], []
-    observe, observe_spec = eng.spec.observe, eng._observe_spec
+    observe, observe_step = eng.spec.observe, eng.spec.observe_step
 
     def spy_observe(batch_size, drafted, num_tokens, seconds, tree=False):
         seen.append(drafted)
         observe(batch_size, drafted, num_tokens, seconds, tree)
 
-    def spy_observe_spec(batch, result):
+    def spy_observe_step(batch, result, overlap):
         seen.clear()
-        observe_spec(batch, result)
+        observe_step(batch, result, overlap)
         drafted = any(s.spec_token_ids for s in batch.sched.scheduled)
         log.append((batch.decode_only, drafted, result.overlapped, list(seen)))
 
-    eng.spec.observe, eng._observe_spec = spy_observe, spy_observe_spec
+    eng.spec.observe, eng.spec.observe_step = spy_observe, spy_observe_step
     ref = LLM(tiny_llama, **engine_kwargs()).generate(
         [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=60, **GREEDY))
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=60, **GREEDY))

@@ -1,13 +1,15 @@
-"""Bounded KV residency, the data half (worker thread, tensors): the host copies of offloaded
-blocks, the per-block pooled keys, and the `keys` policy's scoring.
+"""Host copies of KV blocks, the data half (worker thread, tensors): it applies the `KVMoves`
+that `offload.HostCopies` records, for bounded residency and swap preemption alike; it also
+keeps residency's per-block pooled keys and does the `keys` policy's scoring.
 
-A full block never changes, so its host copy is kept after a reload: offloading it again only
-frees the device block. Host copies are pinned on a GPU so the copies back are DMA transfers."""
+It copies exactly the blocks the moves list: the planning half knows which host copies are
+still current (kept after a reload, so offloading such a block again only frees the device
+block). Host copies are pinned on a GPU so the copies back are DMA transfers."""
 from __future__ import annotations
 
 import torch
 
-from .residency import OFFLOADED, KVMoves
+from .offload import OFFLOADED, KVMoves
 
 
 class HostKVStore:
@@ -41,23 +43,18 @@ class HostKVStore:
                 entry[1].difference_update([i for i in entry[1] if i >= first])
         for rid, logical, phys in moves.offload:
             store = self.blocks.setdefault(rid, {})
-            todo = [(i, p) for i, p in zip(logical, phys) if i not in store]
-            if not todo:
-                continue
-            data = self._gather([p for _, p in todo])  # [L, 2, n, bs, H, D]
+            data = self._gather(phys)  # [L, 2, n, bs, H, D]
             if self.pool_keys:
-                self._pool(rid, [i for i, _ in todo], data[:, 0])
+                self._pool(rid, logical, data[:, 0])
             # block-major on the host: each block one contiguous run, so a reload is one DMA
             # per block straight from pinned memory, with no host-side gather
-            host = torch.empty((len(todo), *data.shape[:2], *data.shape[3:]), dtype=data.dtype,
+            host = torch.empty((len(phys), *data.shape[:2], *data.shape[3:]), dtype=data.dtype,
                                pin_memory=self.device.type == "cuda")
             host.copy_(data.permute(2, 0, 1, 3, 4, 5))
-            for j, (i, _) in enumerate(todo):
+            for j, i in enumerate(logical):
                 store[i] = host[j]
         for rid, logical, phys in moves.reload:
-            store = self.blocks.get(rid)
-            if store is None:  # aborted (and dropped by the loop thread) while this step ran
-                continue
+            store = self.blocks.get(rid, {})  # a release cancels pending reloads: never gone
             if any(i not in store for i in logical):
                 raise RuntimeError(f"request {rid!r}: reload of a block that was never offloaded")
             data = torch.stack([store[i].to(self.device, non_blocking=True) for i in logical],

@@ -1,9 +1,16 @@
-"""Per-request block tables over a `BlockPool`. Deals in ids and counts, never tensors."""
+"""Per-request block tables over a `BlockPool`. Deals in ids and counts, never tensors.
+
+Host memory holds KV through one mechanism, `HostCopies` (offload.py): bounded residency
+offloads a request's cold blocks, swap preemption offloads every block (`swap_out`: the table
+keeps its length, all entries `OFFLOADED`) and reloads the same blocks on resume (`swap_in`).
+A request's host copies are released with its blocks, in `free`, whether or not it is swapped
+out."""
 from __future__ import annotations
 
 from ..request import Request
 from .block_pool import BlockPool, hash_block
-from .residency import OFFLOADED, Residency, ResidencyConfig
+from .offload import OFFLOADED, HostCopies, KVMoves
+from .residency import Residency, ResidencyConfig
 
 
 class KVCacheManager:
@@ -12,14 +19,21 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.host = HostCopies()
         # bounded residency: tables may hold OFFLOADED entries (see residency.py)
-        self.residency = Residency(residency) if residency is not None else None
+        self.residency = Residency(residency, self.host) if residency is not None else None
+        self.swapped: dict[str, list[int]] = {}  # swapped-out id -> logical blocks to reload
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[int]] = {}  # chained hashes of the full blocks
         self.num_cached_blocks: dict[str, int] = {}  # how many of its blocks are registered
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def take_moves(self) -> KVMoves:
+        """The host copies planned since the last call, for the runner to apply before the
+        step's forward."""
+        return self.host.take()
 
     def attention_table(self, request_id: str) -> tuple[list[int], int]:
         """(the device blocks attention reads, in order; tokens skipped before the tail)."""
@@ -110,10 +124,47 @@ class KVCacheManager:
         # prompt logprobs need every prompt position computed, so such requests never hit
         return getattr(getattr(req, "params", None), "prompt_logprobs", None) is None
 
+    def swap_out(self, req: Request) -> None:
+        """Swap preemption: offloads every block holding the request's computed tokens (its
+        KV goes to host memory bit-exact) and frees the rest. Its residency state stays, and
+        on resume the same blocks come back: its resident set is the one it had."""
+        rid = req.request_id
+        self.trim(req, req.num_computed_tokens)
+        table = self.block_tables[rid]
+        resident = [i for i, b in enumerate(table) if b != OFFLOADED]
+        self.swapped[rid] = resident
+        # tail first, as `free` does, so shared prefixes outlive their tails
+        self.host.offload(rid, table, resident[::-1], self.pool)
+        if self.residency is not None:
+            self.residency.forget_view(rid)
+
+    def swap_in(self, req: Request, num_new_tokens: int, reserve: int = 0) -> bool:
+        """Resumes a swapped-out request: reloads the blocks `swap_out` offloaded and makes
+        room for `num_new_tokens` more (residency plans the step first, as for a running
+        request; `reserve` as in `Residency.plan`). False, changing nothing, if the pool is
+        short."""
+        rid = req.request_id
+        table, back = self.block_tables[rid], self.swapped[rid]
+        grow = max(-(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table), 0)
+        if len(back) + grow > self.pool.num_free_blocks:
+            return False
+        del self.swapped[rid]
+        self.host.reload(rid, table, back, self.pool)
+        if req.num_computed_tokens % self.block_size:
+            # the partial last block fills up from here: its host copy goes stale
+            self.host.stale(rid, req.num_computed_tokens // self.block_size)
+        if self.residency is not None:
+            self.residency.forget_view(rid)
+        self.plan_residency(req, num_new_tokens, reserve)
+        return self.allocate_slots(req, num_new_tokens)
+
     def free(self, req: Request, preempted: bool = False) -> None:
-        """Releases the request's blocks, tail first so shared prefixes outlive their tails."""
+        """Releases the request's blocks, tail first so shared prefixes outlive their tails,
+        and its host copies (a swapped-out request's included)."""
         table = self.block_tables.pop(req.request_id, [])
         self.pool.free([b for b in reversed(table) if b != OFFLOADED])
+        self.host.release(req.request_id)
+        self.swapped.pop(req.request_id, None)
         if self.residency is not None:
             self.residency.release(req.request_id, preempted)
         self.block_hashes.pop(req.request_id, None)

@@ -2,7 +2,8 @@
 
 A request's KV lives in at most `budget_blocks` device blocks. Its block table keeps one entry
 per logical block; an entry of `OFFLOADED` means the block's KV sits in pinned host memory
-(the runner's `HostKVStore` holds it) and attention skips it: the runner hands the attention
+(moved there through `offload.HostCopies`, the mechanism swap preemption uses too; the runner's
+`HostKVStore` holds the copies) and attention skips it: the runner hands the attention
 kernels the table with those entries removed and the sequence length shortened to match, so
 the kernels attend over the resident blocks only, while rotary positions stay the original
 ones (they are baked into the cached keys).
@@ -21,11 +22,12 @@ Blocks computed while everything was resident are exact and may enter the prefix
 computed after the first eviction attended to a subset and never do."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-OFFLOADED = -1
+from .offload import OFFLOADED, HostCopies
+
 SINK_BLOCKS = 1
 POLICIES = ("keys", "spec", "recency")
 
@@ -71,19 +73,6 @@ class ResidencyConfig:
         return min(full, self.budget_blocks + 2)
 
 
-@dataclass
-class KVMoves:
-    """Copies the runner makes before a step's forward, in this order: drops, offloads, then
-    reloads (so a block freed by an offload may be the target of a reload in the same step)."""
-    offload: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # id, logical, phys
-    reload: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
-    drop: list[str] = field(default_factory=list)  # requests whose host copies are stale
-    repool: list[tuple[str, int]] = field(default_factory=list)  # (id, first block recomputed)
-
-    def __bool__(self) -> bool:
-        return bool(self.offload or self.reload or self.drop or self.repool)
-
-
 HYSTERESIS = 1.25  # a block comes back only to replace one scored this much lower
 
 
@@ -104,16 +93,12 @@ class _State:
 
 
 class Residency:
-    def __init__(self, cfg: ResidencyConfig):
+    def __init__(self, cfg: ResidencyConfig, host: HostCopies):
         self.cfg = cfg
+        self.host = host  # where the offloads and reloads planned here are recorded
         self.states: dict[str, _State] = {}
-        self.moves = KVMoves()
         self.num_offloaded = 0  # blocks moved to host memory (a re-offload without a copy counts)
         self.num_reloaded = 0
-
-    def take_moves(self) -> KVMoves:
-        moves, self.moves = self.moves, KVMoves()
-        return moves
 
     def exact_blocks(self, rid: str) -> int | None:
         """Blocks whose KV equals a plain prefill's (None: all so far): those computed before
@@ -175,24 +160,19 @@ class Residency:
         if can_rewind and st.final_chunk is not None and not st.rewound and \
                 num_computed == num_tokens - 1:
             st.rewound = True
-            # the recomputed blocks' pooled keys are stale; they are not exact either
-            self.moves.repool.append((rid, st.final_chunk // self.cfg.block_size))
+            # the recomputed blocks' host copies and pooled keys are stale; they are not exact
+            # either
+            self.host.stale(rid, st.final_chunk // self.cfg.block_size)
             return st.final_chunk, min(num_tokens - st.final_chunk, self.cfg.chunk_tokens)
         return num_computed, num_new
 
     def release(self, rid: str, preempted: bool = False) -> None:
-        """The request's blocks were freed: its pending copies are moot and its host copies
-        stale (a recomputed request must not find them). A preempted request keeps the
-        `spec` policy's prompt scores, which are computed only at admission."""
+        """The request's blocks were freed (its host copies go through `HostCopies.release`):
+        its plan state goes. A request preempted for recompute keeps the `spec` policy's prompt
+        scores, which are computed only at admission."""
         st = self.states.pop(rid, None)
-        if st is not None:
-            m = self.moves
-            m.offload = [x for x in m.offload if x[0] != rid]
-            m.reload = [x for x in m.reload if x[0] != rid]
-            m.repool = [x for x in m.repool if x[0] != rid]
-            m.drop.append(rid)
-            if preempted and self.cfg.policy == "spec" and st.scores is not None:
-                self.set_scores(rid, st.scores)
+        if st is not None and preempted and self.cfg.policy == "spec" and st.scores is not None:
+            self.set_scores(rid, st.scores)
 
     def plan(self, rid: str, table: list[int], num_computed: int, num_blocks_after: int,
              pool, reserve: int = 0) -> None:
@@ -244,17 +224,10 @@ class Residency:
         if off:
             if st.exact_blocks is None:
                 st.exact_blocks = tail_start
-            phys = [table[i] for i in off]
-            for i in off:
-                table[i] = OFFLOADED
-            pool.free(phys)
-            self.moves.offload.append((rid, off, phys))
+            self.host.offload(rid, table, off, pool)
             self.num_offloaded += len(off)
         if back:
-            phys = pool.allocate(len(back))
-            for i, b in zip(back, phys):
-                table[i] = b
-            self.moves.reload.append((rid, back, phys))
+            self.host.reload(rid, table, back, pool)
             self.num_reloaded += len(back)
 
     def _choose(self, st: _State, old: int, room: int) -> tuple[np.ndarray, np.ndarray]:

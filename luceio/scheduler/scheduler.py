@@ -2,7 +2,9 @@
 request's `num_computed_tokens` toward its token count (plus drafts to verify), under a token
 budget. Running requests go first (decodes before unfinished prefills), then waiting ones FCFS.
 When the pool runs dry the newest running request is preempted (recompute: its blocks are
-freed and it is re-prefilled later, its tokens kept so its output does not change; or swap).
+freed and it is re-prefilled later, its tokens kept so its output does not change; or swap:
+every block is offloaded to host memory through the same host copies bounded residency uses,
+and reloaded when it is admitted again — `KVCacheManager.swap_out` / `swap_in`).
 With bounded KV residency, each running request's blocks are planned before its slots are
 allocated (cold blocks offloaded, selected ones reloaded) and prefill chunks are capped at half
 the residency budget.
@@ -18,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache import KVCacheManager
-from ..cache.residency import OFFLOADED, KVMoves
+from ..cache.offload import KVMoves
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 
@@ -40,10 +42,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
-    # swap preemption: KV to copy before this step's forward (request id, block ids)
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
-    # bounded residency: block copies before the forward, and requests whose blocks to score
+    # host copies of KV (bounded residency, swap preemption) to make before the forward, and
+    # (residency) requests whose blocks to score
     kv_moves: KVMoves = field(default_factory=KVMoves)
     kv_score_ids: list[str] = field(default_factory=list)
     launched: bool = False  # overlapped scheduling: counted as computed when launched
@@ -66,9 +66,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.released_ids: list[str] = []  # finished since the engine last looked
         self.swap_mode = config.preemption_mode == "swap"
-        self.swapped: set[str] = set()  # preempted requests whose KV waits in host memory
-        self._swap_out: list[tuple[str, list[int]]] = []
-        self._swap_in: list[tuple[str, list[int]]] = []
 
     # admission -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
@@ -135,10 +132,7 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        out = SchedulerOutput(scheduled, preempted, self._swap_out, self._swap_in,
-                              res.take_moves() if res is not None else KVMoves(), score_ids)
-        self._swap_out, self._swap_in = [], []
-        return out
+        return SchedulerOutput(scheduled, preempted, self.kv.take_moves(), score_ids)
 
     def _running_in_order(self) -> list[Request]:
         """Decodes first, then unfinished prefills, each in arrival order."""
@@ -200,13 +194,10 @@ class Scheduler:
                     (leader.num_computed_tokens < leader.num_prompt_tokens or
                      leader.num_output_tokens == 0 and leader.num_pending_tokens):
                 continue  # n > 1: wait for the first sample's prompt to be cached, then share it
-            if req.request_id in self.swapped:
+            if req.request_id in self.kv.swapped:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
-                if not self.kv.allocate_slots(req, num_new):
+                if not self.kv.swap_in(req, num_new, reserve=len(self.running)):
                     break
-                self.swapped.discard(req.request_id)
-                num_kept = -(-req.num_computed_tokens // self.kv.block_size)
-                self._swap_in.append((req.request_id, self.kv.blocks_of(req.request_id)[:num_kept]))
             else:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget, self._chunk_cap)
@@ -223,17 +214,14 @@ class Scheduler:
         return budget
 
     def _preempt(self, req: Request) -> None:
-        if self.swap_mode and req.num_computed_tokens > 0 and \
-                OFFLOADED not in self.kv.blocks_of(req.request_id):
-            # the runner copies these blocks to host memory before this step's forward, which
-            # is the first thing that could overwrite them
-            num_kept = -(-req.num_computed_tokens // self.kv.block_size)
-            self._swap_out.append((req.request_id, self.kv.blocks_of(req.request_id)[:num_kept]))
-            self.swapped.add(req.request_id)
+        if self.swap_mode and req.num_computed_tokens > 0:
+            # offloads every block; the runner copies them before this step's forward, the
+            # first thing that could overwrite them
+            self.kv.swap_out(req)
         else:
             req.num_computed_tokens = 0
             req.prompt_logprobs = []  # recomputed with the prompt
-        self.kv.free(req, preempted=True)
+            self.kv.free(req, preempted=True)
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids, req.spec_tree = [], None
         req.num_preemptions += 1
@@ -298,5 +286,4 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        self.released_ids.append(req.request_id)  # the engine drops its host KV copy, if any
-        self.swapped.discard(req.request_id)
+        self.released_ids.append(req.request_id)

@@ -181,6 +181,21 @@ class SpecDecoder:
         a = min(self.acceptance_rate(), 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
+    def observe_step(self, batch, result, overlap: bool) -> None:
+        """Feeds a processed step (`pipeline.Batch` and its `StepResult`) to the cost model when
+        it is a decode-only step; `overlap`: whether the pipeline overlaps steps."""
+        sched = batch.sched.scheduled
+        if not batch.decode_only:
+            return  # a prefill chunk rode along: not comparable
+        drafted = any(s.spec_token_ids for s in sched)
+        if not drafted and overlap and not result.overlapped:
+            # a plain step launched with nothing in flight (after a drafting step) paid host
+            # work that plain decoding hides: it is not what drafting is weighed against
+            return
+        # result.seconds is the step's period, its drafting included (pipeline._process)
+        self.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()),
+                     result.seconds, tree=any(s.spec_tree is not None for s in sched))
+
     def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float,
                 tree: bool = False) -> None:
         """Records one decode step's time (drafting included); `tree`: it verified trees."""
