@@ -312,16 +312,22 @@ class LLMEngine:
         return Batch.of(sched, inputs, self.structured.plan(sched.scheduled, inputs.row_slices,
                                                             len(inputs.host.logits_indices)))
 
-    def execute(self, batch: Batch) -> StepResult:
+    def execute(self, batch: Batch, before_masks=None) -> StepResult:
         """Forward and sampling, launched on the device: plain rows' tokens and logprobs stay
         there (their host copy starts, unwaited); speculative verify rows come back at once.
-        Reads request state, writes only tensors: safe off-loop."""
+        `before_masks`: called once the forward is queued and before the grammar masks are
+        built (the pipeline processes the step in flight there, whose tokens the masks start
+        from). Reads request state, writes only tensors: safe off-loop."""
         res = StepResult(started=time.perf_counter())
         # host copies first: an offload's device block may be reused by this very forward
         self.runner.host_store.apply(batch.sched.kv_moves)
         logits = self.runner.execute(batch.inputs)
         # host work while the device runs the forward
-        bitmask = batch.grammar.fill() if batch.grammar is not None else None
+        bitmask = None
+        if batch.grammar is not None:
+            if before_masks is not None:
+                before_masks()
+            bitmask = batch.grammar.fill()
         rows = batch.inputs.row_slices
         by_id = {s.req.request_id: s for s in batch.sched.scheduled}
         if self.spec is not None and any(s.spec_token_ids for s in batch.sched.scheduled):

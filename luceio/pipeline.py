@@ -19,11 +19,17 @@ Rules:
   finished; later steps reuse them only after N+1 on the same device stream.
 - A step is processed before the next is scheduled (a synchronous step) when the next one needs
   its tokens on the host; `counters["sync_steps"]` counts why: "speculation" (the step verified
-  drafts, or the next plan may draft: drafts start from the latest token), "structured output"
-  (a constrained request sampled: its next grammar mask depends on the token), "preemption"
+  drafts, or the next plan may draft: drafts start from the latest token), "preemption"
   (the next schedule may preempt: that is decided with every token known), "residency"
   (bounded residency plans and scores with exact token counts), "idle" (nothing else to
   schedule) and "off" (overlap is off). `counters["overlapped_steps"]` counts the others.
+- Structured output stays overlapped: a constrained row's grammar mask depends on the token
+  the step in flight sampled, but the forward does not. So a step with constrained rows is
+  launched first, then the step in flight is processed (its tokens advance the grammars), and
+  only then are the masks built and the sampling queued (`LLMEngine.execute`'s
+  `before_masks`): the host's wait, output processing and mask building run while the GPU
+  computes the forward. A grammar that terminated at the step in flight leaves its row here
+  unmasked (the request finished; the token is dropped).
 - A step in flight whose requests have all finished is dropped without waiting for it; its
   tokens count in `counters["discarded_tokens"]`, as do extra tokens of finished requests.
 - Host copies of KV (`SchedulerOutput.kv_moves`: bounded residency, swap preemption) are made
@@ -206,16 +212,21 @@ class StepPipeline:
                 outputs += self._retire("idle")
             self._last_ready = 0.0  # the next step's period starts at its own launch
             return outputs + eng.finish_step(None, None)
-        result = eng.execute(batch)
+        settled = []
+
+        def settle() -> None:  # the step in flight, processed while this forward runs
+            if previous is not None and not settled:
+                settled.append(True)
+                eng.counters["overlapped_steps"] += 1
+                outputs.extend(self._process(*previous))
+        result = eng.execute(batch, settle)
         result.overlapped = previous is not None
         self.in_flight = None
         reason = self._sync_reason(batch)
         if reason is None:
             eng.scheduler.launched(batch.sched)
             self.in_flight = (batch, result)
-        if previous is not None:
-            eng.counters["overlapped_steps"] += 1
-            outputs += self._process(*previous)
+        settle()
         if reason is not None:
             eng.counters["sync_steps"][reason] += 1
             outputs += self._process(batch, result)
@@ -236,8 +247,6 @@ class StepPipeline:
             return "off"
         if any(s.spec_token_ids for s in batch.sched.scheduled):
             return "speculation"
-        if batch.grammar is not None:
-            return "structured output"
         if self.engine.kv.residency is not None:
             return "residency"
         return None

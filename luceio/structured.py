@@ -269,10 +269,14 @@ class GrammarBatch:
     items: list[tuple[Matcher, int, list[int]]]
 
     def fill(self) -> torch.Tensor:
-        """[num_rows, words] int32 on the host; rows of unconstrained requests allow every id."""
+        """[num_rows, words] int32 on the host; rows of unconstrained requests allow every id,
+        and so do the rows of a grammar that terminated since the step was scheduled (with
+        overlapped scheduling, at the step before, which was in flight then): such a request
+        has finished and its token here is dropped."""
         bitmask = torch.full((self.num_rows, self.words), -1, dtype=torch.int32)
         for matcher, row, drafts in self.items:
-            matcher.fill_rows(bitmask, row, drafts)
+            if not matcher.is_terminated:
+                matcher.fill_rows(bitmask, row, drafts)
         return bitmask
 
 

@@ -261,22 +261,32 @@ def test_aborts_at_every_step(tiny_llama):
         assert eng.counters["overlapped_steps"] > 0
 
 
-def test_structured_output_falls_back_and_equals_synchronous(tiny_llama):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                               "age": {"type": "integer", "minimum": 0,
-                                                       "maximum": 99}},
-              "required": ["name", "age"]}
-    constrained = SamplingParams(max_tokens=60, temperature=0, structured_outputs=
-                                 StructuredOutputsParams(json=schema, disable_any_whitespace=True))
-    prompts = ["{", "name:", "x"] + prompts_of(3, seed=13)
-    params = [constrained] * 3 + [SamplingParams(max_tokens=60, **GREEDY)] * 3
-    sync, got, eng = both(tiny_llama, prompts, params)
-    assert got == sync
-    assert all(o[0][2] == "stop" for o in got[:3])
-    assert eng.counters["sync_steps"]["structured output"] > 0
-    assert eng.counters["overlapped_steps"] > 0  # the unconstrained requests' steps after those
-    assert eng.structured.num_active == 0
-    assert_clean(eng)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "age": {"type": "integer", "minimum": 0,
+                                                  "maximum": 99}},
+          "required": ["name", "age"]}
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_structured_output_overlaps_and_equals_synchronous(tiny_llama, seed):
+    """Constrained steps stay in flight: the next step's forward is launched before the step in
+    flight is processed, and its masks are built after (`before_masks`). Greedy and seeded
+    sampling give the synchronous engine's output, grammars that terminate while a step is in
+    flight included (their extra token dropped); only-constrained batches overlap too (every
+    step was synchronous before)."""
+    sampling = GREEDY if seed is None else dict(temperature=0.8, seed=seed)
+    constrained = SamplingParams(max_tokens=60, **sampling, structured_outputs=
+                                 StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    for prompts, params in ((["{", "name:", "x"], [constrained] * 3),
+                            (["{", "name:", "x"] + prompts_of(3, seed=13),
+                             [constrained] * 3 + [SamplingParams(max_tokens=60, **GREEDY)] * 3)):
+        sync, got, eng = both(tiny_llama, prompts, params)
+        assert got == sync
+        assert all(o[0][2] == "stop" for o in got[:3])
+        assert "structured output" not in eng.counters["sync_steps"]
+        assert eng.counters["overlapped_steps"] > 0
+        assert eng.structured.num_active == 0
+        assert_clean(eng)
 
 
 def test_residency_runs_synchronously(tiny_llama):
