@@ -6,6 +6,10 @@
 #   prep-test       llama.cpp's CUDA build and the F16 GGUFs (background) while all the GPU
 #                   tests run ($OUT/gpu_tests.log)
 #   profile         bench/step_profile.py: kernels per decode step, GPU idle share
+#   final-a         all the GPU tests, batch-1 decode from random Q4_K_M / Q8_0 weights,
+#                   bench/draft_cost.py
+#   final-b         bench/assist.py at the 1.5B shape, gpu_bench.py decode (with transformers)
+#                   and concurrency
 #   pipeline        the kernel GPU tests, step_profile.py with max_model_len 1024 and 32768,
 #                   bench/assist.py at the 1.5B shape (random weights, the real tokenizer)
 #   build-and-test  llama.cpp's CUDA build (background, 16 cores) while `pytest -m gpu tests/gpu`
@@ -61,6 +65,18 @@ case $1 in
     timeout ${ASSIST_S:-200} python bench/assist.py --random-shape qwen2.5-1.5b \
       --tokenizer .models/qwen2.5-coder-tok --turns 10 --agent-context 16000 \
       --out "$OUT/assist_1.5b_random.json" 2>&1 | grep -v -i warn | cut -c1-300 | tail -20 ;;
+  final-a)  # all the GPU tests; batch-1 decode from random Q4_K_M / Q8_0 weights; draft cost
+    timeout ${TEST_S:-300} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+    timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
+      --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8
+    timeout ${DRAFT_S:-120} python bench/draft_cost.py --out "$OUT" 2>&1 | grep -v -i warn | tail -10 ;;
+  final-b)  # the editor-assistant bench; bf16 decode beside transformers; concurrency
+    timeout ${ASSIST_S:-150} python bench/assist.py --random-shape qwen2.5-1.5b \
+      --tokenizer .models/qwen2.5-coder-tok --turns 10 --agent-context 16000 \
+      --out "$OUT/assist_1.5b_random.json" 2>&1 | grep -v -i warn | cut -c1-300 | tail -16
+    timeout ${BENCH_S:-300} python bench/gpu_bench.py --quick --sections decode,hf,concurrency \
+      --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-400 | tail -16 ;;
   profile)  # kernels per decode step and the GPU's idle share, graphs on and off
     timeout ${PROFILE_S:-200} python bench/step_profile.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
   build-and-test)
