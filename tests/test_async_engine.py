@@ -86,11 +86,11 @@ async def test_a_failing_step_fails_every_request_and_the_engine_serves_on(tiny_
     engine = _engine(tiny_llama)
     execute, calls = engine.engine.execute, []
 
-    def failing_execute(batch):
+    def failing_execute(batch, *rest):
         calls.append(len(batch.sched.scheduled))
         if len(calls) == 4:
             raise RuntimeError("boom")
-        return execute(batch)
+        return execute(batch, *rest)
 
     engine.engine.execute = failing_execute
     params = SamplingParams(max_tokens=50, **GREEDY)
@@ -182,9 +182,9 @@ async def test_idle_engine_thread_sleeps(tiny_llama):
     engine = _engine(tiny_llama)
     execute, native = engine.engine.execute, []
 
-    def spy(batch):
+    def spy(batch, *rest):
         native.append(threading.get_native_id())
-        return execute(batch)
+        return execute(batch, *rest)
 
     engine.engine.execute = spy
     await _drain(engine.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=4)))

@@ -226,10 +226,10 @@ async def test_event_loop_stays_responsive(tiny_llama):
         await asyncio.sleep(0)
         return threading.get_ident()
 
-    def waiting_execute(batch):
+    def waiting_execute(batch, *rest):
         step_threads.append(threading.get_ident())
         served.append(asyncio.run_coroutine_threadsafe(probe(), loop).result(timeout=60))
-        return execute(batch)
+        return execute(batch, *rest)
 
     engine.engine.execute = waiting_execute
     outs = [o async for o in engine.generate({"prompt_token_ids": [3] * 40},
