@@ -96,17 +96,17 @@ def test_graphed_decode_steps_launch_without_a_host_sync(tiny_llama):
     eng = llm.engine
     execute, checked = eng.execute, []
 
-    def strict(batch):
+    def strict(batch, *rest):
         if batch.decode_only and batch.inputs.device_ids and \
                 eng.runner.graphs.fits(batch.inputs.host):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                result = execute(batch)
+                result = execute(batch, *rest)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             checked.append(len(batch.sched.scheduled))
             return result
-        return execute(batch)
+        return execute(batch, *rest)
 
     eng.execute = strict
     params = [SamplingParams(max_tokens=24, ignore_eos=True, seed=i, logprobs=1,
