@@ -78,7 +78,7 @@ def section_decode(bw: float, quick: bool, with_hf: bool) -> None:
         for ctx in (512, 8192):
             model = random_model(shape, max_positions=ctx + 512)
             if hf is not None:
-                model.load_weights(hf.state_dict().items())
+                model.load_weights(hf.state_dict().items(), torch.bfloat16, torch.device("cuda"))
             eng = make_engine(model, ctx + 256, kv_gib=4, max_num_seqs=8)
             tps = luceio_decode_tps(eng, ctx)
             bytes_tok = weight_bytes_per_token(model) + kv_bytes_per_token(model, ctx + 64)
