@@ -20,7 +20,7 @@ from . import Checkpoint
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -36,7 +36,12 @@ _LAYER_TENSORS = {  # inside blk.{i} -> inside model.layers.{i}
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the mixture-of-experts router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [num_experts, ...] stacks, split by expert
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+_EXPERT_STACKS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -65,7 +70,9 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "
 
 
 def load_gguf(path: str) -> Checkpoint:
-    """Opens a llama/qwen2/qwen3 GGUF; the tensors are read and dequantized when `weights()` runs."""
+    """Opens a llama/qwen2/qwen3/qwen3moe GGUF; the tensors are read and dequantized when
+    `weights()` runs. Experts' stacked tensors are always dequantized (experts run dense), then
+    yielded one expert at a time under the HF Hub's names (`mlp.experts.{e}.gate_proj.weight`)."""
     started = time.perf_counter()
     reader = open_gguf(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
@@ -111,7 +118,10 @@ def load_gguf(path: str) -> Checkpoint:
                 array = unpermute_rotary_rows(array, heads)
             if not array.flags.writeable:  # an F32 tensor is a view into the read-only mmap
                 array = array.copy()
-            yield names[tensor.name], torch.from_numpy(array)
+            if part in _EXPERT_STACKS:
+                yield from split_experts(names[tensor.name], torch.from_numpy(array))
+            else:
+                yield names[tensor.name], torch.from_numpy(array)
         logger.info("read %d GGUF tensors (%d kept quantized) in %.1f s", len(reader.tensors),
                     kept, time.perf_counter() - t0)
 
@@ -152,6 +162,14 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"{hf}.{suffix}"
 
 
+def split_experts(name: str, stack: torch.Tensor):
+    """`model.layers.0.mlp.experts.gate_proj.weight` [num_experts, rows, cols] -> one
+    (`model.layers.0.mlp.experts.{e}.gate_proj.weight`, [rows, cols]) pair per expert."""
+    prefix, leaf = name.split(".experts.")
+    for expert, weight in enumerate(stack):
+        yield f"{prefix}.experts.{expert}.{leaf}", weight
+
+
 def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undoes llama.cpp's Q/K row order. Its converter interleaves each head's two rotary halves
     (rows [h, 2, d/2] become [h, d/2, 2]) for its GPT-J-style rope; HF rotates halves."""
@@ -173,7 +191,7 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
             raise ValueError(f"GGUF has per-layer KV head counts {num_kv_heads}")
         num_kv_heads = num_kv_heads[0]
     hidden_size = key("embedding_length")
-    return {
+    config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden_size,
@@ -192,6 +210,23 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if key("expert_count"):
+        config.update(_moe_config(key, shapes, config["num_hidden_layers"]))
+    return config
+
+
+def _moe_config(key, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict:
+    """Mixture-of-experts fields of a qwen3_moe config. A layer without a router is dense. The
+    top-k weights are renormalised unless the file says otherwise (`expert_weights_norm`), as
+    the released Qwen3-MoE models do (`norm_topk_prob: true`)."""
+    return {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        "mlp_only_layers": [i for i in range(num_layers)
+                            if f"blk.{i}.ffn_gate_inp.weight" not in shapes],
     }
 
 

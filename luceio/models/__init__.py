@@ -5,12 +5,14 @@ import torch
 
 from ..loader import Checkpoint
 from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
+from .moe import MoeConfig, Qwen3MoeForCausalLM
 
 _ARCHS = {
     "LlamaForCausalLM": False,  # value: whether q/k/v carry a bias by default
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
+    "Qwen3MoeForCausalLM": False,
 }
 
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model"]
@@ -27,7 +29,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
     cfg = LlamaConfig.from_hf(ckpt.config)
     bias = _ARCHS[arch] or bool(ckpt.config.get("attention_bias", False))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, bias=bias)
+        model = Qwen3MoeForCausalLM(cfg, MoeConfig.from_hf(ckpt.config), bias) \
+            if arch == "Qwen3MoeForCausalLM" else LlamaForCausalLM(cfg, bias=bias)
     quantize = quantization if quantization in ("int8", "int4") else None
     if quantize and ckpt.source.endswith(".gguf"):
         raise ValueError(f"--quantization {quantization}: {ckpt.source} is a GGUF file, which "

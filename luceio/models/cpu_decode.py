@@ -42,6 +42,7 @@ Rules:
   ones (tests/test_cpu_decode.py).
 - It reads the model's parameters and the runner's KV cache; between steps it keeps only
   scratch buffers.
+- A mixture-of-experts MLP (`moe.SparseMoeBlock`) runs its module forward.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from ..kernels.qdot_cpu import CpuQuant
 from ..kernels.quant_cpu import QDOT_DENSE_MIN_ROWS, in_prefill
 from .linear import Linear
 from .llama import AttnMetadata, LlamaForCausalLM
+from .moe import SparseMoeBlock
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -91,12 +93,17 @@ class CpuDecoder:
                                         self.eps, o[1])
             h = self._norm(layer.o(*o)[1], residual, True, layer.post_norm,
                            self._scratch(rows, hidden))
-            gate_up = layer.gate_up(*h)
-            act = self._scratch(rows, layer.down.lin.in_features)
-            decode_cpu.silu_and_mul(gate_up[1], act[1])
-            x = layer.down(*act)[1]
+            x = self._mlp(layer, h, rows)
         out = torch.empty_like(residual)
         return self._norm(x, residual, True, self.model.norm.weight.numpy(), (out, out.numpy()))[0]
+
+    def _mlp(self, layer: "_Layer", h: tuple[torch.Tensor, np.ndarray], rows: int) -> np.ndarray:
+        if layer.moe is not None:  # experts run as in the module forward
+            return layer.moe(h[0]).numpy()
+        gate_up = layer.gate_up(*h)
+        act = self._scratch(rows, layer.down.lin.in_features)
+        decode_cpu.silu_and_mul(gate_up[1], act[1])
+        return layer.down(*act)[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_rows is None:
@@ -131,7 +138,10 @@ class _Layer:
         self.qk_norm = (attn.q_norm.weight.numpy(), attn.k_norm.weight.numpy()) \
             if attn.q_norm is not None else (_EMPTY, _EMPTY)
         self.qkv, self.o = _Projection(attn.qkv_proj), _Projection(attn.o_proj)
-        self.gate_up, self.down = _Projection(layer.mlp.gate_up_proj), _Projection(layer.mlp.down_proj)
+        self.moe = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
+        if self.moe is None:
+            self.gate_up = _Projection(layer.mlp.gate_up_proj)
+            self.down = _Projection(layer.mlp.down_proj)
 
 
 class _Projection:

@@ -121,6 +121,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
+    def int8_input(self, rows: int, device: torch.device) -> dict:
+        """Buffers for the int8 forms of this MLP's input (`Linear.int8_input`), for the norm
+        before it to fill."""
+        return self.gate_up_proj.int8_input(rows, device)
+
     def forward(self, x, xqs: dict | None = None):
         gate_up = self.gate_up_proj(x, xqs)
         down_xqs = self.down_proj.int8_input(x.shape[0], x.device)
@@ -148,7 +153,7 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, xqs=xqs)
         x = self.self_attn(positions, x, kv_cache, meta, cos_sin, probe, xqs)
-        xqs = self.mlp.gate_up_proj.int8_input(rows, device)
+        xqs = self.mlp.int8_input(rows, device)
         x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
         return self.mlp(x, xqs), residual
 

@@ -1,0 +1,61 @@
+"""Mixture-of-experts: top-k routing and the experts' SwiGLU, as torch references.
+
+Rules (transformers' `Qwen3MoeSparseMoeBlock`):
+- Routing: softmax of the router logits in fp32, the top-k experts of each token, their
+  probabilities renormalised to sum 1 when the model says so (`norm_topk_prob`), then cast to
+  the activations' dtype.
+- Experts: expert e holds `w_gate_up[e]` ([gate | up] rows, [2 * inter, hidden]) and
+  `w_down[e]` ([hidden, inter]); a token's output is the weighted sum over its k experts of
+  down_e(silu(gate_e x) * up_e x).
+- The computation is grouped by expert: the (token, expert) pairs are sorted by expert (stably,
+  so a token's contributions are added in ascending expert order, as transformers adds them),
+  each expert runs two GEMMs on its contiguous group, and the weighted rows are scatter-added
+  back to their tokens. A grouped-GEMM kernel reads the same grouping (`group_by_expert`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .activation import silu_and_mul_ref
+
+
+def route_topk_ref(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [num_tokens, num_experts] -> (weights [num_tokens, top_k] in the logits'
+    dtype, expert_ids [num_tokens, top_k] int64), best expert first."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), expert_ids
+
+
+def group_by_expert(expert_ids: torch.Tensor,
+                    num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """expert_ids [num_tokens, top_k] -> (order [num_tokens * top_k]: the flat pair indices
+    sorted by expert, stable; counts: pairs per expert). Pair p is token p // top_k."""
+    flat = expert_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down
+    [num_experts, hidden, inter]; weights, expert_ids [num_tokens, top_k] (`route_topk_ref`).
+    Returns [num_tokens, hidden]."""
+    top_k = expert_ids.shape[1]
+    order, counts = group_by_expert(expert_ids, w_gate_up.shape[0])
+    token_ids = order // top_k
+    rows = x[token_ids]  # [num_pairs, hidden], grouped by expert
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        group = slice(start, start + count)
+        if count:
+            act = silu_and_mul_ref(F.linear(rows[group], w_gate_up[expert]))
+            out[group] = F.linear(act, w_down[expert])
+        start += count
+    out *= weights.flatten()[order, None]
+    return torch.zeros_like(x).index_add_(0, token_ids, out)

@@ -1,0 +1,134 @@
+"""Qwen3-MoE (transformers `qwen3_moe`): Qwen3's decoder with sparse mixture-of-experts MLPs.
+
+Rules:
+- Attention, norms, embeddings and LM head are Qwen3's (`llama.py`); only the MLP of a layer
+  differs. Layer i is sparse when `num_experts > 0`, `(i + 1) % decoder_sparse_step == 0`
+  and i is not in `mlp_only_layers`; the other layers keep the dense MLP of width
+  `intermediate_size`. A sparse layer's experts have width `moe_intermediate_size`.
+- Routing and the experts' arithmetic are `kernels/moe.py`'s (top-k of an fp32 softmax,
+  `norm_topk_prob` renormalisation, tokens grouped by expert).
+- Weights arrive under the HF Hub's per-expert names (`mlp.experts.{e}.gate_proj.weight`, ...,
+  and the router `mlp.gate.weight`) and are stacked per layer: `w_gate_up`
+  [num_experts, 2 * inter, hidden] ([gate | up] rows), `w_down` [num_experts, hidden, inter].
+- Expert weights are dense in the model dtype (a GGUF's quantized expert stacks are dequantized
+  at load); `--quantization int8|int4` is refused for these models.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..kernels.moe import fused_moe_ref, route_topk_ref
+from .linear import Linear
+from .llama import LlamaConfig, LlamaForCausalLM
+
+_EXPERT_WEIGHT = re.compile(
+    r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "MoeConfig":
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"qwen3_moe with hidden_act {c['hidden_act']!r} is not supported "
+                             "(the experts run SiLU-gated MLPs)")
+        num_experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(c["num_hidden_layers"])
+                       if num_experts > 0 and (i + 1) % step == 0 and i not in dense)
+        return cls(num_experts=num_experts, top_k=c["num_experts_per_tok"],
+                   moe_intermediate_size=c["moe_intermediate_size"],
+                   norm_topk_prob=bool(c.get("norm_topk_prob", False)), sparse_layers=sparse)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoeConfig):
+        super().__init__()
+        e, inter = moe.num_experts, moe.moe_intermediate_size
+        self.inter = inter
+        self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
+        self.gate = Linear(hidden_size, e)  # the router: one logit per expert
+        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * inter, hidden_size), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(e, hidden_size, inter), requires_grad=False)
+        self._loaded: set[tuple[int, str]] = set()
+
+    def int8_input(self, rows: int, device: torch.device) -> dict:
+        """No quantized one-row GEMV reads this block's input (see `MLP.int8_input`)."""
+        return {}
+
+    def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
+        weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
+        return fused_moe_ref(x, self.w_gate_up, self.w_down, weights, expert_ids)
+
+    def load_expert(self, expert: int, proj: str, tensor, dtype: torch.dtype,
+                    device: torch.device) -> None:
+        """One expert's HF `gate_proj` / `up_proj` / `down_proj` weight, into the stacks."""
+        if not 0 <= expert < self.w_gate_up.shape[0]:
+            raise ValueError(f"expert {expert} is out of range: the config has "
+                             f"{self.w_gate_up.shape[0]} experts")
+        if self.w_gate_up.is_meta:
+            self.w_gate_up, self.w_down = (
+                nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+                for p in (self.w_gate_up, self.w_down))
+        rows = {"gate_proj": slice(0, self.inter), "up_proj": slice(self.inter, None)}
+        target = self.w_down[expert] if proj == "down_proj" else self.w_gate_up[expert, rows[proj]]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(target.shape)}")
+        target.copy_(tensor)
+        self._loaded.add((expert, proj))
+
+    def finalize(self) -> None:
+        """Checks that every expert's three weights arrived."""
+        expected = 3 * self.w_gate_up.shape[0]
+        if len(self._loaded) != expected:
+            raise KeyError(f"checkpoint has {len(self._loaded)} of the {expected} expert weights "
+                           "of a mixture-of-experts layer")
+        self._loaded = set()
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: LlamaConfig, moe: MoeConfig, bias: bool = False):
+        super().__init__(cfg, bias)
+        self.moe_cfg = moe
+        for i in moe.sparse_layers:
+            self.layers[i].mlp = SparseMoeBlock(cfg.hidden_size, moe)
+
+    def load_weights(self, weights, dtype: torch.dtype | None = None,
+                     device: torch.device | str = "cpu", quantize: str | None = None) -> None:
+        """`LlamaForCausalLM.load_weights`, with the experts' weights stacked per layer."""
+        if quantize:
+            raise ValueError(f"--quantization {quantize}: mixture-of-experts models load dense "
+                             "for now")
+        dtype, device = dtype or self.embed_tokens.weight.dtype, torch.device(device)
+        super().load_weights(self._take_experts(weights, dtype, device), dtype, device)
+        for i in self.moe_cfg.sparse_layers:
+            self.layers[i].mlp.finalize()
+
+    def weight_types(self) -> list[str]:
+        experts = {kernels.weight_kind(self.layers[i].mlp.w_gate_up)
+                   for i in self.moe_cfg.sparse_layers}
+        return sorted(set(super().weight_types()) | experts)
+
+    def _take_experts(self, weights, dtype: torch.dtype, device: torch.device):
+        """Loads the expert tensors as they stream by; yields every other tensor."""
+        for name, tensor in weights:
+            match = _EXPERT_WEIGHT.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            layer, expert, proj = int(match[1]), int(match[2]), match[3]
+            if layer not in self.moe_cfg.sparse_layers:
+                raise KeyError(f"unexpected weight {name!r}: layer {layer} is dense")
+            self.layers[layer].mlp.load_expert(expert, proj, tensor, dtype, device)

@@ -1,0 +1,223 @@
+"""Qwen3-MoE against HF transformers (tiny random models, fp32, CPU): the routing and expert
+reference against transformers' sparse block, greedy output token for token, batching and
+chunked prefill against requests run alone."""
+import pytest
+import torch
+
+from conftest import build_tokenizer, engine_kwargs
+from luceio import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+CONFIGS = {
+    # 4 experts top-2, renormalised; GQA 2, head_dim 32 != hidden / heads; tied embeddings
+    "e4k2": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                 tie_word_embeddings=True),
+    # 6 experts top-3, not renormalised; layer 1 dense; GQA 3, odd widths; untied
+    "e6k3": dict(hidden_size=48, intermediate_size=72, moe_intermediate_size=40,
+                 num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                 num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+                 tie_word_embeddings=False),
+}
+
+
+def _hf_config(name: str, **over):
+    from transformers import Qwen3MoeConfig
+    kw = dict(vocab_size=384, max_position_embeddings=512, rope_theta=10000.0,
+              initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return Qwen3MoeConfig(**{**kw, **CONFIGS[name], **over})
+
+
+def _randomise(model) -> None:
+    """Norm weights away from 1 and a router with clear preferences, so both matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    from transformers import Qwen3MoeForCausalLM
+    paths = {}
+    for seed, name in enumerate(CONFIGS):
+        folder = str(tmp_path_factory.mktemp(name))
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(_hf_config(name)).float()
+        _randomise(model)
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(folder)
+        build_tokenizer(folder)
+        paths[name] = folder
+    return paths
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (int(torch.randint(1, 40, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_reference_matches_transformers_sparse_block(norm_topk_prob):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from luceio.kernels.moe import fused_moe_ref, route_topk_ref
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(_hf_config("e6k3", norm_topk_prob=norm_topk_prob))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.5)
+    x = torch.randn(1, 37, 48)
+    weights, expert_ids = route_topk_ref(x[0] @ block.gate.weight.T, 3, norm_topk_prob)
+    got = fused_moe_ref(x[0], block.experts.gate_up_proj, block.experts.down_proj, weights,
+                        expert_ids)
+    torch.testing.assert_close(got, block(x)[0], rtol=1e-5, atol=1e-5)
+    assert len(set(expert_ids.flatten().tolist())) == 6  # every expert ran on some token
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_transformers(moe_models, name):
+    from transformers import AutoModelForCausalLM
+    path = moe_models[name]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, **engine_kwargs())
+    layers = llm.engine.runner.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == \
+        [type(layer.mlp).__name__.removeprefix("Qwen3Moe") for layer in hf.model.layers]
+    prompts = _prompts(3, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, logprobs=1, **GREEDY))
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                          return_dict_in_generate=True, output_logits=True)
+        tokens = ref.sequences[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == tokens
+        # the logits too: a routing slip that leaves the argmax alone shows here
+        for step, (token, logprobs) in enumerate(zip(tokens, o.outputs[0].logprobs)):
+            expected = torch.log_softmax(ref.logits[step][0], -1)[token].item()
+            assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_batched_and_chunked_prefill_equal_alone(moe_models):
+    path = moe_models["e6k3"]
+    prompts = _prompts(5, seed=2)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    llm = LLM(path, **engine_kwargs())
+    alone = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
+             for p in prompts]
+    for kw in ({}, {"max_num_batched_tokens": 16}):  # the second chunks the prefills
+        batched = LLM(path, **engine_kwargs(**kw)).generate(
+            [{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in batched] == alone
+
+
+def test_refuses_what_it_does_not_run(moe_models, tmp_path):
+    import json
+    import shutil
+    with pytest.raises(ValueError, match="mixture-of-experts models load dense"):
+        LLM(moe_models["e4k2"], **engine_kwargs(quantization="int8"))
+    folder = shutil.copytree(moe_models["e4k2"], tmp_path / "gelu")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        LLM(str(folder), **engine_kwargs())
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF per-expert tensors -> `...mlp.experts.gate_proj.weight` [num_experts, ...] stacks,
+    as llama.cpp's converter stacks them before naming."""
+    import re
+    out, stacks = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+\.weight)", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            stacks.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def _write_gguf(folder: str, path: str, quant=None) -> None:
+    """The HF checkpoint in F32 under the names of gguf's own tensor map (qwen3moe; qwen3's for
+    a dense layer's MLP, which llama.cpp's qwen3moe has no name for). `quant`: a
+    GGMLQuantizationType for the gate/up expert stacks."""
+    import json
+    import os
+
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    layers = c["num_hidden_layers"]
+    maps = [gguf.get_tensor_name_map(arch, layers)
+            for arch in (gguf.MODEL_ARCH.QWEN3MOE, gguf.MODEL_ARCH.QWEN3)]
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_block_count(layers)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["num_local_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_weights_norm(c["norm_topk_prob"])
+    for name, tensor in _stack_experts(load_file(os.path.join(folder, "model.safetensors"))).items():
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = f"{maps[0].get_name(base) or maps[1].get_name(base)}.{suffix}"
+        if quant is not None and gguf_name.split(".")[-2] in ("ffn_gate_exps", "ffn_up_exps"):
+            writer.add_tensor(gguf_name, quantize(tensor.numpy(), quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gguf_round_trip_equals_safetensors(moe_models, tmp_path, name):
+    pytest.importorskip("gguf")
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(moe_models[name], path)
+    prompts = _prompts(3, seed=3)
+    params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
+    outs = [LLM(p, **engine_kwargs()).generate([{"prompt_token_ids": t} for t in prompts], params)
+            for p in (moe_models[name], path)]
+    for hf_out, gguf_out in zip(*outs):
+        assert gguf_out.outputs[0].token_ids == hf_out.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in gguf_out.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in hf_out.outputs[0].logprobs]
+
+
+def test_gguf_quantized_experts_are_dequantized_at_load(moe_models, tmp_path):
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+
+    from luceio.loader import load_checkpoint
+    folder, path = moe_models["e4k2"], str(tmp_path / "q8.gguf")
+    _write_gguf(folder, path, quant=gguf.GGMLQuantizationType.Q8_0)
+    expected = load_file(f"{folder}/model.safetensors")
+    weights = dict(load_checkpoint(path).weights(keep_quantized=True))
+    assert weights.keys() == expected.keys()
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    oracle = dequantize(quantize(expected[name].numpy(), q8), q8)
+    assert torch.equal(weights[name], torch.from_numpy(oracle))
+    assert not torch.equal(weights[name], expected[name])  # it was quantized, not passed through
+    model = LLM(path, **engine_kwargs()).engine.runner.model
+    assert model.weight_types() == ["float32"]
+    block = model.layers[1].mlp
+    assert torch.equal(block.w_gate_up[3, CONFIGS["e4k2"]["moe_intermediate_size"]:], torch.from_numpy(oracle))
