@@ -280,6 +280,7 @@ class AsyncEngine:
         self._run_commands(commands, items)
         self.engine.abort_request(list(self.engine.states))
         items += self._route(self.engine.finish_step(None, None))
+        self.engine.close()
         _fan_out([(s, item) for s, item in items if not s.loop.is_closed()])
 
     async def shutdown(self) -> None:

@@ -80,6 +80,21 @@ class EngineArgs(CliArgs):
     dtype: str = _opt("auto", "weights and activations: auto (bf16 on GPU, fp32 on CPU), "
                       "float32, float16, bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
     device: str = _opt("auto", "auto (the GPU when torch sees one, else cpu), cpu, cuda, cuda:N")
+    devices: str | None = _opt(None, "pipeline stages: comma-separated devices, one stage and "
+                               "one process each, in layer order (cuda:0,cpu; cpu,cpu); the "
+                               "first runs the engine. Eager only; no swap preemption, bounded "
+                               "residency, tree or draft-model speculation, speculative "
+                               "prefill. Default: one stage on --device")
+    layer_split: str = _opt("auto", "decoder layers per stage with --devices: auto (as even as "
+                            "possible, the later stages taking the remainder) or N1,N2,... "
+                            "(one positive count per stage, summing to the model's layers)")
+    dist_init: str | None = _opt(None, "torch.distributed rendezvous of the stages, "
+                                 "tcp://HOST:PORT; default a free localhost port chosen by the "
+                                 "first process")
+    stage_transport: str = _opt("auto", "how hidden states cross a stage boundary: auto (Gloo "
+                                "through host memory; a boundary between two CUDA devices, "
+                                "which would take NCCL, is refused for now) or host (Gloo "
+                                "through host memory everywhere)", choices=["auto", "host"])
     quantization: str = _opt("auto", "weights: auto (a GGUF keeps its 4/5/6/8-bit types, "
                              "read by luceio's quantized kernels; safetensors stay as stored), "
                              "none (dequantize a GGUF at load), int8 / int4 (quantize a 16-bit "
@@ -159,6 +174,8 @@ class EngineArgs(CliArgs):
         return device.type != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     def resolved_device(self) -> torch.device:
+        if self.devices:  # the engine's process runs the first stage
+            return torch.device(self.devices.split(",")[0].strip())
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

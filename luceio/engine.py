@@ -73,22 +73,17 @@ class LLMEngine:
             tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config,
                                   ckpt.config)
         self.tokenizer = tokenizer
-        # the draft model loads first, so the target's KV cache is sized around its weights
-        draft = build_model(load_checkpoint(_resolve(args.draft_model)), dtype, device,
-                            args.quantization) \
-            if args.draft_model else None
-        self.runner = ModelRunner(ckpt, dtype, device, args.cache_config(),
-                                  self._max_len_hint(ckpt, model, args), model=model,
-                                  enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-                                  quantization=args.quantization,
-                                  fit_context=args.max_model_len is None,
-                                  max_spec_tokens=args.num_speculative_tokens
-                                  if args.speculative_method else 0,
-                                  tree_rows=args.spec_tree_budget + 1
-                                  if args.speculative_method and args.spec_tree_budget else 0,
-                                  extra_bytes_per_block=kv_bytes_per_block(
-                                      draft.cfg, args.block_size, dtype)
-                                  if draft is not None and args.speculative_method == "draft" else 0)
+        self.stages = _start_stages(args, ckpt, model)
+        try:
+            # the draft model loads first, so the target's KV cache is sized around its weights
+            draft = build_model(load_checkpoint(_resolve(args.draft_model)), dtype, device,
+                                args.quantization) \
+                if args.draft_model else None
+            self.runner = self._make_runner(args, ckpt, model, dtype, device, draft)
+        except BaseException:
+            if self.stages is not None:
+                self.stages.close()
+            raise
         self.max_model_len = self.runner.max_model_len
         self._weight_bytes = self.runner.model.weight_bytes() + \
             (draft.weight_bytes() if draft is not None else 0)
@@ -118,6 +113,22 @@ class LLMEngine:
         logger.info("%s", self.memory_stats())
         logger.info("weights stored as %s", ", ".join(self.runner.model.weight_types()))
 
+    def _make_runner(self, args: EngineArgs, ckpt, model, dtype, device,
+                     draft) -> ModelRunner:
+        return ModelRunner(ckpt, dtype, device, args.cache_config(),
+                           self._max_len_hint(ckpt, model, args), model=model,
+                           enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                           quantization=args.quantization,
+                           fit_context=args.max_model_len is None,
+                           max_spec_tokens=args.num_speculative_tokens
+                           if args.speculative_method else 0,
+                           tree_rows=args.spec_tree_budget + 1
+                           if args.speculative_method and args.spec_tree_budget else 0,
+                           extra_bytes_per_block=kv_bytes_per_block(
+                               draft.cfg, args.block_size, dtype)
+                           if draft is not None and args.speculative_method == "draft" else 0,
+                           stages=self.stages)
+
     def memory_stats(self) -> MemoryStats:
         """What the weights and the KV pool take, and the context the pool serves."""
         return MemoryStats(str(self.runner.device), self._weight_bytes,
@@ -132,6 +143,11 @@ class LLMEngine:
         """A snapshot of the queues, the KV pool and the counters (`engine_info.EngineStats`);
         safe to take from another thread while this engine steps."""
         return engine_stats(self)
+
+    def close(self) -> None:
+        """Ends the pipeline stages' processes, if any; the engine cannot step after it."""
+        if self.stages is not None:
+            self.stages.close()
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raises ValueError for a request this engine could never run."""
@@ -415,6 +431,19 @@ class LLMEngine:
             self._pending_outputs.append(out)
         if state.finished:
             self.states.pop(state.request_id, None)
+
+
+def _start_stages(args: EngineArgs, ckpt, model):
+    """The pipeline stages of a `--devices` run (`stages/`), started; None for one device."""
+    from .stages import StageGroup, plan_stages
+    plan = plan_stages(args, ckpt.config["num_hidden_layers"] if ckpt is not None
+                       else model.cfg.num_layers)
+    if plan is None:
+        return None
+    if ckpt is None:
+        raise ValueError("pipeline stages load the checkpoint in every stage: pass the model "
+                         "path, not a model object")
+    return StageGroup(plan, args, _resolve(args.model))
 
 
 def _resolve(model: str | None) -> str:

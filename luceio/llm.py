@@ -71,7 +71,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
-        """Drops the engine, so its weights and KV cache can be freed; the LLM is unusable after."""
+        """Drops the engine, so its weights and KV cache can be freed, and ends its pipeline
+        stages' processes; the LLM is unusable after."""
+        self.engine.close()
         del self.engine
 
 

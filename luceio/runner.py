@@ -84,10 +84,13 @@ class ModelRunner:
                  cache_config: CacheConfig, max_model_len: int, model=None,
                  enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0,
                  extra_bytes_per_block: int = 0, quantization: str = "auto",
-                 fit_context: bool = False, tree_rows: int = 0):
+                 fit_context: bool = False, tree_rows: int = 0, stages=None):
         """`max_model_len`: the context wanted; with `fit_context` (none was asked for) it
         shrinks to what a memory-sized KV pool holds. The context used: `self.max_model_len`.
-        `tree_rows`: rows of the largest tree-speculation step (its own CUDA graphs)."""
+        `tree_rows`: rows of the largest tree-speculation step (its own CUDA graphs).
+        `stages`: a `stages.StageGroup`: this runner holds stage 0's layers and their KV, and
+        every forward goes through the group (eager, no CPU decode path). Its pool is sized as
+        if it held every layer, and the other stages allocate as many blocks."""
         self.device, self.dtype = device, dtype
         self.model = model if model is not None else build_model(ckpt, dtype, device,
                                                                  quantization)
@@ -99,8 +102,13 @@ class ModelRunner:
                                                                fit_context)
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
-        self.kv_pool = _zeros_pool((self.cfg.num_layers, 2, *shape), dtype, device)
-        self.kv_caches = list(self.kv_pool)
+        self.stages = stages
+        end = stages.layer_range[1] if stages is not None else self.cfg.num_layers
+        self.kv_pool = _zeros_pool((end, 2, *shape), dtype, device)
+        # indexed by layer: the layers of later stages have no cache here
+        self.kv_caches = list(self.kv_pool) + [None] * (self.cfg.num_layers - end)
+        if stages is not None:
+            stages.connect(self.model, ckpt.config, self.num_blocks, self.block_size)
         self.staging = Staging(device)
         # host copies of KV blocks (bounded residency, swap preemption): the engine applies
         # each step's `KVMoves` here before its forward; pooled keys for the keys policy only
@@ -108,10 +116,10 @@ class ModelRunner:
             cache_config.resident_tokens) and cache_config.resident_policy == "keys")
         self.graphs = None
         self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) \
-            if device.type == "cpu" and CpuDecoder.supports(dtype) else None
+            if device.type == "cpu" and CpuDecoder.supports(dtype) and stages is None else None
         if device.type == "cpu":
             _return_freed_heap()
-        if device.type == "cuda" and not enforce_eager:
+        if device.type == "cuda" and not enforce_eager and stages is None:
             from . import kernels
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
@@ -319,6 +327,11 @@ class ModelRunner:
             with _prefill_rows(inp.prefill and self.device.type == "cpu"):
                 if self._cpu_decode(h, probe):
                     hidden = self.cpu_decoder(ids, pos, meta)
+                elif self.stages is not None:
+                    if probe is not None:
+                        raise ValueError("pipeline stages cannot run a per-layer probe")
+                    hidden = self.stages.forward(self.model, ids, pos, self.kv_caches, meta,
+                                                 inp.prefill)
                 else:
                     hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])

@@ -1,0 +1,122 @@
+"""Rank 0's side of pipeline stages: the engine's process runs the scheduler, sampler and
+tokenizer, stage 0's layers on `--devices`' first device, and this group, which spawns one
+process per further stage (`worker.py`) and joins them with torch.distributed on Gloo.
+
+Rules:
+- Startup: `StageGroup(plan, ...)` spawns the workers and joins the process group; once the
+  engine has sized its KV pool, `connect(num_blocks, ...)` broadcasts the plan (model identity,
+  layer split, pool size) and gathers every stage's answer; any refusal is a RuntimeError that
+  names the stage, after the workers have exited.
+- Steps: `forward` runs stage 0's layers, sends the step on (`wire.py`) and waits for the last
+  stage's final hidden states. Only one thread calls it at a time (the engine's execute).
+- Failure: a stage that dies or raises makes `forward` raise `StageError` (Gloo reports the
+  closed connection at once); the group is then broken and every later step raises too.
+- `close()` relays a shutdown through the stages, joins them (killing any that outlive
+  `JOIN_TIMEOUT_S`) and destroys the process group; it also runs when the group is collected or
+  the interpreter exits. One group per process at a time: it owns the default process group."""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .model import keep_layers
+from .plan import StagePlan, model_identity
+from .wire import StepMessage, recv_final, send_shutdown, send_step
+from .worker import OP_TIMEOUT, WorkerSpec, run_worker
+
+logger = logging.getLogger("luceio")
+
+JOIN_TIMEOUT_S = 10
+
+
+class StageError(RuntimeError):
+    """A pipeline stage failed; the engine cannot step any more."""
+
+
+class StageGroup:
+    def __init__(self, plan: StagePlan, args, model_path: str):
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a torch.distributed process group: "
+                               "close the other staged engine first")
+        self.plan = plan
+        ctx = mp.get_context("spawn")  # a forked child would inherit torch's threads mid-state
+        self.procs = [ctx.Process(target=run_worker, args=(WorkerSpec(args, model_path, rank, plan),),
+                                  daemon=True, name=f"luceio-stage-{rank}")
+                      for rank in range(1, plan.num_stages)]
+        for p in self.procs:
+            p.start()
+        self._finalizer = weakref.finalize(self, _shut_down, self.procs, True)
+        try:
+            dist.init_process_group("gloo", init_method=plan.dist_init, rank=0,
+                                    world_size=plan.num_stages, timeout=OP_TIMEOUT)
+        except BaseException:
+            self._finalizer.detach()
+            _shut_down(self.procs, False)
+            raise
+        self.broken: str | None = None
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        return self.plan.layer_ranges[0]
+
+    def connect(self, model, config: dict, num_blocks: int, block_size: int) -> None:
+        """The handshake; then frees stage 0's copy of the other stages' layers."""
+        dist.broadcast_object_list([{"identity": model_identity(config),
+                                     "layer_ranges": self.plan.layer_ranges,
+                                     "num_blocks": num_blocks, "block_size": block_size}], src=0)
+        statuses = [None] * self.plan.num_stages
+        dist.all_gather_object(statuses, None)
+        errors = [s for s in statuses if s is not None]
+        if errors:
+            self.broken = "the stages refused the plan"
+            self.close()
+            raise RuntimeError("pipeline stages refused the plan: " + "; ".join(errors))
+        keep_layers(model, self.layer_range, 0)
+        logger.info("pipeline stages: %s", ", ".join(
+            f"layers {s}-{e - 1} on {d}" for d, (s, e) in zip(self.plan.devices,
+                                                            self.plan.layer_ranges)))
+
+    def forward(self, model, input_ids, positions, kv_caches, meta, prefill: bool) -> torch.Tensor:
+        """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device."""
+        if self.broken:
+            raise StageError(self.broken)
+        hidden = model(input_ids, positions, kv_caches, meta, layer_range=self.layer_range)
+        try:
+            send_step(1, StepMessage(positions, meta, hidden, prefill))
+            return recv_final(self.plan.num_stages - 1, positions.numel(), hidden[0].shape[-1],
+                              hidden[0].dtype, hidden[0].device)
+        except RuntimeError as e:
+            self.broken = self._failure(e)
+            raise StageError(self.broken) from e
+
+    def _failure(self, error: Exception) -> str:
+        for p in self.procs:
+            p.join(1)  # the dead one has usually exited by the time its connection closed
+        dead = [f"stage {rank} ({p.name}, pid {p.pid}) exited with code {p.exitcode}"
+                for rank, p in enumerate(self.procs, 1) if p.exitcode is not None]
+        return "pipeline stage failed: " + ("; ".join(dead) if dead else str(error))
+
+    def close(self) -> None:
+        if self._finalizer.detach() is not None:  # only the first close ends the stages
+            _shut_down(self.procs, self.broken is None)
+
+
+def _shut_down(procs: list, healthy: bool) -> None:
+    """Ends the stages: a relayed shutdown message when the pipeline still works, else (or when
+    they do not exit in time) a kill; then the process group goes."""
+    if healthy and dist.is_initialized() and any(p.is_alive() for p in procs):
+        try:
+            send_shutdown(1)
+        except RuntimeError:
+            pass  # a stage died meanwhile: the kill below ends the others
+    for p in procs:
+        p.join(JOIN_TIMEOUT_S if healthy else 0)
+        if p.is_alive():
+            p.kill()
+            p.join(JOIN_TIMEOUT_S)
+    if dist.is_initialized():
+        dist.destroy_process_group()

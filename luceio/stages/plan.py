@@ -1,0 +1,111 @@
+"""Stage plans: which decoder layers run on which device, checked before any process starts.
+
+Pure logic (no tensors, no processes): `--devices` and `--layer-split` become one `StagePlan`,
+and every combination a staged run does not support is refused here with a ValueError that
+names the flag, so nothing is done wrong later."""
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    devices: tuple[str, ...]  # one per stage, rank order
+    layer_ranges: tuple[tuple[int, int], ...]  # [start, end) of each stage's decoder layers
+    dist_init: str  # torch.distributed init method, tcp://HOST:PORT
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.devices)
+
+
+def parse_devices(devices: str) -> tuple[str, ...]:
+    """`cuda:0,cpu` -> ("cuda:0", "cpu"); each entry must be a device torch knows."""
+    names = tuple(d.strip() for d in devices.split(","))
+    for d in names:
+        try:
+            torch.device(d)
+        except RuntimeError:
+            raise ValueError(f"--devices {devices!r}: {d!r} is not a device "
+                             "(cpu, cuda, cuda:N)") from None
+    return names
+
+
+def layer_ranges(split: str, num_stages: int, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """`auto`: layers as even as possible, the later stages taking one more each where they do
+    not divide (the first stage also samples); `N1,N2,...`: one positive count per stage,
+    summing to the model's layers."""
+    if split == "auto":
+        if num_layers < num_stages:
+            raise ValueError(f"--layer-split auto: {num_stages} stages need at least as many "
+                             f"layers; the model has {num_layers}")
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (i >= num_stages - extra) for i in range(num_stages)]
+    else:
+        try:
+            counts = [int(n) for n in split.split(",")]
+        except ValueError:
+            raise ValueError(f"--layer-split {split!r}: give auto or comma-separated layer "
+                             "counts, one per stage (e.g. 12,12)") from None
+        if len(counts) != num_stages:
+            raise ValueError(f"--layer-split {split!r} has {len(counts)} counts for "
+                             f"{num_stages} stages (--devices)")
+        if any(n <= 0 for n in counts):
+            raise ValueError(f"--layer-split {split!r}: every stage needs at least one layer")
+        if sum(counts) != num_layers:
+            raise ValueError(f"--layer-split {split!r} sums to {sum(counts)} layers; the model "
+                             f"has {num_layers}")
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return tuple((s, s + n) for s, n in zip(starts, counts))
+
+
+def plan_stages(args, num_layers: int) -> StagePlan | None:
+    """The stage plan of `args` (an EngineArgs), or None for a one-device run."""
+    if args.devices is None:
+        if args.layer_split != "auto":
+            raise ValueError("--layer-split needs --devices (one device per stage)")
+        return None
+    devices = parse_devices(args.devices)
+    if args.device != "auto" and torch.device(args.device) != torch.device(devices[0]):
+        raise ValueError(f"--device {args.device} and --devices {args.devices}: the first "
+                         "stage's device is the engine's; give one of the two")
+    if len(devices) == 1:
+        if args.layer_split != "auto":
+            raise ValueError("--layer-split needs at least two --devices")
+        return None
+    _refuse_unsupported(args)
+    if args.stage_transport == "auto" and any(
+            torch.device(a).type == "cuda" and torch.device(b).type == "cuda"
+            for a, b in zip(devices, devices[1:])):
+        # NCCL boundaries are not built yet; the host path works between any two devices
+        raise ValueError(f"--devices {args.devices}: a boundary between two CUDA stages would "
+                         "use NCCL, which stages do not support yet; pass --stage-transport host")
+    return StagePlan(devices, layer_ranges(args.layer_split, len(devices), num_layers),
+                     args.dist_init or f"tcp://127.0.0.1:{free_port()}")
+
+
+def _refuse_unsupported(args) -> None:
+    refused = {"--preemption-mode swap": args.preemption_mode == "swap",
+               "--kv-resident-tokens": bool(args.kv_resident_tokens),
+               "--spec-tree-budget": bool(args.speculative_method and args.spec_tree_budget),
+               "--speculative-method draft": args.speculative_method == "draft",
+               "--spec-prefill-keep": args.spec_prefill_keep is not None}
+    named = [flag for flag, on in refused.items() if on]
+    if named:
+        raise ValueError(f"pipeline stages (--devices) do not support {', '.join(named)} yet")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_identity(config: dict) -> str:
+    """A digest of a checkpoint's config: every stage must load the same model."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()

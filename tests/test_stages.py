@@ -1,0 +1,152 @@
+"""Pipeline stages on torch.distributed (Gloo, CPU + CPU): a model cut into layer ranges run by
+separate processes gives the same greedy tokens as one process, under chunked prefill,
+preemption, aborts and n-gram speculation; bad splits and unsupported combinations are refused
+before any process starts; a stage that dies fails the step at once, with its exit code."""
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from conftest import engine_kwargs, make_tiny_model
+from luceio import LLM, SamplingParams
+from luceio.stages import StageError, layer_ranges
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def stage_kwargs(devices, **over):
+    kw = engine_kwargs(cpu_threads=1, **over)
+    kw.pop("device")
+    return dict(kw, devices=devices)
+
+
+def prompts(n):
+    """Repeated spans (the n-gram proposer finds matches), long enough to be chunked."""
+    out = []
+    for i in range(n):
+        span = [(7 * i + j) % 300 + 3 for j in range(3 + i % 5)]
+        out.append((span * 30)[: 20 + 13 * i])
+    return out
+
+
+def run_with_abort(llm, prompts, params, abort_step=4):
+    """{index: (token ids, finish reason)}, request 1 aborted after `abort_step` steps."""
+    eng = llm.engine
+    ids = [eng.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    last, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            last[out.request_id] = out
+        steps += 1
+        if steps == abort_step:
+            eng.abort_request(ids[1])
+    return {i: (list(last[r].outputs[0].token_ids), last[r].outputs[0].finish_reason)
+            for i, r in enumerate(ids) if r in last}
+
+
+def no_stage_left():
+    return not multiprocessing.active_children() and not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("stages") / "m"), "llama", num_layers=3)
+
+
+@pytest.mark.parametrize("sched", [
+    {"max_num_batched_tokens": 32},  # chunked prefill mixed with decodes
+    {"max_num_batched_tokens": 32, "num_kv_blocks": 12},  # and preemption by recompute
+], ids=["chunked", "chunked+preempt"])
+def test_two_stages_equal_one_process(tiny_llama, sched):
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    batch = prompts(6)
+    expected = run_with_abort(LLM(tiny_llama, **engine_kwargs(**sched)), batch, params)
+    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1", **sched))
+    try:
+        assert run_with_abort(llm, batch, params) == expected
+        assert expected[1][1] == "abort" and len(expected[1][0]) < 20
+        eng = llm.engine
+        assert eng.counters["steps"] > 20
+        if "num_kv_blocks" in sched:
+            assert eng.scheduler.num_preemptions > 0
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        # stage 0 keeps layer 0's weights and KV only
+        assert len(eng.runner.kv_pool) == 1 and not list(eng.runner.model.layers[1].parameters())
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
+def test_three_stages_relay_and_speculate(three_layers):
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    batch = prompts(5)
+    ref = LLM(three_layers, **engine_kwargs())
+    expected = [o.outputs[0].token_ids for o in ref.generate(batch, params, use_tqdm=False)]
+    llm = LLM(three_layers, **stage_kwargs("cpu,cpu,cpu", max_num_batched_tokens=40,
+                                           speculative_method="ngram", num_speculative_tokens=3))
+    try:
+        assert [r for r in llm.engine.stages.plan.layer_ranges] == [(0, 1), (1, 2), (2, 3)]
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        assert got == expected
+        assert llm.engine.spec.stats.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
+def test_a_killed_stage_fails_the_step_at_once(tiny_llama):
+    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu"))
+    try:
+        params = SamplingParams(max_tokens=8, **GREEDY)
+        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
+        worker = llm.engine.stages.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        start = time.monotonic()
+        with pytest.raises(StageError, match="stage 1 .* exited with code -9"):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        with pytest.raises(StageError):  # broken for good: no silent output from stage 0 alone
+            llm.engine.runner.stages.forward(None, None, None, None, None, False)
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
+@pytest.mark.parametrize("split, message", [
+    ("1", "has 1 counts for 2 stages"),
+    ("2,1", "sums to 3 layers; the model has 2"),
+    ("0,2", "at least one layer"),
+    ("one,one", "comma-separated layer counts"),
+])
+def test_a_bad_layer_split_is_refused_before_any_stage_starts(tiny_llama, split, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split=split))
+    assert no_stage_left()
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"devices": None, "layer_split": "1,1"}, "--layer-split needs --devices"),
+    ({"devices": "cpu,gpu"}, "'gpu' is not a device"),
+    ({"preemption_mode": "swap"}, "do not support --preemption-mode swap"),
+    ({"kv_resident_tokens": 64}, "do not support --kv-resident-tokens"),
+    ({"speculative_method": "draft", "draft_model": "x"}, "--speculative-method draft"),
+    ({"devices": "cuda:0,cuda:1"}, "pass --stage-transport host"),
+])
+def test_unsupported_combinations_are_refused(tiny_llama, over, message):
+    kw = stage_kwargs("cpu,cpu")
+    kw.update(over)
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama, **kw)
+    assert no_stage_left()
+
+
+def test_auto_split_gives_the_remainder_to_later_stages():
+    assert layer_ranges("auto", 3, 8) == ((0, 2), (2, 5), (5, 8))
+    assert layer_ranges("auto", 2, 2) == ((0, 1), (1, 2))
+    assert layer_ranges("3,5", 2, 8) == ((0, 3), (3, 8))
+    with pytest.raises(ValueError, match="at least as many"):
+        layer_ranges("auto", 3, 2)
