@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
+from .segment_encoder import SegmentEncoder
+
+_SEGMENTED = 4096  # characters from which an encoding goes piece by piece (`segment_encoder`)
+
 
 def _token_str(tok) -> str | None:
     if isinstance(tok, dict):
@@ -25,6 +29,8 @@ class Tokenizer:
             self._hf = None
         else:
             self._hf, self._sp = backend, None
+        # long prompts encoded piece by piece between added tokens, pieces kept (agent turns)
+        self._segments = SegmentEncoder.for_backend(backend) if self._hf is not None else None
         self.special_tokens = {k: _token_str(tokenizer_config.get(k)) for k in
                                ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.add_bos = bool(tokenizer_config.get("add_bos_token", self._sp is not None))
@@ -73,6 +79,8 @@ class Tokenizer:
 
     # encode / decode ---------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._segments is not None and not add_special_tokens and len(text) >= _SEGMENTED:
+            return self._segments.encode(text)
         if self._hf is not None:
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._sp.encode(text)

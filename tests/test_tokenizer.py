@@ -76,3 +76,70 @@ def test_raise_exception_in_template(tok):
 
 def test_eos_from_tokenizer_config(tok):
     assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>")}
+
+
+def _mixed_texts(rng, added: list[str], n: int) -> list[str]:
+    """Long texts of code, prose and whitespace runs with added tokens anywhere, glued to words,
+    doubled, at either end."""
+    import argparse
+    import inspect
+    source = inspect.getsource(argparse)
+    words = ["\n", "  ", "\t", " x", "é", "́", "日本", "🦊", "\r\n", "123", "'s"]
+    out = []
+    for _ in range(n):
+        parts = []
+        while sum(map(len, parts)) < 6000:
+            start = rng.randrange(len(source) - 800)
+            parts.append(source[start:start + rng.randrange(1, 800)])
+            parts.append(rng.choice(added + words))
+        out.append("".join(parts))
+    return out
+
+
+def test_segment_encoder_equals_whole_text_encoding(qwen_coder_tokenizer):
+    """Long prompts encoded piece by piece between added tokens, pieces kept across calls,
+    give the tokenizer's own encoding of the whole text, id for id (the real Qwen2.5-Coder
+    tokenizer); the second encoding of a text reuses every long piece."""
+    import random
+    tok = qwen_coder_tokenizer
+    seg = tok._segments
+    assert seg is not None
+    added = list(seg._added)
+    rng = random.Random(7)
+    for text in _mixed_texts(rng, added, 12):
+        want = tok._hf.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text, add_special_tokens=False) == want
+        kept = len(seg._pieces)
+        assert tok.encode(text, add_special_tokens=False) == want
+        assert len(seg._pieces) == kept  # nothing new to encode the second time
+    turn = tok.apply_chat_template([{"role": "system", "content": "x " * 4000},
+                                    {"role": "user", "content": "hi"}])
+    assert tok.encode(turn, add_special_tokens=False) == \
+        tok._hf.encode(turn, add_special_tokens=False).ids
+
+
+def test_segment_encoder_refuses_position_dependent_tokenizers():
+    """A SentencePiece-style tokenizer (Metaspace prepends a space to the first piece only)
+    encodes pieces differently from the whole text, and gets no segment encoder."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from luceio.segment_encoder import SegmentEncoder
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    hf.train_from_iterator(["hello world, hello there"] * 20,
+                           trainers.BpeTrainer(vocab_size=80, special_tokens=["<s>", "</s>"]))
+    text = "hello <s> world </s>there"
+    piecewise = SegmentEncoder(hf, {"<s>": hf.token_to_id("<s>"),
+                                    "</s>": hf.token_to_id("</s>")})._encode(text, keep=False)
+    assert piecewise != hf.encode(text, add_special_tokens=False).ids
+    assert SegmentEncoder.for_backend(hf) is None
+
+
+def test_segment_encoder_cache_is_bounded(qwen_coder_tokenizer):
+    from luceio.segment_encoder import SegmentEncoder
+    seg = SegmentEncoder.for_backend(qwen_coder_tokenizer._hf)
+    seg.max_chars = 3000
+    for i in range(10):
+        seg.encode(f"<|im_start|>{i} " + "y" * 1000 + "<|im_end|>")
+    assert seg._chars <= 3000 and len(seg._pieces) == 2

@@ -72,6 +72,13 @@ def _sse_event(ev: Event) -> str | dict:
     return ev if isinstance(ev, str) else dumps(ev)
 
 
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a worker thread: rendering a chat template and encoding a long
+    prompt take tens of milliseconds (the tokenizer lets go of the GIL meanwhile), which on the
+    event loop would hold up every stream's events."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 async def read_json(request: Request, limit: int) -> dict:
     # a cross-origin page may POST text/plain or a form without asking (no CORS preflight):
     # demanding JSON keeps such requests from starting generations on a local server

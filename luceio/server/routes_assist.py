@@ -32,7 +32,7 @@ from ..outputs import RequestOutput
 from .anthropic import (MessageStream, count_tokens_request, count_tokens_response,
                         messages_to_chat)
 from .chat import chat_prompt
-from .driver import generate, read_json
+from .driver import generate, off_loop, read_json
 from .fields import APIError, bad
 from .fim import missing_fim_tokens
 from .infill import InfillWire, parse_infill
@@ -152,7 +152,7 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
     async def messages(request: Request) -> Response:
         chat, warnings = messages_to_chat(await read_json(request, limit))
         asked = served_model(chat)
-        req = parse_chat(chat, ctx, fit_max_tokens=True)
+        req = await off_loop(parse_chat, chat, ctx, fit_max_tokens=True)
         req.warnings[:0] = warnings
         return await generate(request, state, req,
                               lambda builder, run: _AnthropicWire(builder, run, asked))
@@ -161,7 +161,7 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
     async def count_tokens(request: Request) -> Response:
         chat, warnings = count_tokens_request(await read_json(request, limit))
         served_model(chat)
-        prompt = chat_prompt(chat, ctx)
+        prompt = await off_loop(chat_prompt, chat, ctx)
         for warning in warnings + prompt.warnings:
             logger.warning("count_tokens: %s", warning)
         return JSONResponse(count_tokens_response(len(prompt.ids)))
@@ -170,7 +170,7 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
     async def responses(request: Request) -> Response:
         body = await read_json(request, limit)
         chat, warnings = responses_to_chat(body)
-        req = parse_chat(chat, ctx)
+        req = await off_loop(parse_chat, chat, ctx)
         req.warnings[:0] = warnings
         return await generate(request, state, req,
                               lambda builder, run: _ResponsesWire(builder, run, body, req.model))
@@ -183,7 +183,7 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
         if ctx.fim is None:
             raise bad(None, missing_fim_tokens(ctx.tokenizer) if ctx.tokenizer is not None
                       else "this model has no tokenizer, so it cannot fill in the middle")
-        ids = fill.prompt_token_ids(ctx.fim, ctx.tokenizer)
+        ids = await off_loop(fill.prompt_token_ids, ctx.fim, ctx.tokenizer)
         params = build_params(fill.sampling_kwargs(ctx.fim), ctx, ids, fill.max_tokens,
                               "input_prefix", "n_predict")
         req = ParsedRequest(False, f"infill-{uuid.uuid4().hex}", model,
