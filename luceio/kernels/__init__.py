@@ -12,12 +12,13 @@ import torch
 
 from .activation import silu_and_mul_ref
 from .attention import paged_attention_ref, write_kv_ref
+from .moe import fused_moe_ref
 from .norm import rms_norm_ref
 from .qkv_rope import qkv_rope_cache_ref
 from .rotary import build_cos_sin_cache, rotary_ref
 
 __all__ = ["rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
-           "build_cos_sin_cache", "use_triton"]
+           "fused_moe", "build_cos_sin_cache", "use_triton"]
 
 
 def _triton_available() -> bool:
@@ -62,6 +63,7 @@ rotary = _impl("rotary", rotary_ref)
 write_kv = _impl("write_kv", write_kv_ref)
 paged_attention = _impl("paged_attention", paged_attention_ref)
 qkv_rope_cache = _impl("qkv_rope_cache", qkv_rope_cache_ref)
+fused_moe = _impl("fused_moe", fused_moe_ref)
 
 
 # linear layers: dense or quantized weights -----------------------------------------------------

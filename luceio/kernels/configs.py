@@ -73,6 +73,14 @@ class KernelConfig:
     dequant_block_n: int = 16
     dequant_block_k: int = 256
     dequant_num_warps: int = 4
+    # mixture-of-experts grouped GEMMs (moe_triton.py): tiles of up to moe_block_m (token, expert)
+    # pairs of one expert (shorter when the experts' groups are: 16 for decode) by moe_block_n
+    # output columns. Only the default is set; no card has been measured yet
+    moe_block_m: int = 64
+    moe_block_n: int = 64
+    moe_block_k: int = 64
+    moe_num_warps: int = 4
+    moe_num_stages: int = 2
     source: str = NOT_MEASURED
 
 

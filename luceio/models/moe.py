@@ -6,7 +6,8 @@ Rules:
   and i is not in `mlp_only_layers`; the other layers keep the dense MLP of width
   `intermediate_size`. A sparse layer's experts have width `moe_intermediate_size`.
 - Routing and the experts' arithmetic are `kernels/moe.py`'s (top-k of an fp32 softmax,
-  `norm_topk_prob` renormalisation, tokens grouped by expert).
+  `norm_topk_prob` renormalisation, tokens grouped by expert); the experts run through the
+  `kernels.fused_moe` dispatcher (the grouped-GEMM Triton kernel on GPUs, the reference on CPU).
 - Weights arrive under the HF Hub's per-expert names (`mlp.experts.{e}.gate_proj.weight`, ...,
   and the router `mlp.gate.weight`) and are stacked per layer: `w_gate_up`
   [num_experts, 2 * inter, hidden] ([gate | up] rows), `w_down` [num_experts, hidden, inter].
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..kernels.moe import fused_moe_ref, route_topk_ref
+from ..kernels.moe import route_topk_ref
 from .linear import Linear
 from .llama import LlamaConfig, LlamaForCausalLM
 
@@ -69,7 +70,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
-        return fused_moe_ref(x, self.w_gate_up, self.w_down, weights, expert_ids)
+        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids)
 
     def load_expert(self, expert: int, proj: str, tensor, dtype: torch.dtype,
                     device: torch.device) -> None:
