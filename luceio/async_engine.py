@@ -14,7 +14,10 @@ loop or thread raises RuntimeError. A refused request (ValueError, QueueFullErro
 stream's first `__anext__`, before any output. A request id names one request at a time: reusing
 it while that request runs is refused; once it has finished the id is free again, and the old
 consumer's cleanup touches only its own request. A step that raises fails every request in flight
-with RuntimeError("engine step failed: ...") and is logged; the engine keeps serving.
+with RuntimeError("engine step failed: ...") and is logged; the engine keeps serving. Except an
+EngineDeadError (a pipeline stage died): that is terminal. The requests in flight fail with it,
+`failure` holds its message from then on, every later request is refused with it, and the
+engine never steps again; the server answers 503 and exits non-zero.
 
 `AsyncLLM` (also `AsyncLLMEngine`) is this engine under vLLM v1's names, whose `shutdown()` is
 synchronous; here `shutdown()` is a coroutine and `close()` its synchronous part."""
@@ -26,7 +29,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from .config import EngineArgs
-from .engine import LLMEngine
+from .engine import EngineDeadError, LLMEngine
 from .inputs import PromptType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -56,6 +59,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the engine
         self._loop_thread = ""
         self._closed = False
+        self._failure: str | None = None  # why the engine died (written by the engine thread)
         self._streams: set[_Stream] = set()  # open streams (loop thread)
         self._staged: list[tuple] = []  # commands sent in this loop iteration (loop thread)
         self._wakeup = threading.Condition()  # guards _inbox and _stopping
@@ -93,6 +97,11 @@ class AsyncEngine:
         return len(self._streams)
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine died (an EngineDeadError's message), or None while it can step."""
+        return self._failure
+
+    @property
     def closed(self) -> bool:
         """Shut down: new requests are refused."""
         return self._closed
@@ -106,6 +115,8 @@ class AsyncEngine:
         Leaving the iteration early aborts the request and frees its blocks. `on_admitted` is
         called on the loop once the engine has accepted the request (a refusal raises instead),
         which can be long before the first output: a long prompt's prefill lies between."""
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
         if self._closed:
             raise RuntimeError("the engine is shut down")
         self._check_loop()
@@ -177,7 +188,7 @@ class AsyncEngine:
         stalled = False
         while True:
             with self._wakeup:
-                while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
+                while not (self._inbox or self._stopping or self._can_step()):
                     self._wakeup.wait()
                 if stalled and not (self._inbox or self._stopping):
                     self._wakeup.wait(STALL_WAIT_S)
@@ -196,14 +207,23 @@ class AsyncEngine:
             if items:  # admissions and refusals reach their callers now, not after the step
                 self._deliver(items)
                 items = []
-            if not self.engine.has_unfinished_requests():
+            if not self._can_step():
                 return items, False
             steps = self.engine.counters["steps"]
             items += self._route(self.engine.step())
             return items, self.engine.counters["steps"] == steps
+        except EngineDeadError as e:
+            logger.error("the engine is dead, failing %d in-flight requests: %s",
+                         len(self._sinks), e)
+            self._failure = str(e)
+            return items + self._fail_all(EngineDeadError(self._failure)), False
         except Exception as e:  # a broken step fails its requests, not the server
             logger.exception("engine step failed; aborting in-flight requests")
-            return items + self._fail_all(e), False
+            return items + self._fail_all(RuntimeError(f"engine step failed: {e}")), False
+
+    def _can_step(self) -> bool:
+        # a dead engine's pipeline may still look busy (its failed step): it must not spin
+        return self._failure is None and self.engine.has_unfinished_requests()
 
     @staticmethod
     def _run_commands(commands: list[tuple], items: list) -> None:
@@ -213,6 +233,9 @@ class AsyncEngine:
 
     def _admit(self, items: list, stream: _Stream, request_id: str | None, prompt: dict,
                params: SamplingParams) -> None:
+        if self._failure is not None:  # sent before the loop learnt of the failure
+            items.append((stream, EngineDeadError(self._failure)))
+            return
         try:
             stream.request_id = self.engine.add_request(request_id, prompt, params)
         except Exception as e:  # refused: the caller gets it instead of a first output
@@ -240,8 +263,7 @@ class AsyncEngine:
                     del self._sinks[out.request_id]
         return items
 
-    def _fail_all(self, error: Exception) -> list:
-        failure = RuntimeError(f"engine step failed: {error}")
+    def _fail_all(self, failure: Exception) -> list:
         streams, self._sinks = list(self._sinks.values()), {}
         self.engine.abort_request(list(self.engine.states))
         self.engine.finish_step(None, None)  # drop the aborts' own outputs

@@ -89,8 +89,17 @@ class EngineArgs(CliArgs):
                             "possible, the later stages taking the remainder) or N1,N2,... "
                             "(one positive count per stage, summing to the model's layers)")
     dist_init: str | None = _opt(None, "torch.distributed rendezvous of the stages, "
-                                 "tcp://HOST:PORT; default a free localhost port chosen by the "
-                                 "first process")
+                                 "tcp://HOST:PORT, where the engine (rank 0) listens; default "
+                                 "a free localhost port chosen by the engine")
+    world_size: int | None = _opt(None, "pipeline stages on several machines: the number of "
+                                  "stages (--devices' entries). The engine (--rank 0) then "
+                                  "spawns none: start each other stage by hand with `luceio "
+                                  "stage` and the same flags but its --rank; needs --dist-init. "
+                                  "Default: the engine spawns the stages on its machine")
+    rank: int = _opt(0, "with --world-size: this process's stage, 0 for the engine "
+                     "(`luceio serve`, LLM), 1 to W-1 for `luceio stage`")
+    stage_join_timeout: int = _opt(300, "seconds every process waits for the others to join "
+                                   "--dist-init before it gives up")
     stage_transport: str = _opt("auto", "how hidden states cross a stage boundary: auto (Gloo "
                                 "through host memory; a boundary between two CUDA devices, "
                                 "which would take NCCL, is refused for now) or host (Gloo "

@@ -66,7 +66,7 @@ class LLMEngine:
         dtype = args.resolved_dtype(device)
         if device.type == "cpu":
             torch.set_num_threads(args.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
-        ckpt = load_checkpoint(_resolve(args.model)) if model is None else None
+        ckpt = load_checkpoint(model_path(args.model)) if model is None else None
         self.model_config = ckpt.config if ckpt else {}
         self.generation_config = ckpt.generation_config if ckpt else {}
         if tokenizer is None and ckpt is not None and ckpt.tokenizer is not None:
@@ -76,7 +76,7 @@ class LLMEngine:
         self.stages = _start_stages(args, ckpt, model)
         try:
             # the draft model loads first, so the target's KV cache is sized around its weights
-            draft = build_model(load_checkpoint(_resolve(args.draft_model)), dtype, device,
+            draft = build_model(load_checkpoint(model_path(args.draft_model)), dtype, device,
                                 args.quantization) \
                 if args.draft_model else None
             self.runner = self._make_runner(args, ckpt, model, dtype, device, draft)
@@ -440,13 +440,17 @@ def _start_stages(args: EngineArgs, ckpt, model):
                        else model.cfg.num_layers)
     if plan is None:
         return None
+    if args.rank != 0:
+        raise ValueError(f"--rank {args.rank} is a stage's, not the engine's (rank 0): start it "
+                         "with `luceio stage`")
     if ckpt is None:
         raise ValueError("pipeline stages load the checkpoint in every stage: pass the model "
                          "path, not a model object")
-    return StageGroup(plan, args, _resolve(args.model))
+    return StageGroup(plan, args, model_path(args.model))
 
 
-def _resolve(model: str | None) -> str:
+def model_path(model: str | None) -> str:
+    """A checkpoint folder or .gguf file: `model` itself when it exists, else its download."""
     if model is not None and os.path.exists(model):
         return model
     from .loader.resolve import resolve_model
@@ -455,3 +459,8 @@ def _resolve(model: str | None) -> str:
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than `max_queued_requests` allows."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more (a pipeline stage died): it stays failed until the
+    process restarts, so its users stop too (the server answers 503 and exits non-zero)."""

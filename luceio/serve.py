@@ -4,7 +4,10 @@ One process, one event loop (uvloop when it imports): uvicorn serves the Starlet
 `luceio.server.app.build_app` and the AsyncEngine steps on the same loop. SIGINT/SIGTERM run
 uvicorn's graceful shutdown: in-flight requests are aborted at once (streams send their final
 chunk and `[DONE]`), open connections drain, the lifespan shuts the engine down, and the process
-exits 0. Options: `python -m luceio.serve --help` (server flags from `ServerArgs`, engine flags
+exits 0. A dead engine (a pipeline stage died: `AsyncEngine.failure`) starts the same shutdown
+within a tick (0.1 s): the requests in flight get 503 (or an error event, once streaming) with
+the reason, and the process exits 1 with it on stderr, for a supervisor to restart it.
+Options: `python -m luceio.serve --help` (server flags from `ServerArgs`, engine flags
 from `EngineArgs`).
 
 Startup checks the options, binds the port, and only then loads the model; SIGINT/SIGTERM stop
@@ -72,6 +75,8 @@ def run(server_args: ServerArgs, engine_args: EngineArgs) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         server.run(sockets=[sock])
+    if engine.failure is not None:
+        return _fail(f"the engine died: {engine.failure}")
     return 0
 
 
@@ -167,6 +172,14 @@ class _Server(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop polls this every 0.1 s: the one way in to its own shutdown path
+        if self.state.engine.failure is not None and not self.should_exit:
+            logger.error("the engine died (%s): shutting down", self.state.engine.failure)
+            self.should_exit = True
+            await self.state.drain()
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:
         super().handle_exit(sig, frame)

@@ -359,3 +359,34 @@ def test_stream_starts_once_admitted_before_the_first_output(model, monkeypatch)
         return [json.loads(line[6:])["choices"][0]["text"] for line in raw.decode().splitlines()
                 if line.startswith("data: {")]
     assert texts(got) == texts(want) and len(texts(want)) >= 6
+
+
+def test_prompts_are_rendered_and_encoded_off_the_event_loop(tiny_llama, monkeypatch):
+    """Chat and completion prompts (template, tokenizer: tens of ms for a long prompt) are
+    parsed on a worker thread, not on the event loop that runs every stream."""
+    import threading
+
+    import luceio.server.app as app
+    seen = {"parse": [], "loop": []}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name].append(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapped
+
+    async def on_loop(*args, **kwargs):
+        seen["loop"].append(threading.get_ident())
+        return await generate(*args, **kwargs)
+    generate = app.generate
+    monkeypatch.setattr(app, "parse_chat", spy("parse", app.parse_chat))
+    monkeypatch.setattr(app, "parse_completion", spy("parse", app.parse_completion))
+    monkeypatch.setattr(app, "generate", on_loop)
+    with running(tiny_llama) as port:
+        base = f"http://127.0.0.1:{port}/v1"
+        for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/completions", {"prompt": "hello"})):
+            r = httpx.post(base + path, json={**body, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+    assert len(seen["parse"]) == 2 and len(seen["loop"]) == 2
+    assert not set(seen["parse"]) & set(seen["loop"])

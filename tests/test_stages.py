@@ -1,10 +1,14 @@
 """Pipeline stages on torch.distributed (Gloo, CPU + CPU): a model cut into layer ranges run by
 separate processes gives the same greedy tokens as one process, under chunked prefill,
 preemption, aborts and n-gram speculation; bad splits and unsupported combinations are refused
-before any process starts; a stage that dies fails the step at once, with its exit code."""
+before any process starts; a stage that dies fails the step at once, with its exit code; a
+stage started by hand (`luceio stage`, several machines; here 127.0.0.1) joins the engine's
+rendezvous, and an engine whose stages never come gives up after --stage-join-timeout."""
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +17,9 @@ import torch.distributed as dist
 from conftest import engine_kwargs, make_tiny_model
 from luceio import LLM, SamplingParams
 from luceio.stages import StageError, layer_ranges
+from luceio.stages.plan import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -135,6 +142,12 @@ def test_a_bad_layer_split_is_refused_before_any_stage_starts(tiny_llama, split,
     ({"kv_resident_tokens": 64}, "do not support --kv-resident-tokens"),
     ({"speculative_method": "draft", "draft_model": "x"}, "--speculative-method draft"),
     ({"devices": "cuda:0,cuda:1"}, "pass --stage-transport host"),
+    ({"world_size": 3, "dist_init": "tcp://127.0.0.1:1"}, "names 2 stages"),
+    ({"world_size": 2}, "--world-size needs --dist-init"),
+    ({"rank": 1}, "--rank needs --world-size"),
+    ({"world_size": 2, "rank": 2, "dist_init": "tcp://127.0.0.1:1"}, r"not in \[0, --world"),
+    ({"world_size": 2, "rank": 1, "dist_init": "tcp://127.0.0.1:1"}, "start it with `luceio stage`"),
+    ({"dist_init": "file:///tmp/x"}, "give tcp://HOST:PORT"),
 ])
 def test_unsupported_combinations_are_refused(tiny_llama, over, message):
     kw = stage_kwargs("cpu,cpu")
@@ -150,3 +163,52 @@ def test_auto_split_gives_the_remainder_to_later_stages():
     assert layer_ranges("3,5", 2, 8) == ((0, 3), (3, 8))
     with pytest.raises(ValueError, match="at least as many"):
         layer_ranges("auto", 3, 2)
+
+
+def start_stage(model: str, dist_init: str, *flags: str) -> subprocess.Popen:
+    """`luceio stage` as another machine would run it (here on 127.0.0.1)."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "luceio.cli", "stage", model,
+                             "--devices", "cpu,cpu", "--dist-init", dist_init,
+                             "--world-size", "2", "--rank", "1", "--dtype", "float32",
+                             "--cpu-threads", "1", *flags],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_stage_started_by_hand_joins_the_engine(tiny_llama):
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    batch = prompts(4)
+    ref = LLM(tiny_llama, **engine_kwargs())
+    expected = [o.outputs[0].token_ids for o in ref.generate(batch, params, use_tqdm=False)]
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    stage = start_stage(tiny_llama, dist_init)
+    try:
+        llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", dist_init=dist_init, world_size=2,
+                                             stage_join_timeout=60))
+        try:
+            assert llm.engine.stages.procs == []  # nothing spawned: it joined by itself
+            got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+            assert got == expected
+        finally:
+            llm.shutdown()
+        err = stage.communicate(timeout=30)[1]
+        assert stage.returncode == 0, err  # ended by the engine's shutdown message
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+            stage.wait(10)
+    assert no_stage_left()
+
+
+def test_stages_that_never_join_time_out_with_a_clear_error(tiny_llama):
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the 2 stages did not all join .* within 2 s"):
+        LLM(tiny_llama, **stage_kwargs("cpu,cpu", dist_init=dist_init, world_size=2,
+                                       stage_join_timeout=2))
+    assert time.monotonic() - start < 20
+    assert no_stage_left()
+    stage = start_stage(tiny_llama, dist_init, "--stage-join-timeout", "2")  # and no engine
+    err = stage.communicate(timeout=60)[1]
+    assert stage.returncode == 1 and "pipeline stage 1: the 2 stages did not all join" in err, err

@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from .anthropic import to_anthropic
 from .args import ServerArgs
-from .driver import generate, read_json
+from ..engine import EngineDeadError
+from .driver import generate, off_loop, read_json
 from .fim import FimFormat
 from .metrics import ServerMetrics
 from .openapi import openapi_schema
@@ -34,6 +35,7 @@ from .fields import APIError
 from .protocol import ModelContext, parse_chat, parse_completion
 from .reasoning import get_reasoning_parser
 from .routes_assist import assist_routes, is_anthropic
+from .run import engine_dead
 from .tool_parsers import get_tool_parser
 
 logger = logging.getLogger("luceio.server")
@@ -106,6 +108,8 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
                 return await fn(request)
             except APIError as e:
                 return state.error(e, path)
+            except EngineDeadError as e:  # after the first outputs (`Run` maps it before)
+                return state.error(engine_dead(str(e)), path)
             except ClientDisconnect:
                 return Response(status_code=499)
             except Exception:  # noqa: BLE001  never crash the server on one request
@@ -116,6 +120,8 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
 
     @endpoint
     async def health(request: Request) -> Response:
+        if engine.failure is not None:
+            raise engine_dead(engine.failure)
         if state.draining:
             raise APIError(503, "the server is shutting down", "server_error",
                            code="shutting_down")
@@ -131,12 +137,12 @@ def build_app(engine, server_args: ServerArgs | None = None) -> Starlette:
     @endpoint
     async def completions(request: Request) -> Response:
         body = await read_json(request, args.max_request_bytes)
-        return await generate(request, state, parse_completion(body, state.ctx))
+        return await generate(request, state, await off_loop(parse_completion, body, state.ctx))
 
     @endpoint
     async def chat(request: Request) -> Response:
         body = await read_json(request, args.max_request_bytes)
-        return await generate(request, state, parse_chat(body, state.ctx))
+        return await generate(request, state, await off_loop(parse_chat, body, state.ctx))
 
     @endpoint
     async def metrics(request: Request) -> Response:

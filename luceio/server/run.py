@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect
 
-from ..engine import QueueFullError
+from ..engine import EngineDeadError, QueueFullError
 from ..structured import GrammarError
 from .fields import APIError, bad
 from .protocol import ParsedRequest
@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from .app import ServerState
 
 logger = logging.getLogger("luceio.server")
+
+
+def engine_dead(reason: str) -> APIError:
+    """The answer while the engine is dead (`AsyncEngine.failure`): the server is exiting for
+    its supervisor to restart it, so there is no Retry-After."""
+    return APIError(503, reason, "server_error", code="engine_dead")
 
 
 # one API request's engine requests -------------------------------------------------------------
@@ -118,6 +124,8 @@ class Run:
 
     def _refusal(self, e: Exception) -> APIError | None:
         st = self.state
+        if isinstance(e, EngineDeadError):
+            return engine_dead(str(e))
         if isinstance(e, QueueFullError):
             return APIError(503, f"the server is overloaded ({e}); retry later", "server_error",
                             code="queue_full", headers={"Retry-After": "1"})

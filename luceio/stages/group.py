@@ -1,9 +1,11 @@
 """Rank 0's side of pipeline stages: the engine's process runs the scheduler, sampler and
 tokenizer, stage 0's layers on `--devices`' first device, and this group, which spawns one
-process per further stage (`worker.py`) and joins them with torch.distributed on Gloo.
+process per further stage (`worker.py`), or with `--world-size` waits for the stages started by
+hand (`luceio stage`), and joins them with torch.distributed on Gloo.
 
 Rules:
-- Startup: `StageGroup(plan, ...)` spawns the workers and joins the process group; once the
+- Startup: `StageGroup(plan, ...)` spawns the workers (if `plan.spawn`) and joins the process
+  group, waiting at most `--stage-join-timeout` for every stage (a RuntimeError); once the
   engine has sized its KV pool, `connect(num_blocks, ...)` broadcasts the plan (model identity,
   layer split, pool size) and gathers every stage's answer; any refusal is a RuntimeError that
   names the stage, after the workers have exited.
@@ -12,8 +14,10 @@ Rules:
 - Failure: a stage that dies or raises makes `forward` raise `StageError` (Gloo reports the
   closed connection at once); the group is then broken and every later step raises too.
 - `close()` relays a shutdown through the stages, joins them (killing any that outlive
-  `JOIN_TIMEOUT_S`) and destroys the process group; it also runs when the group is collected or
-  the interpreter exits. One group per process at a time: it owns the default process group."""
+  `JOIN_TIMEOUT_S`; stages started by hand end themselves on the shutdown message, or on the
+  closed connections when the pipeline is broken) and destroys the process group; it also
+  runs when the group is collected or the interpreter exits. One group per process at a
+  time: it owns the default process group."""
 from __future__ import annotations
 
 import logging
@@ -23,17 +27,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..engine import EngineDeadError
 from .model import keep_layers
 from .plan import StagePlan, model_identity
 from .wire import StepMessage, recv_final, send_shutdown, send_step
-from .worker import OP_TIMEOUT, WorkerSpec, run_worker
+from .worker import WorkerSpec, join_group, run_worker
 
 logger = logging.getLogger("luceio")
 
 JOIN_TIMEOUT_S = 10
 
 
-class StageError(RuntimeError):
+class StageError(EngineDeadError):
     """A pipeline stage failed; the engine cannot step any more."""
 
 
@@ -46,13 +51,12 @@ class StageGroup:
         ctx = mp.get_context("spawn")  # a forked child would inherit torch's threads mid-state
         self.procs = [ctx.Process(target=run_worker, args=(WorkerSpec(args, model_path, rank, plan),),
                                   daemon=True, name=f"luceio-stage-{rank}")
-                      for rank in range(1, plan.num_stages)]
+                      for rank in range(1, plan.num_stages if plan.spawn else 1)]
         for p in self.procs:
             p.start()
         self._finalizer = weakref.finalize(self, _shut_down, self.procs, True)
         try:
-            dist.init_process_group("gloo", init_method=plan.dist_init, rank=0,
-                                    world_size=plan.num_stages, timeout=OP_TIMEOUT)
+            join_group(plan, 0, args.stage_join_timeout)
         except BaseException:
             self._finalizer.detach()
             _shut_down(self.procs, False)
@@ -108,7 +112,8 @@ class StageGroup:
 def _shut_down(procs: list, healthy: bool) -> None:
     """Ends the stages: a relayed shutdown message when the pipeline still works, else (or when
     they do not exit in time) a kill; then the process group goes."""
-    if healthy and dist.is_initialized() and any(p.is_alive() for p in procs):
+    # no processes: the stages run elsewhere, and only the message can end them
+    if healthy and dist.is_initialized() and (not procs or any(p.is_alive() for p in procs)):
         try:
             send_shutdown(1)
         except RuntimeError:

@@ -2,13 +2,21 @@
 
 Pure logic (no tensors, no processes): `--devices` and `--layer-split` become one `StagePlan`,
 and every combination a staged run does not support is refused here with a ValueError that
-names the flag, so nothing is done wrong later."""
+names the flag, so nothing is done wrong later.
+
+Two ways to start the stages: by default the engine's process spawns one process per further
+stage on its own machine (`spawn`). With `--world-size W` (several machines) it spawns none:
+every stage r in 1..W-1 is started by hand with `luceio stage ... --rank r`, with the same
+model, `--devices` (all W, in rank order; each process uses entry r), `--layer-split`,
+`--dist-init` and `--world-size`, and all of them join the rendezvous at `--dist-init`, the
+engine's machine (`--rank 0`, the default)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 
@@ -17,7 +25,8 @@ import torch
 class StagePlan:
     devices: tuple[str, ...]  # one per stage, rank order
     layer_ranges: tuple[tuple[int, int], ...]  # [start, end) of each stage's decoder layers
-    dist_init: str  # torch.distributed init method, tcp://HOST:PORT
+    dist_init: str  # the rendezvous, tcp://HOST:PORT (rank 0 listens there)
+    spawn: bool = True  # rank 0 spawns the other stages; else they are started by hand
 
     @property
     def num_stages(self) -> int:
@@ -69,8 +78,17 @@ def plan_stages(args, num_layers: int) -> StagePlan | None:
     if args.devices is None:
         if args.layer_split != "auto":
             raise ValueError("--layer-split needs --devices (one device per stage)")
+        if args.world_size is not None or args.rank != 0:
+            raise ValueError("--world-size and --rank need --devices (one device per stage)")
         return None
     devices = parse_devices(args.devices)
+    if args.world_size is not None:
+        _check_world(args, devices)
+    elif args.rank != 0:
+        raise ValueError("--rank needs --world-size (stages started by hand on several "
+                         "machines)")
+    if args.dist_init is not None:
+        parse_dist_init(args.dist_init)
     if args.device != "auto" and torch.device(args.device) != torch.device(devices[0]):
         raise ValueError(f"--device {args.device} and --devices {args.devices}: the first "
                          "stage's device is the engine's; give one of the two")
@@ -86,7 +104,32 @@ def plan_stages(args, num_layers: int) -> StagePlan | None:
         raise ValueError(f"--devices {args.devices}: a boundary between two CUDA stages would "
                          "use NCCL, which stages do not support yet; pass --stage-transport host")
     return StagePlan(devices, layer_ranges(args.layer_split, len(devices), num_layers),
-                     args.dist_init or f"tcp://127.0.0.1:{free_port()}")
+                     args.dist_init or f"tcp://127.0.0.1:{free_port()}",
+                     spawn=args.world_size is None)
+
+
+def _check_world(args, devices: tuple[str, ...]) -> None:
+    if args.world_size != len(devices):
+        raise ValueError(f"--world-size {args.world_size}: --devices {args.devices} names "
+                         f"{len(devices)} stages; give one device per rank, in rank order")
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(f"--rank {args.rank} is not in [0, --world-size {args.world_size})")
+    if args.dist_init is None:  # a port chosen here would be unknown to the other machines
+        raise ValueError("--world-size needs --dist-init tcp://HOST:PORT: the engine's "
+                         "machine, where every stage joins")
+
+
+def parse_dist_init(dist_init: str) -> tuple[str, int]:
+    """`tcp://HOST:PORT` -> (HOST, PORT): the rendezvous rank 0 listens on."""
+    url = urlsplit(dist_init)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "tcp" or not url.hostname or not port or url.path not in ("", "/"):
+        raise ValueError(f"--dist-init {dist_init!r}: give tcp://HOST:PORT (the engine's "
+                         "machine and a free port there)")
+    return url.hostname, port
 
 
 def _refuse_unsupported(args) -> None:

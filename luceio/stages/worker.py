@@ -1,4 +1,8 @@
-"""A stage worker: the process of pipeline stage `rank` >= 1 (rank 0 is the engine's own).
+"""A stage worker: the process of pipeline stage `rank` >= 1 (rank 0 is the engine's own),
+spawned by the engine (`group.py`) or, on several machines, started by hand:
+`luceio stage MODEL --devices ... --dist-init tcp://HOST:PORT --world-size W --rank R` (also
+`python -m luceio.cli stage ...`), which takes the engine's flags and exits 0 once the engine
+shuts the pipeline down, 1 on any failure.
 
 Order of life: join the process group (first, so the engine never waits on a stage that failed
 to load), load the checkpoint on the stage's device and keep only its layers, then the
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .plan import StagePlan, layer_ranges
+from .plan import StagePlan, layer_ranges, parse_dist_init
 
 # a step may be a long prefill on a slow stage; a dead local peer is reported at once anyway
 OP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -36,12 +40,33 @@ class WorkerSpec:
     plan: StagePlan
 
 
+def join_group(plan: StagePlan, rank: int, join_timeout_s: float) -> None:
+    """Joins the stages' process group: rank 0 listens at `plan.dist_init`, and every process
+    waits at most `join_timeout_s` for all of them (then a RuntimeError saying who is missing),
+    while a step may take OP_TIMEOUT: a store of our own gives the two their own timeouts."""
+    host, port = parse_dist_init(plan.dist_init)
+    try:
+        store = dist.TCPStore(host, port, plan.num_stages, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=join_timeout_s))
+    except RuntimeError as e:  # DistStoreError: the others did not come, or no engine there
+        hint = "" if plan.spawn else " (start every other stage with `luceio stage ... " \
+            "--rank R`, and rank 0, the engine, with the same --dist-init and --world-size)"
+        raise RuntimeError(f"pipeline stage {rank}: the {plan.num_stages} stages did not all "
+                           f"join {plan.dist_init} within {join_timeout_s} s: {e}{hint}") from None
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=plan.num_stages,
+                            timeout=OP_TIMEOUT)
+
+
 def run_worker(spec: WorkerSpec) -> None:
-    """Entry point of a spawned stage process; exits non-zero on any failure."""
+    """Runs stage `spec.rank` until the engine shuts the pipeline down; exits non-zero on any
+    failure."""
     from .model import keep_layers, stage_kv_caches
     rank, plan = spec.rank, spec.plan
-    dist.init_process_group("gloo", init_method=plan.dist_init, rank=rank,
-                            world_size=plan.num_stages, timeout=OP_TIMEOUT)
+    try:
+        join_group(plan, rank, spec.args.stage_join_timeout)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
     try:
         device = torch.device(plan.devices[rank])
         if device.type == "cpu":  # stages compute one after another: no oversubscription
@@ -122,3 +147,43 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, device: torch.device,
         else:
             msg.hidden = out
             send_step(rank + 1, msg)
+
+
+def make_parser(parser=None):
+    """`luceio stage`'s options: `[MODEL]` and the engine's flags, whose stage-related ones
+    must match the engine's."""
+    import argparse
+
+    from ..config import EngineArgs
+    parser = parser or argparse.ArgumentParser(prog="luceio stage")
+    parser.description = ("one pipeline stage of a staged engine on several machines: give the "
+                          "engine's model, --devices, --layer-split, --dist-init and "
+                          "--world-size, and this stage's --rank")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the engine's model (same as --model)")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def run_stage(ns) -> int:
+    """Parsed options -> exit status: 0 once the engine shut the pipeline down, 1 on a mistake
+    in the options (one line on stderr) or any failure."""
+    from ..config import EngineArgs
+    from ..engine import model_path
+    from ..loader import load_checkpoint
+    from ..loader.resolve import ModelResolveError
+    from .plan import plan_stages
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        if args.world_size is None or args.rank < 1:
+            raise ValueError("a stage needs --world-size W and its --rank, 1 to W-1 (rank 0 is "
+                             "the engine: `luceio serve` or LLM)")
+        path = model_path(args.model)
+        plan = plan_stages(args, load_checkpoint(path).config["num_hidden_layers"])
+    except (ValueError, OSError, ModelResolveError) as e:
+        print(f"luceio stage: error: {e}", file=sys.stderr)
+        return 1
+    run_worker(WorkerSpec(args, path, args.rank, plan))
+    return 0
