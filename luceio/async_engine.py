@@ -29,7 +29,8 @@ import threading
 from typing import AsyncIterator, Callable
 
 from .config import EngineArgs
-from .engine import EngineDeadError, LLMEngine
+from .engine import LLMEngine
+from .errors import EngineDeadError
 from .inputs import PromptType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams

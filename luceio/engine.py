@@ -17,46 +17,33 @@ import os
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .cache import KVCacheManager
 from .config import EngineArgs
-from .engine_info import EngineStats, ModelInfo, engine_stats, model_info
+from .engine_info import EngineStats, MemoryStats, ModelInfo, engine_stats, model_info
+from .errors import QueueFullError
 from .infill_sampling import token_piece
 from .inputs import PromptType, split_prompt
 from .loader import load_checkpoint
+from .loader.resolve import model_path
 from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
-from .models import build_model
+from .models import build_model, context_limit
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import build_spec_decoder, build_spec_prefill
+from .stages import start_stages
 from .structured import StructuredOutputs
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("luceio")
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    device: str
-    weight_bytes: int  # the target's weights, and a draft model's
-    kv_cache_bytes: int  # the KV pool, and a draft model's cache of as many blocks
-    num_kv_blocks: int
-    block_size: int  # tokens per block
-    max_model_len: int  # the longest prompt + output served
-
-    def __str__(self) -> str:
-        return (f"weights {self.weight_bytes / 2**20:.1f} MiB on {self.device}; KV cache "
-                f"{self.kv_cache_bytes / 2**20:.1f} MiB = {self.num_kv_blocks} blocks x "
-                f"{self.block_size} tokens; longest context {self.max_model_len} tokens")
 
 
 class LLMEngine:
@@ -73,7 +60,7 @@ class LLMEngine:
             tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config,
                                   ckpt.config)
         self.tokenizer = tokenizer
-        self.stages = _start_stages(args, ckpt, model)
+        self.stages = start_stages(args, ckpt, model)
         try:
             # the draft model loads first, so the target's KV cache is sized around its weights
             draft = build_model(load_checkpoint(model_path(args.draft_model)), dtype, device,
@@ -116,7 +103,7 @@ class LLMEngine:
     def _make_runner(self, args: EngineArgs, ckpt, model, dtype, device,
                      draft) -> ModelRunner:
         return ModelRunner(ckpt, dtype, device, args.cache_config(),
-                           self._max_len_hint(ckpt, model, args), model=model,
+                           context_limit(ckpt, model, args.max_model_len), model=model,
                            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                            quantization=args.quantization,
                            fit_context=args.max_model_len is None,
@@ -156,21 +143,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kw) -> "LLMEngine":
         return cls(args, **kw)
-
-    @staticmethod
-    def _max_len_hint(ckpt, model, args: EngineArgs) -> int:
-        cfg = model.cfg if model is not None else None
-        native = cfg.max_position_embeddings if cfg else \
-            ckpt.config.get("max_position_embeddings", 4096)
-        window = cfg.sliding_window if cfg else ckpt.config.get("sliding_window")
-        if window and (ckpt is None or ckpt.config.get("use_sliding_window", True)):
-            native = min(native, window)  # past the window this engine would not be exact
-        if args.max_model_len is None:
-            return native
-        if args.max_model_len > native:
-            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context "
-                             f"{native}")
-        return args.max_model_len
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -431,36 +403,3 @@ class LLMEngine:
             self._pending_outputs.append(out)
         if state.finished:
             self.states.pop(state.request_id, None)
-
-
-def _start_stages(args: EngineArgs, ckpt, model):
-    """The pipeline stages of a `--devices` run (`stages/`), started; None for one device."""
-    from .stages import StageGroup, plan_stages
-    plan = plan_stages(args, ckpt.config["num_hidden_layers"] if ckpt is not None
-                       else model.cfg.num_layers)
-    if plan is None:
-        return None
-    if args.rank != 0:
-        raise ValueError(f"--rank {args.rank} is a stage's, not the engine's (rank 0): start it "
-                         "with `luceio stage`")
-    if ckpt is None:
-        raise ValueError("pipeline stages load the checkpoint in every stage: pass the model "
-                         "path, not a model object")
-    return StageGroup(plan, args, model_path(args.model))
-
-
-def model_path(model: str | None) -> str:
-    """A checkpoint folder or .gguf file: `model` itself when it exists, else its download."""
-    if model is not None and os.path.exists(model):
-        return model
-    from .loader.resolve import resolve_model
-    return resolve_model(model)
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than `max_queued_requests` allows."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot step any more (a pipeline stage died): it stays failed until the
-    process restarts, so its users stop too (the server answers 503 and exits non-zero)."""

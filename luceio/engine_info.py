@@ -1,5 +1,5 @@
-"""What an engine says about itself: `ModelInfo` (fixed once the engine is built) and
-`EngineStats` (a snapshot of its queues, KV pool and counters). `LLMEngine.model_info()` /
+"""What an engine says about itself: `MemoryStats` and `ModelInfo` (fixed once the engine is
+built) and `EngineStats` (a snapshot of its queues, KV pool and counters). `LLMEngine.model_info()` /
 `stats()` (and `AsyncEngine`'s) return them; the server's startup log, limits and /metrics read
 these, never the engine's internals.
 
@@ -11,6 +11,21 @@ reads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    device: str
+    weight_bytes: int  # the target's weights, and a draft model's
+    kv_cache_bytes: int  # the KV pool, and a draft model's cache of as many blocks
+    num_kv_blocks: int
+    block_size: int  # tokens per block
+    max_model_len: int  # the longest prompt + output served
+
+    def __str__(self) -> str:
+        return (f"weights {self.weight_bytes / 2**20:.1f} MiB on {self.device}; KV cache "
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB = {self.num_kv_blocks} blocks x "
+                f"{self.block_size} tokens; longest context {self.max_model_len} tokens")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ def resolve_model(name_or_path: str | None) -> str:
         f"`org/name` Hugging Face repo id. Known short names: {', '.join(MODELS)}.")
 
 
+def model_path(model: str | None) -> str:
+    """A checkpoint folder or .gguf file: `model` itself when it exists, else its download."""
+    if model is not None and os.path.exists(model):
+        return model
+    return resolve_model(model)
+
+
 def fetch_short_name(short: str) -> str:
     """The cached GGUF for a short name, fetched and verified first if it is missing or damaged."""
     entry = MODELS[short]

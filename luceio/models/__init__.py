@@ -15,7 +15,25 @@ _ARCHS = {
     "Qwen3MoeForCausalLM": False,
 }
 
-__all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model"]
+__all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit"]
+
+
+def context_limit(ckpt: Checkpoint | None, model, max_model_len: int | None) -> int:
+    """The longest context to serve: `max_model_len`, or the model's own when None (its
+    position limit, cut at a sliding window, past which this engine would not be exact);
+    more than the model's own is a ValueError. From `model.cfg` when a model object is given,
+    else from the checkpoint's config."""
+    cfg = model.cfg if model is not None else None
+    native = cfg.max_position_embeddings if cfg else \
+        ckpt.config.get("max_position_embeddings", 4096)
+    window = cfg.sliding_window if cfg else ckpt.config.get("sliding_window")
+    if window and (ckpt is None or ckpt.config.get("use_sliding_window", True)):
+        native = min(native, window)
+    if max_model_len is None:
+        return native
+    if max_model_len > native:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context {native}")
+    return max_model_len
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,

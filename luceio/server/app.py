@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from .anthropic import to_anthropic
 from .args import ServerArgs
-from ..engine import EngineDeadError
+from ..errors import EngineDeadError
 from .driver import generate, off_loop, read_json
 from .fim import FimFormat
 from .metrics import ServerMetrics

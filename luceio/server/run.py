@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect
 
-from ..engine import EngineDeadError, QueueFullError
+from ..errors import EngineDeadError, QueueFullError
 from ..structured import GrammarError
 from .fields import APIError, bad
 from .protocol import ParsedRequest

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..engine import EngineDeadError
+from ..errors import EngineDeadError
 from .model import keep_layers
 from .plan import StagePlan, model_identity
 from .wire import StepMessage, recv_final, send_shutdown, send_step

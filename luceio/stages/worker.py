@@ -169,7 +169,7 @@ def run_stage(ns) -> int:
     """Parsed options -> exit status: 0 once the engine shut the pipeline down, 1 on a mistake
     in the options (one line on stderr) or any failure."""
     from ..config import EngineArgs
-    from ..engine import model_path
+    from ..loader.resolve import model_path
     from ..loader import load_checkpoint
     from ..loader.resolve import ModelResolveError
     from .plan import plan_stages
