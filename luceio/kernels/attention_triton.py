@@ -1,15 +1,15 @@
-"""Triton kernels for the paged KV cache: cache writes, split-KV decode and varlen prefill.
+"""Triton attention over the paged KV cache: split-KV decode and varlen prefill (the cache
+writes are `kv_write_triton.py`'s).
 
 Same semantics as the references in `attention.py` (read its docstring for the cache layout).
 
-* write_kv: one program per token writes all its KV heads to `slot_mapping[t]` (< 0: skipped).
 * decode (max_query_len == 1): grid (num_seqs, num_kv_heads, num_splits), num_splits sized
   from `max_seq_len` (`decode_splits`). A program holds the whole GQA group of query heads of
   one KV head (padded to >= 16 rows for tl.dot), walks its split of the sequence's real length
   (cut evenly, at least `decode_min_tokens_per_split` keys, whole BLOCK_N tiles: a CUDA graph
   captured for the model's whole context still spreads a short context over its splits) with
-  an online softmax and writes its normalised partial output and log-sum-exp; `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges
-  the splits. With one split the first kernel writes the output directly.
+  an online softmax and writes its normalised partial output and log-sum-exp;
+  `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the first kernel writes the output directly.
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
@@ -34,28 +34,6 @@ _LOG2E = 1.4426950408889634
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-                     s_kt, s_kh, s_vt, s_vh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + d[None, :], mask=mask)
-    tl.store(kc_ptr + page * s_kcb + off * s_kcs + h[:, None] * s_kch + d[None, :],
-             k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + page * s_vcb + off * s_vcs + h[:, None] * s_vch + d[None, :],
-             v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -281,23 +259,6 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
 # ---------------------------------------------------------------------------------------------
 # launchers
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens], -1 = skip."""
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens == 0:
-        return
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k/v need a contiguous last dim"
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
-
-
 def _fit_shared(block_m: int, block_n: int, stages: int, block_d: int, elt: int,
                 budget_kb: int) -> tuple[int, int]:
     """Shrinks (block_n, stages) until the Q tile plus `stages` K/V tiles fit the budget."""
@@ -405,4 +366,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-__all__ = ["write_kv", "paged_attention", "decode_splits"]
+__all__ = ["paged_attention", "decode_splits"]

@@ -7,7 +7,8 @@ otherwise. Launch configs come from `configs.get_config(device)`.
 """
 from __future__ import annotations
 
-from .attention_triton import paged_attention, write_kv
+from .attention_triton import paged_attention
+from .kv_write_triton import write_kv
 from .elementwise_triton import rms_norm, rotary, silu_and_mul
 from .moe_triton import fused_moe
 from .qkv_rope_triton import qkv_rope_cache
