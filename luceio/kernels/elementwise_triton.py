@@ -84,6 +84,15 @@ def xq_layouts(layouts, rows: int, n: int, device) -> dict:
 
 
 @triton.jit
+def silu_mul(g, u, out_ptr):
+    """silu(g) * u in `out_ptr`'s dtype, for fp32 g, u holding values of that dtype, rounded
+    where `silu_and_mul_ref` rounds: F.silu to the dtype, then the product."""
+    dt = out_ptr.dtype.element_ty
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1,
                          D: tl.constexpr, BLOCK: tl.constexpr,
                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
@@ -92,9 +101,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xs
     mask = offs < D
     g = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + t * s_x + D + offs, mask=mask, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype, then * up
-    o = (s * u).to(dt)
+    o = silu_mul(g, u, out_ptr)
     tl.store(out_ptr + t * s_o + offs, o, mask=mask)
     emit_xq(o.to(tl.float32), tl.program_id(1) * (BLOCK // 32), D // 32, D // 32,
             xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK, XQ_PLANES, XQ_GROUPS)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .attention_triton import _dot
 from .configs import get_config
+from .elementwise_triton import silu_mul
 
 
 @triton.jit
@@ -76,10 +77,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr,
         acc_gate += _dot(x, gate, DOT_IEEE)
         acc_up += _dot(x, up, DOT_IEEE)
     dt = act_ptr.dtype.element_ty  # rounded where the reference's F.linear and silu_and_mul round
-    g = acc_gate.to(dt).to(tl.float32)
-    u = acc_up.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(act_ptr + slots[:, None].to(tl.int64) * s_act + cols[None, :], (s * u).to(dt),
+    act = silu_mul(acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), act_ptr)
+    tl.store(act_ptr + slots[:, None].to(tl.int64) * s_act + cols[None, :], act,
              mask=rmask[:, None] & cmask[None, :])
 
 
