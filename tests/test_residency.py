@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import engine_kwargs, make_tiny_model
+from conftest import engine_kwargs, make_tiny_model, watch_host_copies
 from luceio import LLM, AsyncEngine, EngineArgs, SamplingParams
 from luceio.cache import BlockPool
 from luceio.cache.offload import HostCopies
@@ -89,25 +89,8 @@ def test_attention_reads_only_resident_blocks(tiny_llama):
 
 def test_offloaded_blocks_come_back_bit_identical(tiny_llama):
     llm = LLM(tiny_llama, **engine_kwargs(kv_resident_tokens=80, kv_rescore_interval=2))
-    runner = llm.engine.runner
-    store = runner.host_store
-    truth, reloaded = {}, []
-    original = store.apply
-
-    def spy(moves):
-        for rid, logical, phys in moves.offload:
-            for i, b in zip(logical, phys):
-                data = torch.stack([kv[:, b].clone() for kv in runner.kv_caches])
-                if (rid, i) in truth:  # a full block never changes
-                    assert torch.equal(truth[rid, i], data)
-                truth[rid, i] = data
-        original(moves)
-        for rid, logical, phys in moves.reload:
-            for i, b in zip(logical, phys):
-                back = torch.stack([kv[:, b] for kv in runner.kv_caches])
-                assert torch.equal(back, truth[rid, i])
-                reloaded.append((rid, i))
-    store.apply = spy
+    # a full block never changes: copied out again, it equals its first copy
+    truth, reloaded = watch_host_copies(llm.engine.runner, same_when_offloaded_again=True)
     outs = llm.generate([{"prompt_token_ids": prompt(260, s)} for s in range(2)],
                         SamplingParams(max_tokens=60, **GREEDY))
     assert all(len(o.outputs[0].token_ids) == 60 for o in outs)

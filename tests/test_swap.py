@@ -4,10 +4,9 @@ every block" through the host copies bounded residency uses: the same store, the
 the same release path."""
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from conftest import engine_kwargs
+from conftest import engine_kwargs, watch_host_copies
 from luceio import LLM, SamplingParams
 from luceio.cache import KVCacheManager
 from luceio.cache.residency import OFFLOADED
@@ -54,22 +53,7 @@ def test_swapped_blocks_come_back_bit_identical(tiny_llama):
     host store's moves, applied before the step's forward."""
     llm = LLM(tiny_llama, **engine_kwargs(num_kv_blocks=10, max_num_batched_tokens=48,
                                           preemption_mode="swap"))
-    runner = llm.engine.runner
-    store = runner.host_store
-    truth, checked = {}, []
-    original = store.apply
-
-    def spy(moves):
-        for rid, logical, phys in moves.offload:
-            for i, b in zip(logical, phys):
-                truth[rid, i] = torch.stack([kv[:, b].clone() for kv in runner.kv_caches])
-        original(moves)
-        for rid, logical, phys in moves.reload:
-            for i, b in zip(logical, phys):
-                assert torch.equal(torch.stack([kv[:, b] for kv in runner.kv_caches]),
-                                   truth[rid, i])
-                checked.append(rid)
-    store.apply = spy
+    _, checked = watch_host_copies(llm.engine.runner)
     llm.generate(prompts(), GREEDY)
     assert checked, "no request was swapped out and back in"
     assert llm.engine.scheduler.num_preemptions > 0
