@@ -207,7 +207,8 @@ def test_stages_that_never_join_time_out_with_a_clear_error(tiny_llama):
     with pytest.raises(RuntimeError, match="the 2 stages did not all join .* within 2 s"):
         LLM(tiny_llama, **stage_kwargs("cpu,cpu", dist_init=dist_init, world_size=2,
                                        stage_join_timeout=2))
-    assert time.monotonic() - start < 20
+    # the 2 s asked for, not the 300 s default (a loose bound: model loading is in it too)
+    assert time.monotonic() - start < 120
     assert no_stage_left()
     stage = start_stage(tiny_llama, dist_init, "--stage-join-timeout", "2")  # and no engine
     err = stage.communicate(timeout=60)[1]
