@@ -34,7 +34,8 @@ from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .models import build_model, context_limit
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
-from .runner import ModelRunner, kv_bytes_per_block
+from .memory import kv_bytes_per_block
+from .runner import ModelRunner
 from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler

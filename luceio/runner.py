@@ -10,9 +10,7 @@ holds (logged), down to `MIN_FITTED_CONTEXT` tokens."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +22,7 @@ from .loader import Checkpoint
 from .models import AttnMetadata, build_model
 from .models.cpu_decode import CpuDecoder
 from .cache.host_store import HostKVStore, QueryProbe
+from .memory import Staging, kv_bytes_per_block, return_freed_heap, zeros_pool
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("luceio")
@@ -104,7 +103,7 @@ class ModelRunner:
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
         self.stages = stages
         end = stages.layer_range[1] if stages is not None else self.cfg.num_layers
-        self.kv_pool = _zeros_pool((end, 2, *shape), dtype, device)
+        self.kv_pool = zeros_pool((end, 2, *shape), dtype, device)
         # indexed by layer: the layers of later stages have no cache here
         self.kv_caches = list(self.kv_pool) + [None] * (self.cfg.num_layers - end)
         if stages is not None:
@@ -118,7 +117,7 @@ class ModelRunner:
         self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) \
             if device.type == "cpu" and CpuDecoder.supports(dtype) and stages is None else None
         if device.type == "cpu":
-            _return_freed_heap()
+            return_freed_heap()
         if device.type == "cuda" and not enforce_eager and stages is None:
             from . import kernels
             from .cuda_graphs import StepGraphs
@@ -352,66 +351,3 @@ def _prefill_rows(on: bool):
         return contextlib.nullcontext()
     from .kernels.quant_cpu import prefill_rows
     return prefill_rows()
-
-
-def _return_freed_heap() -> None:
-    """Hands the heap that loading freed (the GGUF reader's metadata, repacking's temporaries)
-    back to the OS: glibc keeps it otherwise, ~15 MiB for Qwen2.5-Coder-0.5B. A no-op elsewhere."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
-
-
-def _zeros_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV pool. On the CPU it is one anonymous mapping in small pages: the OS maps a
-    page on its first write, so the process holds the KV it has used rather than the whole pool
-    from the start (`torch.zeros` writes every page; huge pages would map 2 MiB per layer for
-    the first token)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, max(1, int(np.prod(shape)) * dtype.itemsize))
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        pages.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(pages, dtype=dtype).view(shape)
-
-
-def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    return (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim *
-            torch.tensor([], dtype=dtype).element_size())
-
-
-class Staging:
-    """Host→device transfers of many small int arrays as one copy per dtype, through persistent
-    pinned buffers (allocating pinned memory per step costs more than the copy). Each dtype has
-    `NUM_BUFFERS` buffers taken in turn, each with an event recorded after its last copy: before
-    a buffer is rewritten the host waits for that copy alone, never for the device's other work,
-    so the next step is staged while the device still runs this one."""
-    NUM_BUFFERS = 2
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffers: dict = {}  # dtype -> [(pinned buffer, event of its last copy)]
-        self.turn: dict = {}  # dtype -> index of the buffer to use next
-
-    def to_device(self, dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        packed = np.concatenate([a.reshape(-1).astype(dtype, copy=False) for a in arrays])
-        if self.device.type == "cpu":
-            flat = torch.from_numpy(packed)
-        else:
-            ring = self.buffers.setdefault(dtype, [None] * self.NUM_BUFFERS)
-            i = self.turn.get(dtype, 0)
-            self.turn[dtype] = (i + 1) % self.NUM_BUFFERS
-            buf, event = ring[i] or (None, None)
-            if event is not None:
-                event.synchronize()  # the last copy out of this buffer has left it
-            if buf is None or buf.numel() < packed.size:
-                buf = torch.empty(max(packed.size, 1 << 16), dtype=torch.from_numpy(packed[:0]).dtype,
-                                  pin_memory=True)
-            buf[:packed.size].numpy()[:] = packed
-            flat = buf[:packed.size].to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            ring[i] = (buf, event)
-        return list(flat.split(sizes))

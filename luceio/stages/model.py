@@ -22,8 +22,8 @@ def stage_kv_caches(cfg, layer_range: tuple[int, int], num_blocks: int, block_si
                     dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
     """One [2, num_blocks, block_size, num_kv_heads, head_dim] cache per layer of the stage,
     None for the others: the model indexes the list by layer number."""
-    from ..runner import _zeros_pool
+    from ..memory import zeros_pool
     start, end = layer_range
-    pool = _zeros_pool((end - start, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-                       dtype, device)
+    pool = zeros_pool((end - start, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+                      dtype, device)
     return [None] * start + list(pool) + [None] * (cfg.num_layers - end)
