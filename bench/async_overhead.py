@@ -6,9 +6,11 @@ else) and `async` (AsyncEngine). Reported against sync: the median ratio of neig
 the ratio of the fastest trials, and CPU time (all threads) per step.
 On the CPU with random weights at a bench/common.py shape (default: the tests' tiny model, where a
 step is almost all host work, so an overhead shows in full). Writes
-bench/results/cpu/async_overhead.json.
+bench/results/cpu/async_overhead.json. `--device cuda`: bf16 weights on the GPU, CUDA graphs
+(the issue's goal: AsyncEngine within 3% of LLMEngine.step).
 
     python bench/async_overhead.py [--shape tiny] [--batch 1,8,64] [--new 256] [--trials 15]
+                                   [--device cpu|cuda] [--out FILE]
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ from luceio.sampling_params import RequestOutputKind  # noqa: E402
 PROMPT_LEN = 16
 
 
-def make_engine(shape: str, threads: int) -> LLMEngine:
-    args = EngineArgs(model="random", dtype="float32", device="cpu", cpu_threads=threads,
-                      max_model_len=512, num_kv_blocks=4096, max_num_seqs=64, seed=0)
-    return LLMEngine(args, model=random_model(shape, torch.float32, "cpu"))
+def make_engine(shape: str, threads: int, device: str = "cpu") -> LLMEngine:
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    args = EngineArgs(model="random", dtype=str(dtype).removeprefix("torch."), device=device,
+                      cpu_threads=threads, max_model_len=512, num_kv_blocks=4096,
+                      max_num_seqs=64, seed=0)
+    return LLMEngine(args, model=random_model(shape, dtype, device))
 
 
 def requests(engine: LLMEngine, batch: int, new: int):
@@ -148,12 +152,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--trials", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu",
                                                   "async_overhead.json"))
     a = ap.parse_args()
-    engine = make_engine(a.shape, a.threads)
+    engine = make_engine(a.shape, a.threads, a.device)
     rows = [measure(engine, int(b), a.new, a.trials) for b in a.batch.split(",")]
-    write_json(a.out, {"env": env_info(), "shape": a.shape, "torch_threads": a.threads,
+    write_json(a.out, {"env": env_info(), "shape": a.shape, "device": a.device,
+                       "torch_threads": a.threads,
                        "cpu_count": os.cpu_count(), "rows": rows})
 
 

@@ -4,18 +4,22 @@ draft: the 0.5B shape (both through the GGUF load path, bench/decode_gguf.py), b
 512-token prompt, CUDA graphs.
 
 Per k (draft tokens): `propose_ms`, the draft model's k chain steps for one request
-(`DraftModelProposer.propose`: launched back to back, the drafts read once; median,
-synchronised around each call), against `k_x_one_step_ms`, k separate one-token proposals (a
-host read after each, as drafting was before); `spec_step_ms`, a whole engine step that drafts
-k tokens with the draft model and verifies them (the cost model pinned to chains of k); and
-`plain_step_ms`, a plain decode step (overlapped, as plain decoding runs), both as wall time
-over consecutive steps. Projection: tokens per verify at the acceptance measured on the real
-Qwen2.5-Coder-1.5B / 0.5B pair (bench/results/cpu/spec_acceptance.json: draft, codegen,
-greedy, fixed k = 4: 4.067 tokens per verify, 78.6% of drafts accepted; other k from that
-acceptance as a per-draft probability) times `plain_step_ms` over `spec_step_ms`. Random
-weights make the drafts wrong here: only the times are measured.
+(`DraftModelProposer.propose`: the first step through the runner, the k - 1 after it in one
+graph replay, `spec.chain`, the drafts read once; median, synchronised around each call),
+against `k_x_one_step_ms`, k separate one-token proposals (a host read after each, as drafting
+was before); `spec_step_ms`, a whole engine step that drafts k tokens with the draft model and
+verifies them (the cost model pinned to chains of k); and `plain_step_ms`, a plain decode step
+(overlapped, as plain decoding runs), both as wall time over consecutive steps. Per tree budget
+(`--tree-budgets`, top-2 children, `--tree-levels` levels): `spec_step_ms` of an engine step
+that drafts a best-first tree with the draft model and verifies it. Projection: tokens per
+verify as measured on the real Qwen2.5-Coder-1.5B / 0.5B pair on the CPU, code generation,
+greedy (`--acceptance`: bench/results/cpu/spec_tree_draft_sweep.json, written by `python
+bench/spec_tree.py --draft ...`; chains of k it did not measure: its k = 4 acceptance as a
+per-draft probability) times `plain_step_ms` over `spec_step_ms`. Random weights make the
+drafts wrong here: only the times are measured.
 
     python bench/draft_cost.py [--out bench/results/h200] [--repeats 20]
+                               [--tree-budgets 8,16,22] [--tree-levels 8]
 """
 from __future__ import annotations
 
@@ -37,8 +41,24 @@ from luceio import SamplingParams  # noqa: E402
 from luceio.spec import _draft_proposer  # noqa: E402
 from luceio.spec.proposer import ProposalInput  # noqa: E402
 
-ACCEPTANCE = 0.786  # drafts accepted, real 1.5B/0.5B pair, codegen, greedy, k = 4
-TOKENS_PER_VERIFY_K4 = 4.067
+ACCEPTANCE_JSON = os.path.join(os.path.dirname(__file__), "results", "cpu",
+                               "spec_tree_draft_sweep.json")
+
+
+def measured_acceptance(path: str) -> dict:
+    """{("chain", k) | ("tree", budget): tokens per verify} on code generation."""
+    with open(path) as f:
+        rows = json.load(f)["engine"]
+    out = {}
+    for r in rows:
+        if r["set"] != "codegen" or not r.get("tokens_per_verify"):
+            continue
+        words = r["method"].split()
+        if words[:2] == ["draft", "chain"]:
+            out["chain", int(words[2][1:])] = r["tokens_per_verify"]
+        elif words[:2] == ["draft", "tree"]:
+            out["tree", int(words[2])] = r["tokens_per_verify"]
+    return out
 
 
 def timed(fn, repeats: int) -> float:
@@ -52,19 +72,19 @@ def timed(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def tokens_per_verify(k: int) -> float:
-    if k == 4:
-        return TOKENS_PER_VERIFY_K4
-    return (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE)
+def tokens_per_verify(k: int, measured: dict) -> float:
+    if ("chain", k) in measured:
+        return measured["chain", k]
+    a = (measured["chain", 4] - 1) / 4  # drafts accepted per draft at k = 4
+    return (1 - a ** (k + 1)) / (1 - a)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
-    ap.add_argument("--repeats", type=int, default=20)
-    a = ap.parse_args()
+def build(tree_budget: int = 0, levels: int = 8):
+    """The target engine with the draft proposer, a request decoding after a 512-token prompt,
+    and the pin that sets each step's mode and k."""
     eng = make_engine(random_model("qwen2.5-1.5b", "Q4_K_M", 2560), 2048, kv_gib=4,
-                      max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=8)
+                      max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=levels,
+                      spec_tree_budget=tree_budget)
     spec = eng.spec
     spec.proposer = _draft_proposer(eng.args, eng.runner, 2048,
                                     random_model("qwen2.5-0.5b", "Q4_K_M", 2560), eng.sampler)
@@ -77,41 +97,76 @@ def main() -> None:
                     SamplingParams(temperature=0, max_tokens=1400, ignore_eos=True))
     while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
         eng.step()
-    req = eng.scheduler.running[0]
+    return eng, spec, pin, eng.scheduler.running[0]
+
+
+def step_ms(eng, pin, mode: str | None, k: int, steps: int) -> float:
+    """Wall time per engine step over `steps` consecutive ones (plain steps overlap)."""
+    pin["mode"], pin["k"] = mode, k
+    eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--acceptance", default=ACCEPTANCE_JSON)
+    ap.add_argument("--tree-budgets", default="8,16,22")
+    ap.add_argument("--tree-levels", type=int, default=8)
+    a = ap.parse_args()
+    measured = measured_acceptance(a.acceptance)
+    eng, spec, pin, req = build()
 
     def propose(k: int):
         return spec.proposer.propose([ProposalInput(list(req.all_token_ids), k, req, tree=False)])
 
-    def step_ms(mode: str | None, k: int, steps: int) -> float:
-        """Wall time per engine step over `steps` consecutive ones (plain steps overlap)."""
-        pin["mode"], pin["k"] = mode, k
-        eng.step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        return 1000 * (time.perf_counter() - t) / steps
-
     propose(8)  # the draft's prompt prefilled, its graphs warm
-    step_ms("chain", 8, 2)
-    plain = step_ms(None, 0, 4 * a.repeats)
+    step_ms(eng, pin, "chain", 8, 2)
+    plain = step_ms(eng, pin, None, 0, 4 * a.repeats)
     rows = []
     for k in range(1, 9):
         p = timed(lambda: propose(k), a.repeats)
         one = timed(lambda: [propose(1) for _ in range(k)], a.repeats)
-        s = step_ms("chain", k, a.repeats)
-        tpv = tokens_per_verify(k)
+        s = step_ms(eng, pin, "chain", k, a.repeats)
+        tpv = tokens_per_verify(k, measured)
         row = {"k": k, "propose_ms": round(p, 3), "k_x_one_step_ms": round(one, 3),
                "spec_step_ms": round(s, 3), "plain_step_ms": round(plain, 3),
-               "tokens_per_verify": round(tpv, 3), "projected_speedup": round(tpv * plain / s, 2)}
+               "tokens_per_verify": round(tpv, 3), "measured_on_cpu": ("chain", k) in measured,
+               "projected_speedup": round(tpv * plain / s, 2)}
         print(json.dumps(row), flush=True)
         rows.append(row)
+    del eng, spec
+    trees = []
+    for budget in (int(b) for b in a.tree_budgets.split(",") if b):
+        if ("tree", budget) not in measured:
+            print(f"tree budget {budget}: no CPU acceptance measured, skipped", flush=True)
+            continue
+        try:
+            t_eng, _, t_pin, _ = build(budget, a.tree_levels)
+            step_ms(t_eng, t_pin, "tree", a.tree_levels, 2)
+            t_plain = step_ms(t_eng, t_pin, None, 0, 4 * a.repeats)
+            s = step_ms(t_eng, t_pin, "tree", a.tree_levels, a.repeats)
+            tpv = measured["tree", budget]
+            row = {"tree_budget": budget, "levels": a.tree_levels, "topk": 2,
+                   "spec_step_ms": round(s, 3), "plain_step_ms": round(t_plain, 3),
+                   "tokens_per_verify": tpv, "projected_speedup": round(tpv * t_plain / s, 2)}
+            del t_eng
+        except Exception as e:  # noqa: BLE001 - a failed configuration is recorded, not fatal
+            row = {"tree_budget": budget, "error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(row), flush=True)
+        trees.append(row)
     best = max(rows, key=lambda r: r["projected_speedup"])
     results = {"env": env_info(), "target": "qwen2.5-1.5b shape, random Q4_K_M",
                "draft": "qwen2.5-0.5b shape, random Q4_K_M", "batch": 1, "prompt_tokens": 512,
-               "acceptance": ACCEPTANCE, "tokens_per_verify_k4": TOKENS_PER_VERIFY_K4,
-               "rows": rows, "best": best}
+               "acceptance_source": os.path.relpath(a.acceptance, os.path.dirname(__file__)),
+               "measured_tokens_per_verify": {f"{m} {n}": v for (m, n), v in measured.items()},
+               "rows": rows, "trees": trees, "best": best}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "draft_cost.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -9,10 +9,15 @@ bench/spec_acceptance.py (code generation, whole-file edits), greedy.
    verify for chains and for tree budgets `--budgets`.
 2. Engine: the same prompts through `LLM.generate` without speculation, with n-gram chains and
    with n-gram trees (`--engine-budget`), and (`--draft`) with Qwen2.5-Coder-0.5B drafting
-   chains and best-first trees (`--engine-budget` nodes, `--topk` children): decode tok/s,
-   acceptance, and greedy output equal to plain decoding.
+   chains of `--chain-ks` tokens and best-first trees (`--engine-budget` nodes, comma-separated
+   for several, `--topk` children, up to `--levels` levels): decode tok/s, acceptance, the
+   histogram of accepted drafts per verify step (the profile bench/draft_cost.py replays), and
+   greedy output equal to plain decoding. Every drafting step is pinned to the configuration
+   measured (chain or tree, k = the cap): the adaptive budget would otherwise switch by the
+   CPU's step costs and mix configurations.
 
     python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--draft] [--topk 2]
+                              [--levels 4] [--chain-ks 4] [--skip-ngram] [--skip-replay]
                               [--threads 2]
 Writes bench/results/cpu/spec_tree.json.
 """
@@ -75,20 +80,24 @@ def replay(proposer, prompt: list[int], out: list[int]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="8,12,16,24")
-    ap.add_argument("--engine-budget", type=int, default=12)
+    ap.add_argument("--engine-budget", default="12", help="tree budget(s), comma-separated")
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--edit-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", action="store_true", help="draft-model chains and trees too")
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--skip-ngram", action="store_true", help="engine runs: no n-gram rows")
+    ap.add_argument("--skip-replay", action="store_true", help="no n-gram replay rows")
+    ap.add_argument("--levels", type=int, default=K, help="tree levels (draft tokens per path)")
+    ap.add_argument("--chain-ks", default=str(K), help="draft-model chain lengths")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     common = dict(device="cpu", max_model_len=4096, cpu_threads=a.threads)
     llm = LLM(TARGET, **common)
     sets = build_prompts(llm.get_tokenizer(), 4, 3)
     max_tokens = {"codegen": a.gen_tokens, "edit": a.edit_tokens}
-    results = {"env": env_info(), "target": TARGET, "k": K, "max_tokens": max_tokens,
+    results = {"env": env_info(), "target": TARGET, "k": K, "levels": a.levels,
+               "max_tokens": max_tokens,
                "replay": [], "engine": []}
 
     def generate(engine_llm, prompts, n):
@@ -107,7 +116,7 @@ def main() -> None:
         results["engine"].append({"set": name, "method": "none", "wall_s": round(wall, 2),
                                   "tok_s": round(sum(map(len, toks)) / wall, 2)})
         print(results["engine"][-1], flush=True)
-    for budget in [0] + [int(b) for b in a.budgets.split(",")]:
+    for budget in [] if a.skip_replay else [0] + [int(b) for b in a.budgets.split(",")]:
         prop = NgramProposer(tree_budget=budget)
         for name, prompts in sets.items():
             runs = [replay(prop, p, o) for p, o in zip(prompts, greedy[name])]
@@ -120,33 +129,46 @@ def main() -> None:
             print(row, flush=True)
         write_json(a.out, results)
     del llm
+    budgets = [int(b) for b in str(a.engine_budget).split(",")]
     configs = [] if a.skip_ngram else [
-        ("ngram chain", dict(speculative_method="ngram")),
-        (f"ngram tree {a.engine_budget}", dict(speculative_method="ngram",
-                                               spec_tree_budget=a.engine_budget))]
+        ("ngram chain", K, dict(speculative_method="ngram")),
+        (f"ngram tree {budgets[0]}", K, dict(speculative_method="ngram",
+                                             spec_tree_budget=budgets[0]))]
     if a.draft:
         draft = dict(speculative_method="draft", draft_model="qwen2.5-coder-0.5b")
-        configs += [("draft chain", draft),
-                    (f"draft tree {a.engine_budget} top{a.topk}",
-                     dict(draft, spec_tree_budget=a.engine_budget, spec_tree_topk=a.topk))]
-    for label, kw in configs:
-        spec_llm = LLM(TARGET, num_speculative_tokens=K, **common, **kw)
+        configs += [(f"draft chain k{k}", k, draft) for k in map(int, a.chain_ks.split(","))]
+        configs += [(f"draft tree {b} top{a.topk} levels{a.levels}", a.levels,
+                     dict(draft, spec_tree_budget=b, spec_tree_topk=a.topk)) for b in budgets]
+    for label, k, kw in configs:
+        spec_llm = LLM(TARGET, num_speculative_tokens=k, **common, **kw)
+        pin(spec_llm.engine.spec, "tree" if kw.get("spec_tree_budget") else "chain")
         for name, prompts in sets.items():
             toks, wall = generate(spec_llm, prompts, max_tokens[name])
             st = spec_llm.engine.spec.stats
             before = dict(getattr(spec_llm, "_bench_counts", {"a": 0, "d": 0, "v": 0}))
             spec_llm._bench_counts = {"a": st.num_accepted_tokens, "d": st.num_draft_tokens,
                                       "v": st.num_verify_steps}
-            acc, drafted, verify = (spec_llm._bench_counts[k] - before[k] for k in "adv")
+            acc, drafted, verify = (spec_llm._bench_counts[c] - before[c] for c in "adv")
+            hist_before = getattr(spec_llm, "_bench_hist", {})
+            hist = {n: c - hist_before.get(n, 0) for n, c in st.accepted_histogram.items()}
+            spec_llm._bench_hist = dict(st.accepted_histogram)
             row = {"set": name, "method": label, "wall_s": round(wall, 2),
                    "tok_s": round(sum(map(len, toks)) / wall, 2),
                    "greedy_exact": toks == greedy[name], "accepted": acc, "drafted": drafted,
                    "verify_steps": verify,
-                   "tokens_per_verify": round((acc + verify) / verify, 3) if verify else None}
+                   "tokens_per_verify": round((acc + verify) / verify, 3) if verify else None,
+                   "accepted_histogram": {n: c for n, c in sorted(hist.items()) if c}}
             results["engine"].append(row)
             print(row, flush=True)
             write_json(a.out, results)
         del spec_llm
+
+
+def pin(spec, mode: str) -> None:
+    """Every eligible step drafts in `mode` at the cap (see the module docstring)."""
+    spec.mode = lambda batch_size, step=None: mode
+    spec.k_for = lambda r, cap: max(0, min(cap, r.max_tokens - r.num_output_tokens - 1,
+                                           r.max_model_len - r.num_tokens - 1))
 
 
 if __name__ == "__main__":

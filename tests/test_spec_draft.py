@@ -99,6 +99,44 @@ def test_proposal_equals_step_by_step_drafting(tiny_llama, k, params, case):
         assert any(len(d) < k_ for d, k_ in zip(got.drafts, ks))
 
 
+@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("case", ["roomy", "context-limit", "pool-runs-out"])
+def test_greedy_chain_launch_equals_step_by_step_drafting(tiny_llama, k, case):
+    """`spec.chain`: a greedy chain's steps past the first in one launch (a CUDA graph replay on
+    GPUs; here its body runs eagerly, unpadded) give the drafts, draft caches and blocks of
+    drafting step by step, with mixed k (some chains shorter than others) and chains cut by the
+    context or the pool. Both run the model's reference forward (no CPU decode path), so
+    their arithmetic is the same."""
+    from luceio.spec.chain import DraftChain
+    lengths = {"roomy": [9, 30, 17, 46], "context-limit": [9, 509, 30, 17],
+               "pool-runs-out": [30, 31, 15, 46]}[case]
+    blocks = 9 if case == "pool-runs-out" else 256
+    ks = [k, 1, max(k - 2, 1), k]
+    new, ref = proposer_of(tiny_llama, blocks), proposer_of(tiny_llama, blocks)
+    for p in (new, ref):
+        p.runner.cpu_decoder = None
+    new.chain = DraftChain(new.runner, 4, 16)
+    runs = []
+    real_run = new.chain.run
+    new.chain.run = lambda *a: runs.append(a[2]) or real_run(*a)
+    new_reqs, ref_reqs = (requests(prompts_of(lengths), PARAMS[:1]) for _ in range(2))
+    for rnd in range(3):
+        got = new.propose([ProposalInput(r.all_token_ids, k_, r) for r, k_ in zip(new_reqs, ks)])
+        want = step_by_step(ref, [ProposalInput(r.all_token_ids, k_, r)
+                                  for r, k_ in zip(ref_reqs, ks)])
+        assert got.drafts == want.drafts
+        assert new.kv.block_tables == ref.kv.block_tables
+        assert [(s.all_token_ids, s.num_computed_tokens) for s in new.seqs.values()] == \
+            [(s.all_token_ids, s.num_computed_tokens) for s in ref.seqs.values()]
+        verify(new_reqs, got.drafts, rnd)
+        verify(ref_reqs, want.drafts, rnd)
+    # every round chained its steps past the first (once the pool runs out, a round may have
+    # no chain past its first step)
+    assert len(runs) == 3 if case != "pool-runs-out" else runs
+    if k == 5:  # chains of 4 and 2 steps past the first in one launch
+        assert any(len(set(steps)) > 1 for steps in runs)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_one_host_read_per_propose_call(tiny_llama, k, monkeypatch):
     """However many draft steps run, the drafts come back in one read (the old code read each

@@ -51,7 +51,7 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
                          max_num_seqs=args.max_num_seqs, max_spec_tokens=1,
                          tree_rows=_draft_tree_rows(args))
     return DraftModelProposer(runner, args.block_size, sampler, args.spec_tree_budget,
-                              args.spec_tree_topk)
+                              args.spec_tree_topk, max_chain=args.num_speculative_tokens)
 
 
 def _draft_tree_rows(args) -> int:

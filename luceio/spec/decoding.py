@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class SpecStats:
     num_verify_steps: int = 0
     draft_seconds: float = 0.0  # proposer time (draft-model forwards or n-gram search)
     verify_seconds: float = 0.0  # rejection-sampling time (the target forward is not included)
+    # verify steps by accepted drafts: accepted_histogram[a] verifies accepted exactly a
+    accepted_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -309,6 +311,7 @@ class SpecDecoder:
         st.num_verify_steps += 1
         st.num_draft_tokens += num_drafts
         st.num_accepted_tokens += num_accepted
+        st.accepted_histogram[num_accepted] = st.accepted_histogram.get(num_accepted, 0) + 1
         if tree:  # a tree's nodes are mostly siblings: count what a verify emits
             self._tree_emitted = _ACCEPT_DECAY * self._tree_emitted + num_accepted + 1
             self._tree_verifies = _ACCEPT_DECAY * self._tree_verifies + 1

@@ -23,6 +23,7 @@ from ..pipeline import DeviceSamples
 from ..sampler import device_tensor
 from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
+from .chain import DraftChain, plain_argmax
 from .proposer import Proposal, ProposalInput, Proposer
 from .tree import MAX_ROWS, DraftTree
 
@@ -53,12 +54,18 @@ class DraftSeq:
 
 class DraftModelProposer(Proposer):
     def __init__(self, runner, block_size: int, sampler, tree_budget: int = 0,
-                 tree_topk: int = 2):
-        self.runner = runner  # a ModelRunner over the draft model, eager
+                 tree_topk: int = 2, max_chain: int = 0):
+        """`max_chain`: the longest chain asked for (k_max); where the draft runner has CUDA
+        graphs, greedy chains run their steps past the first in one replay (`spec.chain`)."""
+        self.runner = runner  # a ModelRunner over the draft model
         self.sampler = sampler  # the engine's: drafts are drawn with each request's parameters
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSeq] = {}
         self.tree_budget, self.tree_topk = tree_budget, tree_topk
+        self.chain = None
+        if runner.graphs is not None and max_chain > 1:
+            self.chain = DraftChain(runner, max_chain - 1, runner.graphs.max_seqs)
+            self.chain.capture()
 
     def propose(self, batch: list[ProposalInput]) -> Proposal:
         """Drafts batch[i].k tokens for each batch[i].request (tokens: batch[i].tokens), in one
@@ -90,6 +97,12 @@ class DraftModelProposer(Proposer):
             live = [i for i in live if step < ks[i] and self._room(seqs[i], step)]
             if not live:
                 break
+            if step == 1 and self.chain is not None and plain_argmax(reqs):
+                chained = self._launch_chain(seqs, ks, live, steps[0], sampled[0])
+                if chained is not None:
+                    steps += chained[0]
+                    sampled.append(chained[1])
+                    break
             previous = DeviceSamples([seqs[i].request_id for i in steps[-1]], sampled[-1], None,
                                      []) if steps else None
             live_reqs = [reqs[i] for i in live]
@@ -99,6 +112,35 @@ class DraftModelProposer(Proposer):
             if any_sampled:
                 probs.append(processed.softmax(-1))
         return steps, sampled, probs
+
+    def _launch_chain(self, seqs: list[DraftSeq], ks: list[int], live: list[int],
+                      first_live: list[int], first: torch.Tensor):
+        """Steps 1.. of a greedy chain in one `DraftChain` launch (graph replay), for the
+        requests `live` at step 1 (room for it allocated). Returns (the requests each step
+        extended, their drafts step-major in one device tensor), or None where no graph fits;
+        blocks allocated for the steps stay (the step-by-step path would allocate them too)."""
+        # as many steps as drafting step by step would run, blocks allocated in its order
+        num_steps, going = [1] * len(live), list(range(len(live)))
+        for step in range(2, max(ks[i] for i in live)):
+            going = [r for r in going if step < ks[live[r]] and self._room(seqs[live[r]], step)]
+            for r in going:
+                num_steps[r] = step
+        n, most = len(live), max(num_steps)
+        if self.runner.device.type == "cuda" and self.chain.bucket(n, most) is None:
+            return None
+        if live != first_live:
+            where = {i: r for r, i in enumerate(first_live)}
+            first = first[device_tensor([where[i] for i in live], torch.int64, first.device)]
+        out = self.chain.run(first, [seqs[i] for i in live], num_steps, self.kv)
+        steps = [[i for i, m in zip(live, num_steps) if m >= j] for j in range(1, most + 1)]
+        if min(num_steps) == most:
+            drafts = out.reshape(-1)
+        else:
+            rows = [j * n + r for j in range(most) for r, m in enumerate(num_steps) if m > j]
+            drafts = out.reshape(-1)[device_tensor(rows, torch.int64, out.device)]
+        for i, m in zip(live, num_steps):
+            seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) + m
+        return steps, drafts
 
     def _step_logits(self, seqs: list[DraftSeq], live: list[int], live_reqs, step: int,
                      previous: DeviceSamples | None) -> torch.Tensor:

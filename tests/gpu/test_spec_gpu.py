@@ -57,3 +57,45 @@ def test_draft_steps_launch_without_a_host_sync(tiny_llama, monkeypatch):
         [o.outputs[0].token_ids for o in plain][::2]
     assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
     assert len(checked) > 5 and max(checked) > 1
+
+
+def test_greedy_chain_steps_replay_one_graph(tiny_llama, monkeypatch):
+    """`spec.chain`: with every request greedy, a chain's steps past the first are one graph
+    replay, launched without a host synchronisation (sync debug mode "error" around it), and
+    drafting gives what drafting step by step through the draft's one-step graphs gives: the
+    same drafts (so the same acceptance counts) and the output of plain decoding."""
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "chain")
+    plain = LLM(tiny_llama, **engine_kwargs(device="cuda", enforce_eager=True)).generate(
+        prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
+
+    def run(chained: bool):
+        llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="draft",
+                                              draft_model=tiny_llama, num_speculative_tokens=4))
+        proposer = llm.engine.spec.proposer
+        assert proposer.chain is not None and proposer.chain.graphs
+        replays = []
+        if not chained:
+            proposer.chain = None
+        else:
+            real = proposer.chain.run
+
+            def strict(*a):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = real(*a)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                replays.append(max(a[2]))
+                return out
+            proposer.chain.run = strict
+        outs = llm.generate(prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
+        st = llm.engine.spec.stats
+        return ([o.outputs[0].token_ids for o in outs],
+                (st.num_verify_steps, st.num_draft_tokens, st.num_accepted_tokens), replays)
+
+    tokens, stats, replays = run(True)
+    ref_tokens, ref_stats, _ = run(False)
+    assert tokens == ref_tokens == [o.outputs[0].token_ids for o in plain]
+    assert stats == ref_stats and stats[1] > 0
+    assert len(replays) > 5 and max(replays) == 3
