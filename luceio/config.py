@@ -52,6 +52,12 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ExpertOffloadConfig:
+    memory: int | float  # device bytes for the experts (int), or a fraction of all of them (float)
+    placement: str | None  # `luceio calibrate-experts` file: experts kept on the device for good
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     method: str | None
     draft_model: str | None
@@ -100,10 +106,12 @@ class EngineArgs(CliArgs):
                      "(`luceio serve`, LLM), 1 to W-1 for `luceio stage`")
     stage_join_timeout: int = _opt(300, "seconds every process waits for the others to join "
                                    "--dist-init before it gives up")
-    stage_transport: str = _opt("auto", "how hidden states cross a stage boundary: auto (Gloo "
-                                "through host memory; a boundary between two CUDA devices, "
-                                "which would take NCCL, is refused for now) or host (Gloo "
-                                "through host memory everywhere)", choices=["auto", "host"])
+    stage_transport: str = _opt("auto", "how hidden states cross the stage boundaries: nccl "
+                                "(device to device; every stage a CUDA device of its own, one "
+                                "vendor's PyTorch in every process), host (Gloo through pinned "
+                                "host memory; any devices, vendors and machines) or auto (nccl "
+                                "where it can serve, else host)",
+                                choices=["auto", "host", "nccl"])
     quantization: str = _opt("auto", "weights: auto (a GGUF keeps its 4/5/6/8-bit types, "
                              "read by luceio's quantized kernels; safetensors stay as stored), "
                              "none (dequantize a GGUF at load), int8 / int4 (quantize a 16-bit "
@@ -136,6 +144,19 @@ class EngineArgs(CliArgs):
                                 "swap (copy its blocks to host memory and back; no recompute)",
                                 choices=["recompute", "swap"])
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    expert_memory: str | None = _opt(None, "mixture-of-experts models: device memory for the "
+                                     "experts' weights, in bytes (suffixes K, M, G, T: powers "
+                                     "of 1024) or as a fraction of all experts' bytes (0.6; a "
+                                     "decimal point makes it a fraction). The same number of "
+                                     "experts per sparse layer fits; the rest wait in (pinned) "
+                                     "host memory and are copied into the layer's device slots "
+                                     "when a step needs them (LRU). Such models run eagerly, "
+                                     "without CUDA graphs. Default: every expert on the device")
+    expert_placement: str | None = _opt(None, "with --expert-memory: a placement file from "
+                                        "`luceio calibrate-experts`; each layer's most-used "
+                                        "experts keep device slots for good (all its slots but "
+                                        "top-k, which stay the LRU cache). Default: every slot "
+                                        "is LRU")
     speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft (default off)",
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
@@ -205,12 +226,47 @@ class EngineArgs(CliArgs):
         return ResidencyConfig(self.kv_resident_tokens, self.block_size, self.kv_resident_policy,
                                self.kv_rescore_interval)
 
+    def expert_offload_config(self) -> ExpertOffloadConfig | None:
+        """--expert-memory / --expert-placement, parsed; None when off. Raises ValueError."""
+        if self.expert_memory is None:
+            if self.expert_placement is not None:
+                raise ValueError("--expert-placement applies with --expert-memory")
+            return None
+        if self.devices:
+            raise ValueError("--expert-memory cannot be combined with --devices (pipeline "
+                             "stages) yet")
+        return ExpertOffloadConfig(parse_memory(self.expert_memory, "--expert-memory"),
+                                   self.expert_placement)
+
     def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.speculative_method, self.draft_model,
                                  self.num_speculative_tokens)
 
 
 AsyncEngineArgs = EngineArgs  # vLLM's name for the async engine's arguments: one set serves both
+
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_memory(value: str | int | float, flag: str) -> int | float:
+    """Bytes (an int, or a string with an optional K/M/G/T suffix, `iB`/`B` allowed) or a
+    fraction in (0, 1] (a float, or a string with a decimal point). Raises ValueError."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        amount = value
+    else:
+        text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        try:
+            amount = float(text) if "." in text else \
+                int(text.rstrip("KMGT") or "x") * _SUFFIXES[text[len(text.rstrip("KMGT")):]]
+        except (KeyError, ValueError):
+            raise ValueError(f"{flag} {value!r}: give bytes (8G, 512M, 1073741824) or a "
+                             "fraction of the total (0.6)") from None
+    if isinstance(amount, float) and not 0 < amount <= 1:
+        raise ValueError(f"{flag} {value!r}: a fraction must be in (0, 1]")
+    if isinstance(amount, int) and amount <= 0:
+        raise ValueError(f"{flag} {value!r}: must be positive")
+    return amount
 
 
 def add_field_arg(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:

@@ -32,7 +32,7 @@ from .loader.resolve import model_path
 from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
-from .models import build_model, context_limit
+from .models import build_model, check_engine_support, context_limit, runs_spec_prefill
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
 from .memory import kv_bytes_per_block
 from .runner import ModelRunner
@@ -61,6 +61,7 @@ class LLMEngine:
             tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config,
                                   ckpt.config)
         self.tokenizer = tokenizer
+        check_engine_support(args, ckpt, model)
         self.stages = start_stages(args, ckpt, model)
         try:
             # the draft model loads first, so the target's KV cache is sized around its weights
@@ -83,7 +84,8 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.sampler = Sampler(args.seed, piece=token_piece(tokenizer))
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
-        self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len)
+        self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len) \
+            if runs_spec_prefill(self.runner.model) and runs_spec_prefill(draft) else None
         self.structured = StructuredOutputs(tokenizer, self.runner.cfg.vocab_size)
         self.states: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -115,7 +117,8 @@ class LLMEngine:
                            extra_bytes_per_block=kv_bytes_per_block(
                                draft.cfg, args.block_size, dtype)
                            if draft is not None and args.speculative_method == "draft" else 0,
-                           stages=self.stages)
+                           stages=self.stages,
+                           expert_offload=args.expert_offload_config())
 
     def memory_stats(self) -> MemoryStats:
         """What the weights and the KV pool take, and the context the pool serves."""
@@ -184,6 +187,9 @@ class LLMEngine:
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.seed is not None and not 0 <= params.seed < 2**63 - params.n:
             raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
+        if params.spec_prefill_keep is not None and self.spec_prefill is None:
+            raise ValueError("spec_prefill_keep needs speculative prefill, which this engine "
+                             "does not run (it needs a --draft-model the target allows it with)")
         if params.prompt_logprobs is not None and \
                 self.spec_prefill_keep(len(ids), params) is not None:
             raise ValueError("prompt_logprobs cannot be combined with speculative prefill")

@@ -11,6 +11,10 @@ reads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .models.expert_offload import ExpertStats
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class EngineStats:
     preemptions: int = 0
     spec_draft_tokens: int = 0     # drafts verified (all requests, finished or not)
     spec_accepted_tokens: int = 0
+    # --expert-memory: slots and hit/miss/byte counters (`expert_offload.ExpertStats`); None
+    # when no expert is offloaded
+    experts: ExpertStats | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -97,6 +104,7 @@ def engine_stats(engine) -> EngineStats:
     if res is not None:
         offloaded = sum(t.count(-1) for t in list(kv.block_tables.values()))
     spec = engine.spec.stats if engine.spec is not None else None
+    offload = engine.runner.expert_offload
     return EngineStats(
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         num_request_states=len(engine.states), kv_blocks_total=pool.num_blocks,
@@ -110,4 +118,5 @@ def engine_stats(engine) -> EngineStats:
         sync_steps=dict.copy(c["sync_steps"]), discarded_tokens=c["discarded_tokens"],
         preemptions=sched.num_preemptions,
         spec_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
-        spec_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0)
+        spec_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        experts=offload.stats() if offload is not None else None)

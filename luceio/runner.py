@@ -17,10 +17,12 @@ import numpy as np
 import psutil
 import torch
 
-from .config import CPU_KV_MAX_FRACTION, CPU_KV_TOKENS, MIN_FITTED_CONTEXT, CacheConfig
+from .config import CPU_KV_MAX_FRACTION, CPU_KV_TOKENS, MIN_FITTED_CONTEXT, CacheConfig, \
+    ExpertOffloadConfig
 from .loader import Checkpoint
 from .models import AttnMetadata, build_model
 from .models.cpu_decode import CpuDecoder
+from .models.expert_offload import ExpertOffload
 from .cache.host_store import HostKVStore, QueryProbe
 from .memory import Staging, kv_bytes_per_block, return_freed_heap, zeros_pool
 from .scheduler import SchedulerOutput
@@ -83,16 +85,22 @@ class ModelRunner:
                  cache_config: CacheConfig, max_model_len: int, model=None,
                  enforce_eager: bool = False, max_num_seqs: int = 128, max_spec_tokens: int = 0,
                  extra_bytes_per_block: int = 0, quantization: str = "auto",
-                 fit_context: bool = False, tree_rows: int = 0, stages=None):
+                 fit_context: bool = False, tree_rows: int = 0, stages=None,
+                 expert_offload: ExpertOffloadConfig | None = None):
         """`max_model_len`: the context wanted; with `fit_context` (none was asked for) it
         shrinks to what a memory-sized KV pool holds. The context used: `self.max_model_len`.
         `tree_rows`: rows of the largest tree-speculation step (its own CUDA graphs).
         `stages`: a `stages.StageGroup`: this runner holds stage 0's layers and their KV, and
         every forward goes through the group (eager, no CPU decode path). Its pool is sized as
-        if it held every layer, and the other stages allocate as many blocks."""
+        if it held every layer, and the other stages allocate as many blocks.
+        `expert_offload`: --expert-memory's experts in host memory (`models/expert_offload.py`;
+        the model then runs eagerly); its counters are `self.expert_offload.stats()`."""
         self.device, self.dtype = device, dtype
+        if expert_offload is not None and model is not None:
+            raise ValueError("--expert-memory applies when the engine loads the model itself")
+        self.expert_offload = ExpertOffload(expert_offload) if expert_offload else None
         self.model = model if model is not None else build_model(ckpt, dtype, device,
-                                                                 quantization)
+                                                                 quantization, self.expert_offload)
         self.cfg = self.model.cfg
         self.block_size = cache_config.block_size
         # a draft model's cache gets as many blocks: size both from one budget
@@ -118,7 +126,11 @@ class ModelRunner:
             if device.type == "cpu" and CpuDecoder.supports(dtype) and stages is None else None
         if device.type == "cpu":
             return_freed_heap()
-        if device.type == "cuda" and not enforce_eager and stages is None:
+        offloaded = self.expert_offload is not None and self.expert_offload.active
+        if offloaded and device.type == "cuda":
+            logger.info("expert offload reads each layer's routed experts on the host: no CUDA "
+                        "graphs")
+        if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
             from . import kernels
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels

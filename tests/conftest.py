@@ -86,6 +86,91 @@ def make_tiny_model(folder: str, arch: str, seed: int = 0, num_layers: int = 2,
     return folder
 
 
+MOE_CONFIGS = {
+    # 4 experts top-2, renormalised; GQA 2, head_dim 32 != hidden / heads; tied embeddings
+    "e4k2": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                 tie_word_embeddings=True),
+    # 6 experts top-3, not renormalised; layer 1 dense; GQA 3, odd widths; untied
+    "e6k3": dict(hidden_size=48, intermediate_size=72, moe_intermediate_size=40,
+                 num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                 num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+                 tie_word_embeddings=False),
+}
+
+
+def moe_hf_config(name: str, **over):
+    """A transformers Qwen3MoeConfig of one of MOE_CONFIGS, with `over` changed."""
+    from transformers import Qwen3MoeConfig
+    kw = dict(vocab_size=VOCAB, max_position_embeddings=512, rope_theta=10000.0,
+              initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return Qwen3MoeConfig(**{**kw, **MOE_CONFIGS[name], **over})
+
+
+def make_tiny_moe(folder: str, name: str, seed: int, **over) -> str:
+    """A random Qwen3-MoE checkpoint of MOE_CONFIGS[name] (fp32), with norm weights away from 1
+    and a router with clear preferences, so both matter."""
+    from transformers import Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(moe_hf_config(name, **over)).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0, 0.2)
+            elif pname.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+GEMMA_CONFIGS = {
+    # GQA 2:1, tied, window 5 (bites within the prompts), linear rope scaling on the global
+    # layer, query_pre_attn_scalar != head_dim
+    "gqa_tied": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                     sliding_window=5, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                     rope_parameters={
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    # MHA, odd widths, untied, final logit soft-capping that bites, window 7, the older
+    # `sliding_window_pattern` form (every 2nd layer global)
+    "mha_odd_untied": dict(hidden_size=48, intermediate_size=76, num_hidden_layers=4,
+                           num_attention_heads=3, num_key_value_heads=3, head_dim=20,
+                           sliding_window_pattern=2, sliding_window=7,
+                           query_pre_attn_scalar=20, tie_word_embeddings=False,
+                           final_logit_softcapping=3.0),
+}
+
+
+def gemma_hf_config(name: str, **over):
+    """A transformers Gemma3TextConfig of one of GEMMA_CONFIGS, with `over` changed."""
+    from transformers import Gemma3TextConfig
+    kw = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.1,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return Gemma3TextConfig(**{**kw, **GEMMA_CONFIGS[name], **over})
+
+
+def make_tiny_gemma(folder: str, name: str, seed: int, **over) -> str:
+    """A random Gemma 3 text checkpoint of GEMMA_CONFIGS[name] (fp32); its norms scale by
+    1 + w, so w is drawn away from 0 for them to matter."""
+    from transformers import Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(gemma_hf_config(name, **over)).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(0.0, 0.3)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")

@@ -4,56 +4,18 @@ chunked prefill against requests run alone."""
 import pytest
 import torch
 
-from conftest import build_tokenizer, engine_kwargs
+from conftest import MOE_CONFIGS, engine_kwargs, make_tiny_moe, moe_hf_config
 from luceio import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
-CONFIGS = {
-    # 4 experts top-2, renormalised; GQA 2, head_dim 32 != hidden / heads; tied embeddings
-    "e4k2": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                 tie_word_embeddings=True),
-    # 6 experts top-3, not renormalised; layer 1 dense; GQA 3, odd widths; untied
-    "e6k3": dict(hidden_size=48, intermediate_size=72, moe_intermediate_size=40,
-                 num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                 num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
-                 tie_word_embeddings=False),
-}
-
-
-def _hf_config(name: str, **over):
-    from transformers import Qwen3MoeConfig
-    kw = dict(vocab_size=384, max_position_embeddings=512, rope_theta=10000.0,
-              initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    return Qwen3MoeConfig(**{**kw, **CONFIGS[name], **over})
-
-
-def _randomise(model) -> None:
-    """Norm weights away from 1 and a router with clear preferences, so both matter."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
+CONFIGS = MOE_CONFIGS
 
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> dict[str, str]:
-    from transformers import Qwen3MoeForCausalLM
-    paths = {}
-    for seed, name in enumerate(CONFIGS):
-        folder = str(tmp_path_factory.mktemp(name))
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(_hf_config(name)).float()
-        _randomise(model)
-        model.generation_config.eos_token_id = None
-        model.save_pretrained(folder)
-        build_tokenizer(folder)
-        paths[name] = folder
-    return paths
+    return {name: make_tiny_moe(str(tmp_path_factory.mktemp(name)), name, seed)
+            for seed, name in enumerate(CONFIGS)}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -68,7 +30,7 @@ def test_reference_matches_transformers_sparse_block(norm_topk_prob):
 
     from luceio.kernels.moe import fused_moe_ref, route_topk_ref
     torch.manual_seed(0)
-    block = Qwen3MoeSparseMoeBlock(_hf_config("e6k3", norm_topk_prob=norm_topk_prob))
+    block = Qwen3MoeSparseMoeBlock(moe_hf_config("e6k3", norm_topk_prob=norm_topk_prob))
     for p in block.parameters():
         torch.nn.init.normal_(p, 0.0, 0.5)
     x = torch.randn(1, 37, 48)

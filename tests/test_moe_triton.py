@@ -100,7 +100,7 @@ def test_greedy_on_triton_kernels_matches_torch_path(moe_models, monkeypatch):
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
     row_counts, kernel = [], triton_ops.fused_moe
     monkeypatch.setattr(triton_ops, "fused_moe",
-                        lambda x, *a: row_counts.append(x.shape[0]) or kernel(x, *a))
+                        lambda x, *a, **kw: row_counts.append(x.shape[0]) or kernel(x, *a, **kw))
     triton_outs = run()
     # the prefills and the last step, a decode of both requests, ran it
     assert max(row_counts) > len(prompts) and row_counts[-1] == len(prompts)

@@ -102,3 +102,12 @@ async def test_async_engine_runs_scoring_off_loop(tiny_llama, draft):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
     await engine.shutdown()
     await asyncio.sleep(0)
+
+
+def test_spec_prefill_keep_is_refused_without_speculative_prefill(tiny_llama):
+    """A request's spec_prefill_keep on an engine without speculative prefill (no draft model)
+    is refused with a clear error, never silently ignored."""
+    llm = LLM(tiny_llama, **engine_kwargs())
+    with pytest.raises(ValueError, match="spec_prefill_keep needs speculative prefill"):
+        llm.engine.add_request(None, [5, 6, 7], SamplingParams(spec_prefill_keep=0.5))
+    assert not llm.engine.scheduler.waiting

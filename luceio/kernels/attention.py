@@ -9,6 +9,13 @@ A step is one flat varlen batch: request b owns query tokens
 cached tokens (decode: q_len 1; chunked prefill and speculative verification: q_len > 1).
 Query j of request b sits at cache index `seq_lens[b] - q_len + j` and attends causally to
 cache indices `0 ..= that index`.
+
+Sliding-window attention (`window` > 0; Gemma's local layers): a key at position p is visible to
+a query at position t only if t - p < window, transformers' convention (`sliding_window_overlay`:
+kv_idx > q_idx - sliding_window). All KV stays cached; the window only masks. A token's position
+is its cache index, except in a draft-tree step: there the step's tokens sit at root + depth,
+so the window reads `positions` (the step's tokens' positions) for the queries and for the keys
+among the step's tokens (the context before them is at its cache index).
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int)
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                        scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, tree_mask: torch.Tensor | None = None, window: int = 0,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
 
     One batched SDPA call: queries are scattered into [num_seqs, max_query_len] and keys
@@ -48,13 +56,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     a query token's word says whether it sees its request's j-th query token (j < 64; the
     cached context before them is always seen, and the causal rule still holds, so -1 is plain
     causal attention and a request without a tree passes -1).
+    `window` (0: none) and `positions` (int64 [num_tokens], read only with a tree_mask): the
+    sliding window of the module docstring.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     device = q.device
     if max_query_len == 1 and num_tokens == num_seqs:  # a one-row tree is its root: causal
-        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale,
+                           window)
+    if window and tree_mask is not None and positions is None:
+        raise ValueError("a sliding window over a draft tree needs the tokens' positions")
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
                                            output_size=num_tokens)
@@ -75,6 +88,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         rel = torch.arange(max_seq_len, device=device)[None, :] - (seq_lens - q_lens)[:, None]
         bit = (words[:, :, None] >> rel.clamp(0, 63)[:, None, :]) & 1
         mask &= ((rel < 0) | (rel >= 64))[:, None, :] | (bit != 0)
+    if window:
+        key_pos = torch.arange(max_seq_len, device=device).expand(num_seqs, -1)
+        if tree_mask is not None:  # the step's tokens at their own positions (root + depth)
+            key_pos = key_pos.clone()
+            key_pos[seq_of_token, (seq_lens - q_lens)[seq_of_token] + idx_in_seq] = positions
+            q_pos = q_pos.clone()
+            q_pos[seq_of_token, idx_in_seq] = positions
+        mask &= (q_pos[:, :, None] - key_pos[:, None, :]) < window
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
         attn_mask=mask[:, None], scale=scale,
@@ -82,7 +103,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.transpose(1, 2)[seq_of_token, idx_in_seq]
 
 
-def _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, scale: float):
+def _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
+                window: int = 0):
     """One query per request: two batched matmuls per KV head group, no padding of queries.
     (CPU SDPA kernels spend far longer on their setup than on a single query's work.)"""
     num_seqs, num_heads, head_dim = q.shape
@@ -92,7 +114,10 @@ def _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, s
     v = gather_kv(v_cache, block_tables, max_seq_len).transpose(1, 2)  # [B, Hkv, L, D]
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.to(q.dtype)).float() * scale  # [B, Hkv, G, L]
-    beyond = torch.arange(max_seq_len, device=q.device)[None, :] >= seq_lens[:, None]
+    key = torch.arange(max_seq_len, device=q.device)[None, :]
+    beyond = key >= seq_lens[:, None]
+    if window:
+        beyond |= key <= (seq_lens - 1 - window)[:, None]
     scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1).to(q.dtype)
     return torch.matmul(probs, v.to(q.dtype)).view(num_seqs, num_heads, head_dim)

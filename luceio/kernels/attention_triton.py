@@ -8,12 +8,17 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   one KV head (padded to >= 16 rows for tl.dot), walks its split of the sequence's real length
   (cut evenly, at least `decode_min_tokens_per_split` keys, whole BLOCK_N tiles: a CUDA graph
   captured for the model's whole context still spreads a short context over its splits) with
-  an online softmax and writes its normalised partial output and log-sum-exp;
-  `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the first kernel writes the output directly.
+  an online softmax and writes its normalised partial output and log-sum-exp; the last
+  program of a (sequence, KV head) to finish (an arrival counter, `quant_gemv.split_counters`)
+  merges its splits in split order, in the same launch. With one split the kernel writes the
+  output directly.
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
   see run unmasked; the diagonal band runs with the causal mask.
+* a sliding window (`window` > 0, see `attention.py`): decode walks only the last `window` keys;
+  prefill skips the keys below every row's window and masks the band at its lower edge (in a
+  draft-tree step, by the tokens' `positions`: every visited key masked).
 
 Under TRITON_INTERPRET=1 the dot operands are cast to fp32 (the interpreter's bf16 dot is
 wrong); on GPUs fp16/bf16 dots run natively with fp32 accumulation, fp32 ones as IEEE.
@@ -27,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .configs import get_config, num_sms
+from .quant_gemv import split_counters
 from .quant_x import emit_xq, xq_args, xq_flags
 
 _LOG2E = 1.4426950408889634
@@ -49,12 +55,16 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
                  s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BOUNDED: tl.constexpr,
                  CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
-                 TREE: tl.constexpr = False, words=None, ctx=0):
+                 TREE: tl.constexpr = False, words=None, ctx=0,
+                 WINDOW: tl.constexpr = False, window=0, q_pos=None, pos_ptr=None, q_len=0):
     """One tile of BLOCK_N keys starting at n0: scores, online-softmax update, P @ V.
 
     kc_ptr / vc_ptr already point at this KV head; bt_ptr at this request's block table row.
     BOUNDED masks keys >= lim; CAUSAL masks keys > row_pos (per row); TREE (with CAUSAL) also
     masks query token j of the request (key ctx + j, j < 64) where bit j of the row's word is 0.
+    WINDOW (with CAUSAL) masks keys at or past `window` positions behind the row's query: by
+    cache index, or with TREE by position (q_pos per row; pos_ptr: the request's step tokens'
+    positions, the keys ctx .. ctx + q_len - 1).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BOUNDED:
@@ -84,6 +94,15 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
             sh = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
             bit = (words[:, None] >> sh[None, :]) & 1
             keep = keep & (((rel < 0) | (rel >= 64))[None, :] | (bit != 0))
+        if WINDOW:
+            if TREE:
+                step = offs_n - ctx
+                in_step = (step >= 0) & (step < q_len)
+                k_pos = tl.load(pos_ptr + tl.where(in_step, step, 0), mask=in_step, other=0)
+                k_pos = tl.where(in_step, k_pos, offs_n.to(tl.int64))
+                keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
+            else:
+                keep = keep & ((row_pos[:, None] - offs_n[None, :]) < window)
         s = tl.where(keep, s, float("-inf"))
     elif BOUNDED:
         s = tl.where(nmask[None, :], s, float("-inf"))
@@ -98,12 +117,13 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
-                   scale_log2, min_tokens_per_split, num_splits,
+                   cnt_ptr, scale_log2, min_tokens_per_split, num_splits, window,
                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
                    xq0, xs0, xsum0, xq1, xs1, xsum1,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+                   MERGE_S: tl.constexpr = 4,
                    XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -126,10 +146,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         q = q.to(tl.float32)
 
     # this sequence's own split of its real length (a graph's grid is sized for the longest
-    # context it may see): splits past its end find nothing and are weighted 0 by the reduce
-    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), min_tokens_per_split),
-                               BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    # context it may see): splits past its end find nothing and are weighted 0 by the reduce.
+    # A sliding window: the splits cut only the keys the query sees, from `lo`
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len - lo, num_splits),
+                                          min_tokens_per_split), BLOCK_N) * BLOCK_N
+    start = lo + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     kc = kc_ptr + kvh * s_kch
@@ -149,59 +171,60 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if DIRECT_OUT:
-        o = o.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + q_start.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
-                 o, mask=qmask)
-        # one token: the group's heads are consecutive groups of 32 of the o projection's input
-        g0 = kvh * (GROUP * HEAD_DIM // 32)
-        emit_xq(tl.reshape(o.to(tl.float32), [BLOCK_H * BLOCK_D]), g0,
-                g0 + GROUP * HEAD_DIM // 32, num_heads * HEAD_DIM // 32,
-                xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_H * BLOCK_D, XQ_PLANES, XQ_GROUPS)
-    else:
+    if not DIRECT_OUT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 domain
         part = (b.to(tl.int64) * num_heads + heads) * num_splits + split   # [B, H, S] index
         tl.store(pl_ptr + part, lse, mask=hmask)
         tl.store(po_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qmask)
-
-
-@triton.jit
-def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_oh,
-                          xq0, xs0, xsum0, xq1, xs1, xsum1,
-                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + b)
-    if tl.load(qsl_ptr + b + 1) - q_start == 0:
-        return
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
-    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    lse = tl.load(pl_ptr + base + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(po_ptr + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-                mask=smask[:, None] & dmask[None, :], other=0.0)
-    den = tl.sum(w, 0)
-    den = tl.where(den == 0.0, 1.0, den)
-    res = (tl.sum(o * w[:, None], 0) / den).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + h * s_oh + offs_d, res, mask=dmask)
-    g0 = h * (HEAD_DIM // 32)  # one token: head h is groups g0 ... of the o projection's input
-    emit_xq(res.to(tl.float32), g0, g0 + HEAD_DIM // 32, tl.num_programs(1) * HEAD_DIM // 32,
-            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_D, XQ_PLANES, XQ_GROUPS)
+        # The last split of (b, kvh) to finish (an acq_rel counter) merges the splits that hold
+        # keys, in split order (the result does not depend on which finished last), and resets
+        # the counter for the next launch: no separate reduce kernel.
+        tl.debug_barrier()
+        cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") != num_splits - 1:
+            return
+        used = tl.cdiv(seq_len - lo, tokens_per_split)
+        base = (b.to(tl.int64) * num_heads + heads) * num_splits                # [BLOCK_H]
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s0 in range(0, used, MERGE_S):
+            offs_s = s0 + tl.arange(0, MERGE_S)
+            lse_s = tl.load(pl_ptr + base[:, None] + offs_s[None, :],
+                            mask=hmask[:, None] & (offs_s < used)[None, :], other=float("-inf"),
+                            cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(lse_s, 1))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.zeros([BLOCK_H], tl.float32)
+        o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for s0 in range(0, used, MERGE_S):
+            offs_s = s0 + tl.arange(0, MERGE_S)
+            smask = hmask[:, None] & (offs_s < used)[None, :]
+            w = tl.exp2(tl.load(pl_ptr + base[:, None] + offs_s[None, :], mask=smask,
+                                other=float("-inf"), cache_modifier=".cg") - m[:, None])
+            po = tl.load(po_ptr + (base[:, None, None] + offs_s[None, :, None]) * HEAD_DIM
+                         + offs_d[None, None, :], mask=smask[:, :, None] & dmask[None, None, :],
+                         other=0.0, cache_modifier=".cg")                      # [BH, MS, BD]
+            den += tl.sum(w, 1)
+            o += tl.sum(po * w[:, :, None], 1)
+        o = o / tl.where(den == 0.0, 1.0, den)[:, None]
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
+             o, mask=qmask)
+    # one token: the group's heads are consecutive groups of 32 of the o projection's input
+    g0 = kvh * (GROUP * HEAD_DIM // 32)
+    emit_xq(tl.reshape(o.to(tl.float32), [BLOCK_H * BLOCK_D]), g0,
+            g0 + GROUP * HEAD_DIM // 32, num_heads * HEAD_DIM // 32,
+            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_H * BLOCK_D, XQ_PLANES, XQ_GROUPS)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, tm_ptr,
-                    scale_log2,
+                    pos_ptr, scale_log2, window,
                     s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, TREE: tl.constexpr):
+                    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, TREE: tl.constexpr,
+                    WINDOW: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -236,20 +259,39 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     else:
         words = tok
     hi = ctx + last_tok + 1                                 # keys at or past: visible to none
+    lo = 0                                                  # keys below: visible to none
+    edge = 0                                                # keys from here to full_end: all
+    q_pos = row_pos
+    if WINDOW:
+        if TREE:  # a row sits at ctx + its depth (>= ctx); every key from lo on is masked
+            q_pos = tl.load(pos_ptr + q_start + tok, mask=rmask, other=0)
+            lo = tl.maximum(ctx - window + 1, 0) // BLOCK_N * BLOCK_N
+            edge = hi
+        else:
+            lo = tl.maximum(ctx + first_tok - window + 1, 0) // BLOCK_N * BLOCK_N
+            edge = tl.cdiv(tl.maximum(ctx + last_tok - window + 1, 0), BLOCK_N) * BLOCK_N
+            edge = tl.maximum(tl.minimum(edge, full_end), lo)
     kc = kc_ptr + kvh * s_kch
     vc = vc_ptr + kvh * s_vch
     bt = bt_ptr + b.to(tl.int64) * s_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, full_end, BLOCK_N):
+    pos = pos_ptr + q_start
+    for n0 in range(lo, edge, BLOCK_N):  # the lower edge of the rows' windows
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
+                                     s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
+                                     True, True, DOT_F32, DOT_IEEE, TREE, words, ctx,
+                                     WINDOW, window, q_pos, pos, q_len)
+    for n0 in range(edge, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
                                      False, False, DOT_F32, DOT_IEEE)
-    for n0 in range(full_end, hi, BLOCK_N):
+    for n0 in range(tl.maximum(full_end, edge), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
-                                     True, True, DOT_F32, DOT_IEEE, TREE, words, ctx)
+                                     True, True, DOT_F32, DOT_IEEE, TREE, words, ctx,
+                                     WINDOW, window, q_pos, pos, q_len)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     tl.store(out_ptr + tok_off[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
@@ -287,11 +329,13 @@ def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float, tree_mask: torch.Tensor | None = None,
+                    scale: float, tree_mask: torch.Tensor | None = None, window: int = 0,
+                    positions: torch.Tensor | None = None,
                     xqs: dict | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
     `tree_mask`: int64 [num_tokens], per query token the bits of its request's query tokens it
-    sees (draft-tree verification; see `attention.paged_attention_ref`). `xqs` (from the o
+    sees (draft-tree verification; see `attention.paged_attention_ref`). `window` (0: none)
+    and `positions` (int64 [num_tokens], read only with a tree_mask): the sliding window. `xqs` (from the o
     projection's `int8_input`; one decode token, head_dim a multiple of 32): also filled with
     the output quantized for that GEMV, by the kernel that writes the output."""
     num_tokens, num_heads, head_dim = q.shape
@@ -307,6 +351,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"max_query_len {max_query_len}, head_dim {head_dim}")
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if window and tree_mask is not None and positions is None and max_query_len > 1:
+        raise ValueError("a sliding window over a draft tree needs the tokens' positions")
+    window = int(window or 0)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -325,30 +372,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_h = max(16, triton.next_power_of_2(group))
         block_n, stages = _fit_shared(block_h, cfg.decode_block_n, cfg.decode_num_stages,
                                       block_d, elt, cfg.max_shared_kb)
-        splits, _ = decode_splits(cfg, num_seqs, num_kv_heads, max_seq_len, num_sms(q.device),
-                                  block_n)
+        seen = min(max_seq_len, window) if window else max_seq_len  # keys a query can see
+        splits, _ = decode_splits(cfg, num_seqs, num_kv_heads, seen, num_sms(q.device), block_n)
         direct = splits == 1
         if direct:
             po = pl = out  # unused
+            counters = seq_lens
         else:
+            counters = split_counters(q.device, num_seqs * num_kv_heads)
             po = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                              device=q.device)
             pl = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl,
-            scale_log2, cfg.decode_min_tokens_per_split, splits, *strides, out.stride(0),
-            out.stride(1),
-            *xq_args(xqs if direct else {}, out),
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl, counters,
+            scale_log2, cfg.decode_min_tokens_per_split, splits, window, *strides, out.stride(0),
+            out.stride(1), *xq_args(xqs, out),
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
             BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
-            DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages,
-            **xq_flags(xqs if direct else {}))
-        if not direct:
-            _decode_reduce_kernel[(num_seqs, num_heads)](
-                po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),
-                *xq_args(xqs, out),
-                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps, **xq_flags(xqs))
+            DOT_IEEE=dot_ieee, MERGE_S=cfg.decode_merge_splits, num_warps=cfg.decode_num_warps,
+            num_stages=stages, **xq_flags(xqs))
         return out
 
     block_m = cfg.prefill_block_m
@@ -358,10 +400,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tree = tree_mask is not None
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        tree_mask if tree else seq_lens, scale_log2,
-        *strides, out.stride(0), out.stride(1),
+        tree_mask if tree else seq_lens, positions if tree and window else seq_lens,
+        scale_log2, window, *strides, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d,
-        BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee, TREE=tree,
+        BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee, TREE=tree, WINDOW=window > 0,
         num_warps=cfg.prefill_num_warps, num_stages=stages)
     return out
 

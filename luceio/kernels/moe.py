@@ -11,8 +11,17 @@ Rules (transformers' `Qwen3MoeSparseMoeBlock`):
   so a token's contributions are added in ascending expert order, as transformers adds them),
   each expert runs two GEMMs on its contiguous group, and the weighted rows are scatter-added
   back to their tokens. A grouped-GEMM kernel reads the same grouping (`group_by_expert`).
+- Rounds (expert offload, `models/expert_offload.py`): the stacks may hold only some experts,
+  at rows other than their ids. `rounds` then yields, per round, each expert's row in the
+  stacks during that round (-1: another round computes it), and may rewrite the stacks between
+  rounds; every expert with pairs is in exactly one round. A pair's result does not depend on
+  its round, and the tokens' sums are taken once, after the last round, in the same order: the
+  output equals one round over fully resident stacks, bit for bit.
 """
 from __future__ import annotations
+
+import itertools
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -41,21 +50,24 @@ def group_by_expert(expert_ids: torch.Tensor,
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down
-    [num_experts, hidden, inter]; weights, expert_ids [num_tokens, top_k] (`route_topk_ref`).
-    Returns [num_tokens, hidden]."""
+                  weights: torch.Tensor, expert_ids: torch.Tensor,
+                  rounds: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+    """x [num_tokens, hidden]; w_gate_up [num_rows, 2 * inter, hidden]; w_down
+    [num_rows, hidden, inter]; weights, expert_ids [num_tokens, top_k] (`route_topk_ref`);
+    rounds: None (expert e at row e) or [num_experts] int64 stack rows per round (see the
+    module docstring). Returns [num_tokens, hidden]."""
     top_k = expert_ids.shape[1]
     order, counts = group_by_expert(expert_ids, w_gate_up.shape[0])
     token_ids = order // top_k
     rows = x[token_ids]  # [num_pairs, hidden], grouped by expert
     out = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        group = slice(start, start + count)
-        if count:
-            act = silu_and_mul_ref(F.linear(rows[group], w_gate_up[expert]))
-            out[group] = F.linear(act, w_down[expert])
-        start += count
+    starts = [0, *itertools.accumulate(counts)]
+    for stack_rows in [range(len(counts))] if rounds is None else (r.tolist() for r in rounds):
+        for expert, count in enumerate(counts):
+            row = stack_rows[expert] if count else -1
+            if row >= 0:
+                group = slice(starts[expert], starts[expert + 1])
+                act = silu_and_mul_ref(F.linear(rows[group], w_gate_up[row]))
+                out[group] = F.linear(act, w_down[row])
     out *= weights.flatten()[order, None]
     return torch.zeros_like(x).index_add_(0, token_ids, out)

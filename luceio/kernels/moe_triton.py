@@ -19,12 +19,18 @@ Rules (the reference is `moe.fused_moe_ref`; routing stays `moe.route_topk_ref`)
   batch, no zeroed fp32 buffer and cast are needed, and a token's k rows are added in one pass.
   The reference adds them in ascending expert order, rounding after each add; this adds in
   rank order and rounds once, so outputs differ by rounding only (tests state the tolerances).
+- Rounds (expert offload; `moe.py`'s rules): the pairs are aligned once over all experts, as
+  with resident stacks, and each round launches both kernels with the tiles of its experts
+  pointed at their stack rows (the others' tiles skip); every pair's row is written by its own
+  round, and the tokens' sums are taken after the last.
 - Under TRITON_INTERPRET=1 the dot operands go as fp32 (the interpreter's half-precision dot is
   wrong); fp32 inputs use IEEE fp32 dots (no TF32), as attention_triton does.
 """
 from __future__ import annotations
 
+import itertools
 import os
+from typing import Iterable
 
 import torch
 import triton
@@ -139,20 +145,27 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int,
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """As `moe.fused_moe_ref`: x [num_tokens, hidden], w_gate_up [num_experts, 2 * inter,
-    hidden], w_down [num_experts, hidden, inter], weights / expert_ids [num_tokens, top_k]."""
+              weights: torch.Tensor, expert_ids: torch.Tensor,
+              rounds: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+    """As `moe.fused_moe_ref`: x [num_tokens, hidden], w_gate_up [num_rows, 2 * inter, hidden],
+    w_down [num_rows, hidden, inter], weights / expert_ids [num_tokens, top_k], rounds: None
+    or per round [num_experts] stack rows."""
     num_tokens, hidden = x.shape
-    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
-    top_k = expert_ids.shape[1]
+    inter, top_k = w_down.shape[2], expert_ids.shape[1]
     num_pairs = num_tokens * top_k
+    rounds = iter([None] if rounds is None else rounds)
+    first = next(rounds)  # its length is the expert count when the stacks hold only some
+    num_experts = w_gate_up.shape[0] if first is None else first.numel()
     if num_pairs == 0:
+        for _ in rounds:
+            pass
         return torch.zeros_like(x)
     cfg = get_config(x.device)
     # tiles as tall as an expert's average group (decode: 16, tl.dot's least), up to the config's
     block_m = min(cfg.moe_block_m, max(16, triton.next_power_of_2(-(-num_pairs // num_experts))))
     sorted_ids, tile_expert = align_pairs(expert_ids, num_experts, block_m)
-    x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    x, weights = x.contiguous(), weights.contiguous()
+    w_gu, w_d = w_gate_up.contiguous(), w_down.contiguous()  # rewritten in place between rounds
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     flags = dict(BLOCK_M=block_m, BLOCK_N=cfg.moe_block_n, BLOCK_K=cfg.moe_block_k,
                  DOT_F32=interp and x.dtype != torch.float32,
@@ -160,11 +173,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                  num_warps=cfg.moe_num_warps, num_stages=cfg.moe_num_stages)
     num_tiles = tile_expert.numel()
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(num_tiles, triton.cdiv(inter, cfg.moe_block_n))](
-        x, w_gate_up, act, sorted_ids, tile_expert, num_pairs, top_k, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **flags)
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tiles, triton.cdiv(hidden, cfg.moe_block_n))](
-        act, w_down, weights.contiguous(), out, sorted_ids, tile_expert, num_pairs, inter,
-        hidden, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(1), **flags)
+    for stack_rows in itertools.chain([first], rounds):
+        tile_row = tile_expert if stack_rows is None else torch.where(
+            tile_expert >= 0, stack_rows.to(x.device)[tile_expert.clamp(min=0)], -1
+        ).to(torch.int32)
+        _gate_up_silu_kernel[(num_tiles, triton.cdiv(inter, cfg.moe_block_n))](
+            x, w_gu, act, sorted_ids, tile_row, num_pairs, top_k, hidden, inter,
+            x.stride(0), w_gu.stride(0), w_gu.stride(1), act.stride(0), **flags)
+        _down_kernel[(num_tiles, triton.cdiv(hidden, cfg.moe_block_n))](
+            act, w_d, weights, out, sorted_ids, tile_row, num_pairs, inter,
+            hidden, act.stride(0), w_d.stride(0), w_d.stride(1), out.stride(1), **flags)
     return out.sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -21,7 +21,8 @@ from .gguf_tokenizer import gguf_tokenizer
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -43,9 +44,18 @@ _LAYER_TENSORS = {  # inside blk.{i} -> inside model.layers.{i}
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _EXPERT_STACKS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+# Gemma's four norms a layer (gguf's MODEL_ARCH.GEMMA3 map): its `ffn_norm` is the norm before
+# the MLP, as in llama, but HF names that one pre_feedforward_layernorm
+_ARCH_LAYER_TENSORS = {"gemma3": {**_LAYER_TENSORS,
+                                  "post_attention_norm": "post_attention_layernorm",
+                                  "ffn_norm": "pre_feedforward_layernorm",
+                                  "post_ffw_norm": "post_feedforward_layernorm"}}
+# llama.cpp's Gemma converters store every `*norm.weight` as 1 + w (its RMSNorm multiplies by
+# the stored weight; HF's Gemma3RMSNorm by 1 + w): the loader subtracts 1 to give HF's w
+_NORM_SHIFT = {"gemma3": 1.0}
 
 def load_gguf(path: str) -> Checkpoint:
-    """Opens a llama/qwen2/qwen3/qwen3moe GGUF; the tensors are read and dequantized when
+    """Opens a llama/qwen2/qwen3/qwen3moe/gemma3 GGUF; the tensors are read and dequantized when
     `weights()` runs. Experts' stacked tensors are always dequantized (experts run dense), then
     yielded one expert at a time under the HF Hub's names (`mlp.experts.{e}.gate_proj.weight`)."""
     started = time.perf_counter()
@@ -62,7 +72,8 @@ def load_gguf(path: str) -> Checkpoint:
     if "rope_freqs.weight" in shapes:
         raise ValueError(f"{path}: has a rope_freqs tensor (Llama-3.1-style rope scaling), which "
                          f"luceio cannot turn into HF rope parameters yet.")
-    names = {t.name: hf_tensor_name(t.name) for t in reader.tensors}
+    names = {t.name: hf_tensor_name(t.name, arch) for t in reader.tensors}
+    norm_shift = _NORM_SHIFT.get(arch, 0.0)
     config = gguf_config(meta, shapes)
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     logger.info("read GGUF metadata of %s in %.1f s", path, time.perf_counter() - started)
@@ -91,6 +102,8 @@ def load_gguf(path: str) -> Checkpoint:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             if heads is not None:
                 array = unpermute_rotary_rows(array, heads)
+            if norm_shift and tensor.name.endswith("norm.weight"):
+                array = array - np.float32(norm_shift)
             if not array.flags.writeable:  # an F32 tensor is a view into the read-only mmap
                 array = array.copy()
             if part in _EXPERT_STACKS:
@@ -123,12 +136,12 @@ def open_gguf(path: str):
     return Reader(path)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     base, suffix = gguf_name.rsplit(".", 1)
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        hf = _LAYER_TENSORS.get(part)
+        hf = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS).get(part)
         hf = hf and f"model.layers.{layer}.{hf}"
     else:
         hf = _GLOBAL_TENSORS.get(base)
@@ -188,7 +201,42 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     }
     if key("expert_count"):
         config.update(_moe_config(key, shapes, config["num_hidden_layers"]))
+    if arch == "gemma3":
+        config.update(_gemma3_config(key, config))
     return config
+
+
+def _gemma3_config(key, config: dict) -> dict:
+    """Gemma 3 fields of a gemma3_text config. Where the file is silent, llama.cpp's own rules
+    for gemma3 hold: every 6th layer global, local RoPE base 10000, and attention scaled by
+    head_dim ** -0.5, except the 62-layer 27B's (hidden / heads) ** -0.5. A file may say
+    otherwise with gguf's `attention.sliding_window_pattern` (a count or one bool per layer,
+    True = local), `rope.freq_base_swa` and `attention.scale`."""
+    layers = config["num_hidden_layers"]
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        local = [bool(p) for p in pattern]
+    else:
+        local = [(i + 1) % pattern != 0 for i in range(layers)]
+    scale = key("attention.scale")
+    if scale:
+        scalar = float(np.float32(scale)) ** -2
+    elif layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
+    softcap = key("final_logit_softcapping")
+    return {
+        "model_type": "gemma3_text",
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+        "sliding_window": key("attention.sliding_window"),
+        "rope_local_base_freq": _float32(key("rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": _float32(softcap) if softcap else None,
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+    }
 
 
 def _moe_config(key, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..loader import Checkpoint
+from . import gemma
+from .gemma import Gemma3Config, Gemma3ForCausalLM
 from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
 from .moe import MoeConfig, Qwen3MoeForCausalLM
 
@@ -13,22 +15,51 @@ _ARCHS = {
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
     "Qwen3MoeForCausalLM": False,
+    "Gemma3ForCausalLM": False,
 }
 
-__all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit"]
+__all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit",
+           "check_engine_support"]
+
+
+def _arch(config: dict) -> str:
+    return (config.get("architectures") or ["?"])[0]
+
+
+def model_config(config: dict) -> LlamaConfig:
+    """The model config of an HF config dict (Gemma 3's carries its per-layer windows)."""
+    arch = _arch(config)
+    if arch not in _ARCHS:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_ARCHS)}")
+    if arch in gemma.ARCHITECTURES:
+        return Gemma3Config.from_hf(config)
+    return LlamaConfig.from_hf(config)
+
+
+def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
+    """Raises ValueError, before anything is built, for an engine feature (`args`) that the
+    model (a checkpoint, or a model object) cannot run exactly."""
+    if isinstance(model, Gemma3ForCausalLM) or \
+            (ckpt is not None and _arch(ckpt.config) in gemma.ARCHITECTURES):
+        gemma.check_engine_support(args)
+
+
+def runs_spec_prefill(model) -> bool:
+    """Whether speculative prefill may shorten prompts for this model (target) or score them
+    with it (draft); a Gemma 3 model can do neither (see `gemma.py`). None: no model."""
+    return not isinstance(model, Gemma3ForCausalLM)
 
 
 def context_limit(ckpt: Checkpoint | None, model, max_model_len: int | None) -> int:
     """The longest context to serve: `max_model_len`, or the model's own when None (its
-    position limit, cut at a sliding window, past which this engine would not be exact);
-    more than the model's own is a ValueError. From `model.cfg` when a model object is given,
-    else from the checkpoint's config."""
-    cfg = model.cfg if model is not None else None
-    native = cfg.max_position_embeddings if cfg else \
-        ckpt.config.get("max_position_embeddings", 4096)
-    window = cfg.sliding_window if cfg else ckpt.config.get("sliding_window")
-    if window and (ckpt is None or ckpt.config.get("use_sliding_window", True)):
-        native = min(native, window)
+    position limit, cut at a sliding window over every layer, past which this engine would
+    not be exact; Gemma's per-layer windows are masked, so they cut nothing); more than the
+    model's own is a ValueError. From `model.cfg` when a model object is given, else from the
+    checkpoint's config."""
+    cfg = model.cfg if model is not None else model_config(ckpt.config)
+    native = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        native = min(native, cfg.sliding_window)
     if max_model_len is None:
         return native
     if max_model_len > native:
@@ -37,18 +68,22 @@ def context_limit(ckpt: Checkpoint | None, model, max_model_len: int | None) -> 
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                quantization: str = "auto") -> LlamaForCausalLM:
+                quantization: str = "auto", expert_offload=None) -> LlamaForCausalLM:
     """Builds the model on the meta device and loads each tensor straight onto `device`.
     `quantization`: auto (a GGUF keeps its quantized types, other checkpoints stay dense),
-    none (everything dense in `dtype`), int8 / int4 (dense checkpoints quantized at load)."""
-    arch = (ckpt.config.get("architectures") or ["?"])[0]
-    if arch not in _ARCHS:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_ARCHS)}")
-    cfg = LlamaConfig.from_hf(ckpt.config)
+    none (everything dense in `dtype`), int8 / int4 (dense checkpoints quantized at load).
+    `expert_offload`: an `expert_offload.ExpertOffload`, attached before the weights load."""
+    arch, cfg = _arch(ckpt.config), model_config(ckpt.config)
     bias = _ARCHS[arch] or bool(ckpt.config.get("attention_bias", False))
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg, MoeConfig.from_hf(ckpt.config), bias) \
-            if arch == "Qwen3MoeForCausalLM" else LlamaForCausalLM(cfg, bias=bias)
+        if arch == "Qwen3MoeForCausalLM":
+            model = Qwen3MoeForCausalLM(cfg, MoeConfig.from_hf(ckpt.config), bias)
+        elif arch in gemma.ARCHITECTURES:
+            model = Gemma3ForCausalLM(cfg)
+        else:
+            model = LlamaForCausalLM(cfg, bias=bias)
+    if expert_offload is not None:
+        expert_offload.attach(model, dtype, device)
     quantize = quantization if quantization in ("int8", "int4") else None
     if quantize and ckpt.source.endswith(".gguf"):
         raise ValueError(f"--quantization {quantization}: {ckpt.source} is a GGUF file, which "

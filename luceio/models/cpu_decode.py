@@ -43,6 +43,8 @@ Rules:
 - It reads the model's parameters and the runner's KV cache; between steps it keeps only
   scratch buffers.
 - A mixture-of-experts MLP (`moe.SparseMoeBlock`) runs its module forward.
+- A Gemma 3 model (`gemma.py`) runs its whole module forward: its (1 + w) norms, post-norms,
+  embedding scale, GELU MLP and sliding windows are not this path's arithmetic.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ import torch
 from ..kernels import decode_cpu, qdot_cpu
 from ..kernels.qdot_cpu import CpuQuant
 from ..kernels.quant_cpu import QDOT_DENSE_MIN_ROWS, in_prefill
+from .gemma import Gemma3ForCausalLM
 from .linear import Linear
 from .llama import AttnMetadata, LlamaForCausalLM
 from .moe import SparseMoeBlock
@@ -63,6 +66,10 @@ class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]):
         cfg = model.cfg
         self.model, self.num_heads, self.eps = model, cfg.num_heads, cfg.rms_norm_eps
+        self.module_forward = isinstance(model, Gemma3ForCausalLM)
+        if self.module_forward:
+            self.kv_caches = kv_caches
+            return
         self.kv = [kv.numpy() for kv in kv_caches]
         self.cos_sin = model.cos_sin.numpy()
         self.layers = [_Layer(layer) for layer in model.layers]
@@ -78,6 +85,8 @@ class CpuDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttnMetadata) -> torch.Tensor:
         """fp32 hidden states [num_seqs, hidden] after the final norm, as `model.forward`."""
+        if self.module_forward:
+            return self.model(input_ids, positions, self.kv_caches, meta)
         qdot_cpu.use_torch_threads()  # for attention; the matmuls ask too
         positions, slots = positions.numpy(), meta.slot_mapping.numpy()
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()

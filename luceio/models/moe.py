@@ -13,11 +13,15 @@ Rules:
   [num_experts, 2 * inter, hidden] ([gate | up] rows), `w_down` [num_experts, hidden, inter].
 - Expert weights are dense in the model dtype (a GGUF's quantized expert stacks are dequantized
   at load); `--quantization int8|int4` is refused for these models.
+- Expert offload (`--expert-memory`, `expert_offload.py`): a layer given an `ExpertStore` before
+  loading loads its experts into the store's host stacks; its `w_gate_up` / `w_down` are then
+  the store's device slots, and each forward runs the experts in the store's rounds.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +30,9 @@ from .. import kernels
 from ..kernels.moe import route_topk_ref
 from .linear import Linear
 from .llama import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from .expert_offload import ExpertStore
 
 _EXPERT_WEIGHT = re.compile(
     r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -57,12 +64,19 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig):
         super().__init__()
         e, inter = moe.num_experts, moe.moe_intermediate_size
-        self.inter = inter
+        self.num_experts, self.inter = e, inter
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(hidden_size, e)  # the router: one logit per expert
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * inter, hidden_size), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(e, hidden_size, inter), requires_grad=False)
         self._loaded: set[tuple[int, str]] = set()
+        self.store: ExpertStore | None = None  # expert offload
+
+    def offload(self, store: ExpertStore) -> None:
+        """Keeps the experts in `store` (before the weights load): see the module docstring."""
+        self.store = store
+        self.w_gate_up = nn.Parameter(store.slot_gate_up, requires_grad=False)
+        self.w_down = nn.Parameter(store.slot_down, requires_grad=False)
 
     def int8_input(self, rows: int, device: torch.device) -> dict:
         """No quantized one-row GEMV reads this block's input (see `MLP.int8_input`)."""
@@ -70,20 +84,26 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
-        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids)
+        rounds = self.store.rounds(expert_ids) if self.store is not None else None
+        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids,
+                                 rounds=rounds)
 
     def load_expert(self, expert: int, proj: str, tensor, dtype: torch.dtype,
                     device: torch.device) -> None:
         """One expert's HF `gate_proj` / `up_proj` / `down_proj` weight, into the stacks."""
-        if not 0 <= expert < self.w_gate_up.shape[0]:
+        if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has "
-                             f"{self.w_gate_up.shape[0]} experts")
-        if self.w_gate_up.is_meta:
-            self.w_gate_up, self.w_down = (
-                nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
-                for p in (self.w_gate_up, self.w_down))
+                             f"{self.num_experts} experts")
+        if self.store is not None:
+            w_gate_up, w_down = self.store.host_gate_up, self.store.host_down
+        else:
+            if self.w_gate_up.is_meta:
+                self.w_gate_up, self.w_down = (
+                    nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                 requires_grad=False) for p in (self.w_gate_up, self.w_down))
+            w_gate_up, w_down = self.w_gate_up, self.w_down
         rows = {"gate_proj": slice(0, self.inter), "up_proj": slice(self.inter, None)}
-        target = self.w_down[expert] if proj == "down_proj" else self.w_gate_up[expert, rows[proj]]
+        target = w_down[expert] if proj == "down_proj" else w_gate_up[expert, rows[proj]]
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)}, expected "
                              f"{tuple(target.shape)}")
@@ -91,12 +111,14 @@ class SparseMoeBlock(nn.Module):
         self._loaded.add((expert, proj))
 
     def finalize(self) -> None:
-        """Checks that every expert's three weights arrived."""
-        expected = 3 * self.w_gate_up.shape[0]
+        """Checks that every expert's three weights arrived; places the pinned ones."""
+        expected = 3 * self.num_experts
         if len(self._loaded) != expected:
             raise KeyError(f"checkpoint has {len(self._loaded)} of the {expected} expert weights "
                            "of a mixture-of-experts layer")
         self._loaded = set()
+        if self.store is not None:
+            self.store.place_pinned()
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

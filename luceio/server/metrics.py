@@ -89,6 +89,15 @@ class _EngineCollector:
             yield counter("luceio_kv_offloads", "blocks moved to host memory", st.kv_offloads)
             yield counter("luceio_kv_reloads", "blocks brought back from host memory",
                           st.kv_reloads)
+        if st.experts is not None:
+            yield gauge("luceio_expert_slots", "device slots per sparse layer for experts "
+                        "(--expert-memory)", st.experts.num_slots)
+            yield counter("luceio_expert_cache_hits", "experts a step needed that were on the "
+                          "device (all sparse layers)", st.experts.hits)
+            yield counter("luceio_expert_cache_misses", "experts a step needed that were "
+                          "copied from host memory", st.experts.misses)
+            yield counter("luceio_expert_bytes_loaded", "bytes of expert weights copied from "
+                          "host to device", st.experts.bytes_loaded)
         yield counter("luceio_prefix_cache_queries", "prefix-cache block lookups",
                       st.prefix_cache_lookups)
         yield counter("luceio_prefix_cache_hits", "prefix-cache block hits", st.prefix_cache_hits)
