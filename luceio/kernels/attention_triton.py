@@ -8,10 +8,11 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   one KV head (padded to >= 16 rows for tl.dot), walks its split of the sequence's real length
   (cut evenly, at least `decode_min_tokens_per_split` keys, whole BLOCK_N tiles: a CUDA graph
   captured for the model's whole context still spreads a short context over its splits) with
-  an online softmax and writes its normalised partial output and log-sum-exp; the last
-  program of a (sequence, KV head) to finish (an arrival counter, `quant_gemv.split_counters`)
-  merges its splits in split order, in the same launch. With one split the kernel writes the
-  output directly.
+  an online softmax and writes its normalised partial output and log-sum-exp;
+  `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the
+  first kernel writes the output directly. (Merging in the decode launch itself, by the last
+  split to finish, was measured slower on the H200: the serial merge cost more than the launch
+  it saved; bench/results/h200/step_profile_session10_fused_merge.json: 0.5B step 257 kernels but 829 against 783 us of GPU time, the decode kernel 188 against 106 + 44 us.)
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
@@ -32,7 +33,6 @@ import triton
 import triton.language as tl
 
 from .configs import get_config, num_sms
-from .quant_gemv import split_counters
 from .quant_x import emit_xq, xq_args, xq_flags
 
 _LOG2E = 1.4426950408889634
@@ -117,13 +117,12 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
-                   cnt_ptr, scale_log2, min_tokens_per_split, num_splits, window,
+                   scale_log2, min_tokens_per_split, num_splits, window,
                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
                    xq0, xs0, xsum0, xq1, xs1, xsum1,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
-                   MERGE_S: tl.constexpr = 4,
                    XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -171,50 +170,50 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if not DIRECT_OUT:
+    if DIRECT_OUT:
+        o = o.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + q_start.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
+                 o, mask=qmask)
+        # one token: the group's heads are consecutive groups of 32 of the o projection's input
+        g0 = kvh * (GROUP * HEAD_DIM // 32)
+        emit_xq(tl.reshape(o.to(tl.float32), [BLOCK_H * BLOCK_D]), g0,
+                g0 + GROUP * HEAD_DIM // 32, num_heads * HEAD_DIM // 32,
+                xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_H * BLOCK_D, XQ_PLANES, XQ_GROUPS)
+    else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 domain
         part = (b.to(tl.int64) * num_heads + heads) * num_splits + split   # [B, H, S] index
         tl.store(pl_ptr + part, lse, mask=hmask)
         tl.store(po_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qmask)
-        # The last split of (b, kvh) to finish (an acq_rel counter) merges the splits that hold
-        # keys, in split order (the result does not depend on which finished last), and resets
-        # the counter for the next launch: no separate reduce kernel.
-        tl.debug_barrier()
-        cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") != num_splits - 1:
-            return
-        used = tl.cdiv(seq_len - lo, tokens_per_split)
-        base = (b.to(tl.int64) * num_heads + heads) * num_splits                # [BLOCK_H]
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s0 in range(0, used, MERGE_S):
-            offs_s = s0 + tl.arange(0, MERGE_S)
-            lse_s = tl.load(pl_ptr + base[:, None] + offs_s[None, :],
-                            mask=hmask[:, None] & (offs_s < used)[None, :], other=float("-inf"),
-                            cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(lse_s, 1))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        den = tl.zeros([BLOCK_H], tl.float32)
-        o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for s0 in range(0, used, MERGE_S):
-            offs_s = s0 + tl.arange(0, MERGE_S)
-            smask = hmask[:, None] & (offs_s < used)[None, :]
-            w = tl.exp2(tl.load(pl_ptr + base[:, None] + offs_s[None, :], mask=smask,
-                                other=float("-inf"), cache_modifier=".cg") - m[:, None])
-            po = tl.load(po_ptr + (base[:, None, None] + offs_s[None, :, None]) * HEAD_DIM
-                         + offs_d[None, None, :], mask=smask[:, :, None] & dmask[None, None, :],
-                         other=0.0, cache_modifier=".cg")                      # [BH, MS, BD]
-            den += tl.sum(w, 1)
-            o += tl.sum(po * w[:, :, None], 1)
-        o = o / tl.where(den == 0.0, 1.0, den)[:, None]
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-    o = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + heads[:, None] * s_oh + offs_d[None, :],
-             o, mask=qmask)
-    # one token: the group's heads are consecutive groups of 32 of the o projection's input
-    g0 = kvh * (GROUP * HEAD_DIM // 32)
-    emit_xq(tl.reshape(o.to(tl.float32), [BLOCK_H * BLOCK_D]), g0,
-            g0 + GROUP * HEAD_DIM // 32, num_heads * HEAD_DIM // 32,
-            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_H * BLOCK_D, XQ_PLANES, XQ_GROUPS)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_oh,
+                          xq0, xs0, xsum0, xq1, xs1, xsum1,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) - q_start == 0:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(pl_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(po_ptr + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    res = (tl.sum(o * w[:, None], 0) / den).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + q_start.to(tl.int64) * s_ot + h * s_oh + offs_d, res, mask=dmask)
+    g0 = h * (HEAD_DIM // 32)  # one token: head h is groups g0 ... of the o projection's input
+    emit_xq(res.to(tl.float32), g0, g0 + HEAD_DIM // 32, tl.num_programs(1) * HEAD_DIM // 32,
+            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_D, XQ_PLANES, XQ_GROUPS)
 
 
 @triton.jit
@@ -377,20 +376,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         direct = splits == 1
         if direct:
             po = pl = out  # unused
-            counters = seq_lens
         else:
-            counters = split_counters(q.device, num_seqs * num_kv_heads)
             po = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                              device=q.device)
             pl = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl, counters,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, po, pl,
             scale_log2, cfg.decode_min_tokens_per_split, splits, window, *strides, out.stride(0),
-            out.stride(1), *xq_args(xqs, out),
+            out.stride(1),
+            *xq_args(xqs if direct else {}, out),
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
             BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
-            DOT_IEEE=dot_ieee, MERGE_S=cfg.decode_merge_splits, num_warps=cfg.decode_num_warps,
-            num_stages=stages, **xq_flags(xqs))
+            DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages,
+            **xq_flags(xqs if direct else {}))
+        if not direct:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),
+                *xq_args(xqs, out),
+                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps, **xq_flags(xqs))
         return out
 
     block_m = cfg.prefill_block_m

@@ -25,15 +25,14 @@ NOT_MEASURED = "starting point, not measured"
 
 @dataclass(frozen=True)
 class KernelConfig:
-    # paged decode (one query token per request): split-KV ("flash-decoding"); the last split
-    # of a (sequence, KV head) to finish merges them, decode_merge_splits splits per load
+    # paged decode (one query token per request): split-KV ("flash-decoding") + a reduce kernel
     decode_block_n: int = 64             # keys per inner iteration
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     decode_min_tokens_per_split: int = 512  # never give a split less context than this
     decode_max_splits: int = 32
     decode_waves: float = 2.0            # stop splitting once batch*kv_heads*splits >= waves*SMs
-    decode_merge_splits: int = 4         # power of two: the merge's [heads, splits, dim] tile
+    reduce_num_warps: int = 4
     # varlen prefill over the paged cache: BLOCK_M rows of (query token, head of the GQA group)
     prefill_block_m: int = 64
     prefill_block_n: int = 64

@@ -271,11 +271,10 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
 _COUNTERS: dict = {}
 
 
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for an in-kernel split reduction (this GEMV's split-K, the
-    decode attention's splits), one per output block; each launch leaves them zero again. One
-    buffer per device: luceio runs its forward passes on one stream per device, so two kernels
-    never use the counters at the same time."""
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the in-kernel split-K reduction, one per row block;
+    each launch leaves them zero again. One buffer per device: luceio runs its forward passes
+    on one stream per device, so two GEMVs never use the counters at the same time."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
@@ -329,7 +328,7 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
                 xqs[key] = (xq, xs, xsum)
         part = torch.empty((split, rows, n), dtype=torch.float32, device=x2.device) \
             if split > 1 else out_r
-        counters = split_counters(x2.device, n_programs) if split > 1 else xsum
+        counters = _split_counters(x2.device, n_programs) if split > 1 else xsum
         _gemv_kernel[(n_programs, split)](
             xq.view(torch.int32), xs, xsum, qs, qh, d, m, sc, mn, bias if has_bias else out_r,
             out_r, part, counters, rows, n, kg, tiles * g, out_r.stride(0), s_qs, s_qh, s_d,
