@@ -26,6 +26,9 @@
 #                   Q4_K_M weights, batch-1 decode from random Q4_K_M / Q8_0 weights
 #   decode          luceio on the same files at contexts 512 and 8192, beside llama-bench's
 #                   numbers ($OUT/decode_gguf.json)
+#   stages          (nvidia-h200-x2) the two-GPU stage tests ($OUT/gpu_stages_tests.log), then
+#                   bench/stages_bench.py --quick ($OUT/stages_bench.json, $OUT/stages_bench.log);
+#                   TYPES=bf16,int4 adds the 4-bit rows (about twice the time)
 # Needs carry: .llamacpp/src .llamacpp/bench.sh .llamacpp/build.sh .llamacpp/make_gguf.py
 #              .llamacpp/prepare.sh (see ../shared/tools/llamacpp/README.md).
 set -uo pipefail
@@ -118,5 +121,11 @@ case $1 in
       --json-name gpu_bench_forced_q4km.json --out "$OUT" 2>&1 | grep -v -i warn | tail -20
     timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
       --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8 ;;
+  stages)  # pipeline stages on two GPUs: NCCL and host-staged vs one GPU, then the bench
+    timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_stages_gpu.py -q -p no:cacheprovider > "$OUT/gpu_stages_tests.log" 2>&1
+    echo "stage gpu tests rc=$?"; tail -3 "$OUT/gpu_stages_tests.log"
+    timeout ${STAGES_S:-430} python bench/stages_bench.py --quick --types ${TYPES:-bf16} \
+      --budget-s ${STAGES_BUDGET_S:-400} --out "$OUT" > "$OUT/stages_bench.log" 2>&1
+    echo "stages bench rc=$?"; grep -v -i warn "$OUT/stages_bench.log" | tail -14 | cut -c1-300 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

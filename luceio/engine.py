@@ -64,6 +64,8 @@ class LLMEngine:
         check_engine_support(args, ckpt, model)
         self.stages = start_stages(args, ckpt, model)
         try:
+            if self.stages is not None:  # stage 0's KV pool is sized around its own layers
+                model = self.stages.build_model(ckpt, dtype, device, args.quantization)
             # the draft model loads first, so the target's KV cache is sized around its weights
             draft = build_model(load_checkpoint(model_path(args.draft_model)), dtype, device,
                                 args.quantization) \

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from conftest import engine_kwargs, make_tiny_model
 from luceio import LLM, SamplingParams
 from luceio.stages import StageError, layer_ranges
-from luceio.stages.plan import free_port
+from luceio.stages.plan import choose_transport, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,6 +80,7 @@ def test_two_stages_equal_one_process(tiny_llama, sched):
         if "num_kv_blocks" in sched:
             assert eng.scheduler.num_preemptions > 0
         assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        assert eng.stages.transport == "host"  # auto between two CPUs
         # stage 0 keeps layer 0's weights and KV only
         assert len(eng.runner.kv_pool) == 1 and not list(eng.runner.model.layers[1].parameters())
     finally:
@@ -104,8 +105,9 @@ def test_three_stages_relay_and_speculate(three_layers):
     assert no_stage_left()
 
 
-def test_a_killed_stage_fails_the_step_at_once(tiny_llama):
-    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu"))
+def killed_stage_fails_at_once(llm) -> None:
+    """Kills stage 1 after one request; the next request raises StageError within 10 s, and so
+    does every later step; then the LLM shuts down with nothing left behind."""
     try:
         params = SamplingParams(max_tokens=8, **GREEDY)
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
@@ -121,6 +123,10 @@ def test_a_killed_stage_fails_the_step_at_once(tiny_llama):
     finally:
         llm.shutdown()
     assert no_stage_left()
+
+
+def test_a_killed_stage_fails_the_step_at_once(tiny_llama):
+    killed_stage_fails_at_once(LLM(tiny_llama, **stage_kwargs("cpu,cpu")))
 
 
 @pytest.mark.parametrize("split, message", [
@@ -141,7 +147,8 @@ def test_a_bad_layer_split_is_refused_before_any_stage_starts(tiny_llama, split,
     ({"preemption_mode": "swap"}, "do not support --preemption-mode swap"),
     ({"kv_resident_tokens": 64}, "do not support --kv-resident-tokens"),
     ({"speculative_method": "draft", "draft_model": "x"}, "--speculative-method draft"),
-    ({"devices": "cuda:0,cuda:1"}, "pass --stage-transport host"),
+    ({"devices": "cpu,cuda:99"}, "cuda:99 is not on this machine"),
+    ({"stage_transport": "nccl"}, "--stage-transport nccl needs every stage on a CUDA device"),
     ({"world_size": 3, "dist_init": "tcp://127.0.0.1:1"}, "names 2 stages"),
     ({"world_size": 2}, "--world-size needs --dist-init"),
     ({"rank": 1}, "--rank needs --world-size"),
@@ -163,6 +170,52 @@ def test_auto_split_gives_the_remainder_to_later_stages():
     assert layer_ranges("3,5", 2, 8) == ((0, 3), (3, 8))
     with pytest.raises(ValueError, match="at least as many"):
         layer_ranges("auto", 3, 2)
+
+
+@pytest.mark.parametrize("asked, devices, vendors, hosts, chosen", [
+    ("auto", ("cpu", "cpu"), ("none", "none"), ("a", "a"), "host"),
+    ("auto", ("cpu", "cpu"), ("cuda", "cuda"), ("a", "a"), "host"),
+    ("auto", ("cuda:0", "cpu"), ("cuda", "cuda"), ("a", "a"), "host"),
+    ("auto", ("cuda:0", "cuda:1"), ("cuda", "cuda"), ("a", "a"), "nccl"),
+    ("auto", ("cuda:0", "cuda:1", "cuda:2"), ("rocm",) * 3, ("a",) * 3, "nccl"),
+    ("auto", ("cuda:0", "cuda:0"), ("cuda", "cuda"), ("a", "b"), "nccl"),  # two machines
+    ("auto", ("cuda:0", "cuda:0"), ("cuda", "cuda"), ("a", "a"), "host"),  # one GPU, two ranks
+    ("auto", ("cuda:0", "cuda:0"), ("cuda", "rocm"), ("a", "a"), "host"),  # NVIDIA + AMD
+    ("auto", ("cuda:0", "cuda:1"), ("none", "none"), ("a", "a"), "host"),  # no NCCL built
+    ("host", ("cuda:0", "cuda:1"), ("cuda", "cuda"), ("a", "a"), "host"),
+    ("nccl", ("cuda:0", "cuda:1"), ("cuda", "cuda"), ("a", "a"), "nccl"),
+])
+def test_transport_choice(asked, devices, vendors, hosts, chosen):
+    assert choose_transport((asked,) * len(devices), devices, vendors, hosts) == chosen
+
+
+@pytest.mark.parametrize("asked, devices, vendors, hosts, message", [
+    (("nccl", "nccl"), ("cuda:0", "cpu"), ("cuda", "cuda"), ("a", "a"), "needs every stage on a CUDA"),
+    (("nccl", "nccl"), ("cuda:0", "cuda:0"), ("cuda", "rocm"), ("a", "a"), "NCCL is cuda, rocm"),
+    (("nccl", "nccl"), ("cuda:0", "cuda:0"), ("cuda", "cuda"), ("a", "a"), "of its own"),
+    (("auto", "host"), ("cpu", "cpu"), ("none", "none"), ("a", "a"), "were given auto, host"),
+])
+def test_a_transport_the_stages_cannot_share_is_refused(asked, devices, vendors, hosts, message):
+    with pytest.raises(ValueError, match=message):
+        choose_transport(asked, devices, vendors, hosts)
+
+
+def test_stages_given_different_transports_refuse_to_start(tiny_llama):
+    """A stage started by hand with another --stage-transport than the engine's: both fail at
+    the join with the reason, before any step."""
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    stage = start_stage(tiny_llama, dist_init, "--stage-transport", "host")
+    try:
+        with pytest.raises(RuntimeError, match="same --stage-transport.*auto, host"):
+            LLM(tiny_llama, **stage_kwargs("cpu,cpu", dist_init=dist_init, world_size=2,
+                                           stage_join_timeout=60))
+        err = stage.communicate(timeout=60)[1]
+        assert stage.returncode == 1 and "same --stage-transport" in err, err
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+            stage.wait(10)
+    assert no_stage_left()
 
 
 def start_stage(model: str, dist_init: str, *flags: str) -> subprocess.Popen:

@@ -1,18 +1,21 @@
 """Rank 0's side of pipeline stages: the engine's process runs the scheduler, sampler and
 tokenizer, stage 0's layers on `--devices`' first device, and this group, which spawns one
 process per further stage (`worker.py`), or with `--world-size` waits for the stages started by
-hand (`luceio stage`), and joins them with torch.distributed on Gloo.
+hand (`luceio stage`), and joins them with torch.distributed: Gloo, plus an NCCL group for the
+hidden states when every stage is a CUDA device of one vendor (`wire.py`).
 
 Rules:
 - Startup: `StageGroup(plan, ...)` spawns the workers (if `plan.spawn`) and joins the process
-  group, waiting at most `--stage-join-timeout` for every stage (a RuntimeError); once the
+  group, waiting at most `--stage-join-timeout` for every stage (a RuntimeError);
+  `build_model` loads stage 0's layers only (its KV pool is sized around them); once the
   engine has sized its KV pool, `connect(num_blocks, ...)` broadcasts the plan (model identity,
   layer split, pool size) and gathers every stage's answer; any refusal is a RuntimeError that
   names the stage, after the workers have exited.
 - Steps: `forward` runs stage 0's layers, sends the step on (`wire.py`) and waits for the last
   stage's final hidden states. Only one thread calls it at a time (the engine's execute).
 - Failure: a stage that dies or raises makes `forward` raise `StageError` (Gloo reports the
-  closed connection at once); the group is then broken and every later step raises too.
+  closed connection at once; on the NCCL path too, as every NCCL transfer follows a Gloo
+  message, see `wire.py`); the group is then broken and every later step raises too.
 - `close()` relays a shutdown through the stages, joins them (killing any that outlive
   `JOIN_TIMEOUT_S`; stages started by hand end themselves on the shutdown message, or on the
   closed connections when the pipeline is broken) and destroys the process group; it also
@@ -30,8 +33,8 @@ import torch.multiprocessing as mp
 from ..errors import EngineDeadError
 from .model import keep_layers
 from .plan import StagePlan, model_identity
-from .wire import StepMessage, recv_final, send_shutdown, send_step
-from .worker import WorkerSpec, join_group, run_worker
+from .wire import Link, pack_step, send_shutdown
+from .worker import WorkerSpec, close_link, end_nccl, join_group, run_worker
 
 logger = logging.getLogger("luceio")
 
@@ -54,18 +57,29 @@ class StageGroup:
                       for rank in range(1, plan.num_stages if plan.spawn else 1)]
         for p in self.procs:
             p.start()
-        self._finalizer = weakref.finalize(self, _shut_down, self.procs, True)
         try:
-            join_group(plan, 0, args.stage_join_timeout)
+            self.link = join_group(plan, 0, args.stage_join_timeout)
         except BaseException:
-            self._finalizer.detach()
-            _shut_down(self.procs, False)
+            _shut_down(self.procs, None, False)
             raise
+        self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.link, True)
         self.broken: str | None = None
 
     @property
     def layer_range(self) -> tuple[int, int]:
         return self.plan.layer_ranges[0]
+
+    @property
+    def transport(self) -> str:
+        """How hidden states cross the boundaries: host or nccl."""
+        return self.link.transport
+
+    def build_model(self, ckpt, dtype: torch.dtype, device: torch.device, quantization: str):
+        """Stage 0's model: the checkpoint's, less the other stages' layers."""
+        from ..models import build_model
+        model = build_model(ckpt, dtype, device, quantization)
+        keep_layers(model, self.layer_range, 0)
+        return model
 
     def connect(self, model, config: dict, num_blocks: int, block_size: int) -> None:
         """The handshake; then frees stage 0's copy of the other stages' layers."""
@@ -88,11 +102,14 @@ class StageGroup:
         """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device."""
         if self.broken:
             raise StageError(self.broken)
+        # the ints reach the host before the layers are queued, so the next stage gets them
+        # (and, on NCCL, queues its own layers) while this device still computes
+        header, ints = pack_step(positions, meta, prefill)
         hidden = model(input_ids, positions, kv_caches, meta, layer_range=self.layer_range)
         try:
-            send_step(1, StepMessage(positions, meta, hidden, prefill))
-            return recv_final(self.plan.num_stages - 1, positions.numel(), hidden[0].shape[-1],
-                              hidden[0].dtype, hidden[0].device)
+            self.link.send_step(1, header, ints, hidden)
+            return self.link.recv_final(self.plan.num_stages - 1, positions.numel(),
+                                        hidden[0].shape[-1], hidden[0].dtype)
         except RuntimeError as e:
             self.broken = self._failure(e)
             raise StageError(self.broken) from e
@@ -106,22 +123,27 @@ class StageGroup:
 
     def close(self) -> None:
         if self._finalizer.detach() is not None:  # only the first close ends the stages
-            _shut_down(self.procs, self.broken is None)
+            _shut_down(self.procs, self.link, self.broken is None)
 
 
-def _shut_down(procs: list, healthy: bool) -> None:
+def _shut_down(procs: list, link: Link | None, healthy: bool) -> None:
     """Ends the stages: a relayed shutdown message when the pipeline still works, else (or when
-    they do not exit in time) a kill; then the process group goes."""
+    they do not exit in time) a kill; then the process groups go (`link`: None before they
+    were joined). An NCCL group goes right after the message, while the stages end theirs."""
     # no processes: the stages run elsewhere, and only the message can end them
     if healthy and dist.is_initialized() and (not procs or any(p.is_alive() for p in procs)):
         try:
             send_shutdown(1)
         except RuntimeError:
-            pass  # a stage died meanwhile: the kill below ends the others
+            healthy = False  # a stage died meanwhile: the kill below ends the others
+    if link is not None and healthy:
+        end_nccl(link, True)
     for p in procs:
         p.join(JOIN_TIMEOUT_S if healthy else 0)
         if p.is_alive():
             p.kill()
             p.join(JOIN_TIMEOUT_S)
-    if dist.is_initialized():
+    if link is not None:
+        close_link(link, healthy)
+    elif dist.is_initialized():
         dist.destroy_process_group()

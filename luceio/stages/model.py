@@ -27,3 +27,22 @@ def stage_kv_caches(cfg, layer_range: tuple[int, int], num_blocks: int, block_si
     pool = zeros_pool((end - start, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
                       dtype, device)
     return [None] * start + list(pool) + [None] * (cfg.num_layers - end)
+
+
+def kv_budget_error(args, device: torch.device, rank: int) -> str | None:
+    """Why this stage's weights and KV pool, both in place, break --gpu-memory-utilization on
+    its own GPU, or None. The rule is the runner's (the fraction of the device, less what is
+    in use, less 1 GiB of headroom for activations); stage 0's runner sizes the pool under it,
+    and every other stage checks its own device here. A pool fixed by --num-kv-blocks or
+    --kv-cache-memory is the user's choice and is not checked."""
+    if device.type != "cuda" or args.num_kv_blocks or args.kv_cache_memory:
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    allowed = int(total * args.gpu_memory_utilization) - (1 << 30)
+    if total - free <= allowed:
+        return None
+    return (f"stage {rank} on {device}: its weights and KV pool ({(total - free) / 2**30:.2f} "
+            f"GiB in use on the device) exceed --gpu-memory-utilization "
+            f"{args.gpu_memory_utilization} of {total / 2**30:.1f} GiB less 1 GiB of headroom; "
+            "raise it, or give this stage fewer layers (--layer-split)")

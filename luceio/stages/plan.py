@@ -9,7 +9,14 @@ stage on its own machine (`spawn`). With `--world-size W` (several machines) it 
 every stage r in 1..W-1 is started by hand with `luceio stage ... --rank r`, with the same
 model, `--devices` (all W, in rank order; each process uses entry r), `--layer-split`,
 `--dist-init` and `--world-size`, and all of them join the rendezvous at `--dist-init`, the
-engine's machine (`--rank 0`, the default)."""
+engine's machine (`--rank 0`, the default).
+
+Transport (`--stage-transport`): `host` sends hidden states over Gloo through host memory
+between any two devices; `nccl` sends them device to device over NCCL (RCCL on a ROCm build),
+which needs every stage on a CUDA device and every process on the same vendor's PyTorch build;
+`auto` takes NCCL when that holds and host otherwise. One transport serves every boundary of a
+run. The plan checks what it can see (the devices); the vendors are known once the processes
+have joined (`choose_transport`, called by every process with what they all sent)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,7 @@ class StagePlan:
     layer_ranges: tuple[tuple[int, int], ...]  # [start, end) of each stage's decoder layers
     dist_init: str  # the rendezvous, tcp://HOST:PORT (rank 0 listens there)
     spawn: bool = True  # rank 0 spawns the other stages; else they are started by hand
+    transport: str = "auto"  # --stage-transport as asked: auto, host or nccl
 
     @property
     def num_stages(self) -> int:
@@ -89,6 +98,9 @@ def plan_stages(args, num_layers: int) -> StagePlan | None:
                          "machines)")
     if args.dist_init is not None:
         parse_dist_init(args.dist_init)
+    # the devices of this machine's stages: all of them, or with --world-size this rank's
+    for d in devices if args.world_size is None else devices[args.rank:args.rank + 1]:
+        _check_present(d, args.devices)
     if args.device != "auto" and torch.device(args.device) != torch.device(devices[0]):
         raise ValueError(f"--device {args.device} and --devices {args.devices}: the first "
                          "stage's device is the engine's; give one of the two")
@@ -97,15 +109,51 @@ def plan_stages(args, num_layers: int) -> StagePlan | None:
             raise ValueError("--layer-split needs at least two --devices")
         return None
     _refuse_unsupported(args)
-    if args.stage_transport == "auto" and any(
-            torch.device(a).type == "cuda" and torch.device(b).type == "cuda"
-            for a, b in zip(devices, devices[1:])):
-        # NCCL boundaries are not built yet; the host path works between any two devices
-        raise ValueError(f"--devices {args.devices}: a boundary between two CUDA stages would "
-                         "use NCCL, which stages do not support yet; pass --stage-transport host")
+    if args.stage_transport == "nccl" and any(torch.device(d).type != "cuda" for d in devices):
+        raise ValueError(f"--stage-transport nccl needs every stage on a CUDA device; --devices "
+                         f"{args.devices} has another: pass --stage-transport host (or auto)")
     return StagePlan(devices, layer_ranges(args.layer_split, len(devices), num_layers),
                      args.dist_init or f"tcp://127.0.0.1:{free_port()}",
-                     spawn=args.world_size is None)
+                     spawn=args.world_size is None, transport=args.stage_transport)
+
+
+def nccl_vendor() -> str:
+    """The NCCL of this process's PyTorch build: cuda, rocm (RCCL), or none."""
+    if not dist.is_nccl_available():
+        return "none"
+    return "rocm" if torch.version.hip else "cuda"
+
+
+def choose_transport(asked: tuple[str, ...], devices: tuple[str, ...], vendors: tuple[str, ...],
+                     hosts: tuple[str, ...]) -> str:
+    """`host` or `nccl` for a run, from every process's --stage-transport (`asked`), the
+    stages' devices, every process's `nccl_vendor()` and host name, all in rank order. Every
+    process calls it with the same values, so all choose alike. NCCL needs every stage on a
+    CUDA device of its own (two ranks on one GPU cannot join one NCCL group) and one vendor's
+    NCCL in every process. A ValueError when the processes cannot agree."""
+    if len(set(asked)) > 1:
+        raise ValueError("every stage must be given the same --stage-transport; ranks 0.."
+                         f"{len(asked) - 1} were given {', '.join(asked)}")
+    gpus = [(h, torch.device(d)) for h, d in zip(hosts, devices)]
+    all_cuda = all(d.type == "cuda" for _, d in gpus)
+    own_gpus = len({(h, d.index or 0) for h, d in gpus}) == len(gpus)
+    one_vendor = len(set(vendors)) == 1 and vendors[0] in ("cuda", "rocm")
+    if asked[0] == "nccl" and not (all_cuda and own_gpus and one_vendor):
+        raise ValueError("--stage-transport nccl needs every stage on a CUDA device of its own "
+                         f"and one vendor's NCCL; the stages run on {', '.join(devices)} (hosts "
+                         f"{', '.join(hosts)}), and their PyTorch builds' NCCL is "
+                         f"{', '.join(vendors)}: pass --stage-transport host")
+    return "nccl" if asked[0] != "host" and all_cuda and own_gpus and one_vendor else "host"
+
+
+def _check_present(device: str, devices: str) -> None:
+    d = torch.device(device)
+    if d.type != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if (d.index or 0) >= count:
+        raise ValueError(f"--devices {devices}: {device} is not on this machine (PyTorch sees "
+                         f"{count} CUDA device{'s' if count != 1 else ''})")
 
 
 def _check_world(args, devices: tuple[str, ...]) -> None:

@@ -1,6 +1,11 @@
-"""What crosses a stage boundary, through torch.distributed point-to-point (Gloo, host-staged:
-tensors are copied to host memory before a send and to the stage's device after a receive, so
-any two devices of any vendor, in any two processes, can be neighbours).
+"""What crosses a stage boundary, through torch.distributed point-to-point. Control messages
+(header, ints) always travel on Gloo from host memory; the hidden states travel one of two ways
+(`Link`, chosen once per run, see `plan.choose_transport`):
+- host: on Gloo too, through host memory (copied there from the device through a pinned buffer,
+  and to the receiving stage's device after), so any two devices of any vendor, in any two
+  processes, can be neighbours;
+- nccl: device to device on an NCCL group of every stage (CUDA devices of one vendor). The
+  receiving buffer is allocated on the device for each step (from the caching allocator).
 
 One step, stage r -> stage r + 1, is three messages in this order:
   1. header: int64 [HEADER_LEN] = op, num_tokens, num_seqs, max_blocks, max_query_len,
@@ -9,8 +14,14 @@ One step, stage r -> stage r + 1, is three messages in this order:
      block_tables [num_seqs * max_blocks] | seq_lens [num_seqs] | query_start_loc [num_seqs + 1];
   3. hidden: the model dtype, [2, num_tokens, hidden_size] = the last layer's output and the
      residual stream.
-Middle stages relay 1 and 2 unchanged. The last stage sends rank 0 one message: the final
-normalised hidden states [num_tokens, hidden_size]; rank 0 computes the logits."""
+Middle stages relay 1 and 2 unchanged. The last stage sends rank 0 two messages: num_tokens
+(int64 [1], Gloo), then the final normalised hidden states [num_tokens, hidden_size]; rank 0
+computes the logits.
+
+Why Gloo first: a peer that died is reported by Gloo at once (its connection closed), while an
+NCCL transfer with a dead peer waits until the group's timeout. Every NCCL transfer is preceded
+by a Gloo message from the same sender, so a stage that dies is seen on Gloo by whoever waits
+for it; only a death between the two messages of one step is left to the NCCL timeout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,22 +37,30 @@ HEADER_LEN = 7
 
 @dataclass
 class StepMessage:
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttnMetadata
+    header: torch.Tensor  # int64 [HEADER_LEN], host
+    ints: torch.Tensor  # int64, host: positions | slot_mapping | block_tables | seq_lens | qsl
     hidden: tuple[torch.Tensor, torch.Tensor]  # (x, residual), each [num_tokens, hidden_size]
-    prefill: bool  # rows computing known tokens: the CPU's dense path (runner._prefill_rows)
 
 
-def send_step(dst: int, msg: StepMessage) -> None:
-    m = msg.meta
-    n, (num_seqs, max_blocks) = msg.positions.numel(), m.block_tables.shape
-    header = torch.tensor([OP_STEP, n, num_seqs, max_blocks, m.max_query_len, m.max_seq_len,
-                           int(msg.prefill)], dtype=torch.int64)
+def pack_step(positions: torch.Tensor, meta: AttnMetadata, prefill: bool):
+    """(header, ints) of a step, on the host: messages 1 and 2."""
+    n, (num_seqs, max_blocks) = positions.numel(), meta.block_tables.shape
+    header = torch.tensor([OP_STEP, n, num_seqs, max_blocks, meta.max_query_len,
+                           meta.max_seq_len, int(prefill)], dtype=torch.int64)
     ints = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
-        msg.positions, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)])
-    dist.send(header, dst)
-    dist.send(ints, dst)
-    dist.send(torch.stack(msg.hidden).cpu(), dst)
+        positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)])
+    return header, ints
+
+
+def unpack_step(msg: StepMessage, device: torch.device):
+    """(positions, meta, prefill) of a received step, on `device`. `prefill`: rows computing
+    known tokens (the CPU's dense path, runner._prefill_rows)."""
+    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill = msg.header.tolist()
+    pos, slots, tables, seq_lens, qsl = msg.ints.to(device).split(
+        [n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1])
+    meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
+                        qsl.int(), max_query_len, max_seq_len)
+    return pos, meta, bool(prefill)
 
 
 def send_shutdown(dst: int) -> None:
@@ -50,32 +69,77 @@ def send_shutdown(dst: int) -> None:
     dist.send(header, dst)
 
 
-def recv_step(src: int, device: torch.device, dtype: torch.dtype,
-              hidden_size: int) -> StepMessage | None:
-    """The next step from `src`, on `device`; None when `src` shuts the pipeline down."""
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.recv(header, src)
-    op, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill = header.tolist()
-    if op == OP_SHUTDOWN:
-        return None
-    ints = torch.empty(2 * n + num_seqs * max_blocks + 2 * num_seqs + 1, dtype=torch.int64)
-    dist.recv(ints, src)
-    hidden = torch.empty(2, n, hidden_size, dtype=dtype)
-    dist.recv(hidden, src)
-    pos, slots, tables, seq_lens, qsl = ints.to(device).split(
-        [n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1])
-    meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
-                        qsl.int(), max_query_len, max_seq_len)
-    x, residual = hidden.to(device).unbind(0)
-    return StepMessage(pos, meta, (x, residual), bool(prefill))
+class Link:
+    """One process's ends of its stage boundaries: sends and receives of steps, on `device`.
+    `nccl`: the NCCL group the hidden states travel on, or None for host-staged Gloo."""
 
+    def __init__(self, device: torch.device, nccl: dist.ProcessGroup | None = None):
+        self.device, self.nccl = device, nccl
+        self._pinned: dict[str, torch.Tensor] = {}  # "send" / "recv" -> grow-only buffer
 
-def send_final(hidden: torch.Tensor) -> None:
-    dist.send(hidden.contiguous().cpu(), 0)
+    @property
+    def transport(self) -> str:
+        return "host" if self.nccl is None else "nccl"
 
+    def send_step(self, dst: int, header: torch.Tensor, ints: torch.Tensor,
+                  hidden: tuple[torch.Tensor, torch.Tensor]) -> None:
+        dist.send(header, dst)
+        dist.send(ints, dst)
+        self._send_hidden(torch.stack(hidden), dst)
 
-def recv_final(src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    out = torch.empty(num_tokens, hidden_size, dtype=dtype)
-    dist.recv(out, src)
-    return out.to(device)
+    def recv_step(self, src: int, dtype: torch.dtype, hidden_size: int) -> StepMessage | None:
+        """The next step from `src`, its hidden states on this stage's device; None when
+        `src` shuts the pipeline down."""
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        dist.recv(header, src)
+        op, n, num_seqs, max_blocks = header[:4].tolist()
+        if op == OP_SHUTDOWN:
+            return None
+        ints = torch.empty(2 * n + num_seqs * max_blocks + 2 * num_seqs + 1, dtype=torch.int64)
+        dist.recv(ints, src)
+        x, residual = self._recv_hidden((2, n, hidden_size), dtype, src).unbind(0)
+        return StepMessage(header, ints, (x, residual))
+
+    def send_final(self, hidden: torch.Tensor) -> None:
+        dist.send(torch.tensor([hidden.shape[0]], dtype=torch.int64), 0)
+        self._send_hidden(hidden.contiguous(), 0)
+
+    def recv_final(self, src: int, num_tokens: int, hidden_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        count = torch.empty(1, dtype=torch.int64)
+        dist.recv(count, src)
+        if count.item() != num_tokens:
+            raise RuntimeError(f"stage {src} returned {count.item()} rows for a step of "
+                               f"{num_tokens} tokens")
+        return self._recv_hidden((num_tokens, hidden_size), dtype, src)
+
+    def _send_hidden(self, t: torch.Tensor, dst: int) -> None:
+        if self.nccl is not None:
+            dist.send(t, dst, group=self.nccl)
+        elif t.device.type == "cpu":
+            dist.send(t, dst)
+        else:  # the copy into pinned memory is synchronous: the buffer is ours again after
+            host = self._host_buffer("send", t.shape, t.dtype)
+            host.copy_(t)
+            dist.send(host, dst)
+
+    def _recv_hidden(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
+        if self.nccl is not None:
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(out, src, group=self.nccl)
+            return out
+        if self.device.type == "cpu":  # a new tensor per step: the model reads it as is
+            out = torch.empty(shape, dtype=dtype)
+            dist.recv(out, src)
+            return out
+        host = self._host_buffer("recv", shape, dtype)
+        dist.recv(host, src)
+        return host.to(self.device)  # synchronous from pinned memory: the buffer is free after
+
+    def _host_buffer(self, use: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        buf = self._pinned.get(use)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1 << 20), dtype=dtype, pin_memory=True)
+            self._pinned[use] = buf
+        return buf[:numel].view(shape)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -26,10 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .plan import StagePlan, layer_ranges, parse_dist_init
+from .plan import StagePlan, choose_transport, layer_ranges, nccl_vendor, parse_dist_init
+from .wire import Link
 
 # a step may be a long prefill on a slow stage; a dead local peer is reported at once anyway
 OP_TIMEOUT = datetime.timedelta(minutes=30)
+# an NCCL transfer waits for its peer's layers of one step (GPUs: seconds at most); past this
+# the NCCL watchdog ends the process (a peer that died between a step's Gloo and NCCL messages)
+NCCL_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,17 @@ class WorkerSpec:
     plan: StagePlan
 
 
-def join_group(plan: StagePlan, rank: int, join_timeout_s: float) -> None:
-    """Joins the stages' process group: rank 0 listens at `plan.dist_init`, and every process
-    waits at most `join_timeout_s` for all of them (then a RuntimeError saying who is missing),
-    while a step may take OP_TIMEOUT: a store of our own gives the two their own timeouts."""
+def join_group(plan: StagePlan, rank: int, join_timeout_s: float) -> Link:
+    """Joins the stages' process group and returns this process's `Link`: rank 0 listens at
+    `plan.dist_init`, and every process waits at most `join_timeout_s` for all of them (then a
+    RuntimeError saying who is missing), while a step may take OP_TIMEOUT: a store of our own
+    gives the two their own timeouts. The default group is Gloo (control messages, and hidden
+    states on the host path); with NCCL chosen, a second group of every stage carries the
+    hidden states, its connections made here by one tiny transfer around the ring."""
     host, port = parse_dist_init(plan.dist_init)
+    device = torch.device(plan.devices[rank])
+    if device.type == "cuda":  # NCCL binds each process to the current device
+        torch.cuda.set_device(device)
     try:
         store = dist.TCPStore(host, port, plan.num_stages, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=join_timeout_s))
@@ -55,20 +66,52 @@ def join_group(plan: StagePlan, rank: int, join_timeout_s: float) -> None:
                            f"join {plan.dist_init} within {join_timeout_s} s: {e}{hint}") from None
     dist.init_process_group("gloo", store=store, rank=rank, world_size=plan.num_stages,
                             timeout=OP_TIMEOUT)
+    try:
+        return _link(plan, rank, device)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def _link(plan: StagePlan, rank: int, device: torch.device) -> Link:
+    sent = [None] * plan.num_stages
+    dist.all_gather_object(sent, (plan.transport, nccl_vendor(), socket.gethostname()))
+    asked, vendors, hosts = zip(*sent)
+    try:
+        transport = choose_transport(asked, plan.devices, vendors, hosts)
+    except ValueError as e:
+        raise RuntimeError(f"pipeline stage {rank}: {e}") from None
+    if transport == "host":
+        return Link(device)
+    nccl = dist.new_group(backend="nccl", timeout=NCCL_TIMEOUT)
+    ring = torch.full((1,), rank, dtype=torch.int64, device=device)
+    got = torch.empty_like(ring)
+    prev, nxt = (rank - 1) % plan.num_stages, (rank + 1) % plan.num_stages
+    if rank == 0:  # the order of a step: 0 sends first, every other stage receives first
+        dist.send(ring, nxt, group=nccl)
+        dist.recv(got, prev, group=nccl)
+    else:
+        dist.recv(got, prev, group=nccl)
+        dist.send(ring, nxt, group=nccl)
+    if got.item() != prev:
+        raise RuntimeError(f"pipeline stage {rank}: the NCCL warm-up from stage {prev} "
+                           f"delivered {got.item()}")
+    return Link(device, nccl)
 
 
 def run_worker(spec: WorkerSpec) -> None:
     """Runs stage `spec.rank` until the engine shuts the pipeline down; exits non-zero on any
     failure."""
-    from .model import keep_layers, stage_kv_caches
+    from .model import kv_budget_error, stage_kv_caches
     rank, plan = spec.rank, spec.plan
     try:
-        join_group(plan, rank, spec.args.stage_join_timeout)
+        link = join_group(plan, rank, spec.args.stage_join_timeout)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         sys.exit(1)
+    healthy = False
     try:
-        device = torch.device(plan.devices[rank])
+        device = link.device
         if device.type == "cpu":  # stages compute one after another: no oversubscription
             torch.set_num_threads(spec.args.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         dtype = spec.args.resolved_dtype(device)
@@ -85,27 +128,53 @@ def run_worker(spec: WorkerSpec) -> None:
                 kv_caches = stage_kv_caches(model.cfg, plan.layer_ranges[rank],
                                             engine_plan["num_blocks"], engine_plan["block_size"],
                                             dtype, device)
+                error = kv_budget_error(spec.args, device, rank)
             except RuntimeError as e:  # out of memory
                 error = f"stage {rank} on {device}: no room for the KV pool: {e}"
         statuses = [None] * plan.num_stages
         dist.all_gather_object(statuses, error)
         if any(s is not None for s in statuses):
             sys.exit(1)
-        keep_layers(model, plan.layer_ranges[rank], rank)
-        _serve(model, kv_caches, plan, rank, device, dtype)
+        _serve(model, kv_caches, plan, rank, link, dtype)
+        healthy = True
     except SystemExit:
         raise
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
     finally:
+        close_link(link, healthy)
+
+
+def close_link(link: Link, healthy: bool) -> None:
+    """Ends this process's groups: the NCCL one (`end_nccl`), then the default (Gloo) one."""
+    end_nccl(link, healthy)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
+def end_nccl(link: Link, healthy: bool) -> None:
+    """Ends the NCCL group, if any: destroyed when the pipeline shuts down (every stage does so
+    on the shutdown message, at about the same time), aborted when it broke (a dead peer cannot
+    take part in a clean shutdown)."""
+    if link.nccl is None:
+        return
+    try:
+        if healthy:
+            dist.destroy_process_group(link.nccl)
+        else:
+            dist.distributed_c10d._abort_process_group(link.nccl)
+    except Exception:  # the process is ending: a failed abort must not hide the cause
+        traceback.print_exc()
+    link.nccl = None
+
+
 def _load(spec: WorkerSpec, device: torch.device, dtype: torch.dtype):
-    """(model, identity, None) or (None, None, why not)."""
+    """(model, identity, None) or (None, None, why not). The model keeps this stage's layers
+    only, so what is left of the device's budget is known before the KV pool is placed."""
     from ..loader import load_checkpoint
     from ..models import build_model
+    from .model import keep_layers
     from .plan import model_identity
     args = spec.args
     try:
@@ -113,6 +182,7 @@ def _load(spec: WorkerSpec, device: torch.device, dtype: torch.dtype):
         model = build_model(ckpt, dtype, device, args.quantization)
     except Exception as e:
         return None, None, f"stage {spec.rank} could not load {spec.model_path}: {e}"
+    keep_layers(model, spec.plan.layer_ranges[spec.rank], spec.rank)
     return model, model_identity(ckpt.config), None
 
 
@@ -127,26 +197,25 @@ def _check_plan(engine_plan: dict, identity: str, own_ranges, rank: int) -> str 
 
 
 @torch.inference_mode()
-def _serve(model, kv_caches, plan: StagePlan, rank: int, device: torch.device,
-           dtype: torch.dtype) -> None:
+def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torch.dtype) -> None:
     from ..runner import _prefill_rows
-    from .wire import recv_step, send_final, send_shutdown, send_step
+    from .wire import send_shutdown, unpack_step
     layer_range = plan.layer_ranges[rank]
     last = rank == plan.num_stages - 1
     while True:
-        msg = recv_step(rank - 1, device, dtype, model.cfg.hidden_size)
+        msg = link.recv_step(rank - 1, dtype, model.cfg.hidden_size)
         if msg is None:
             if not last:
                 send_shutdown(rank + 1)
             return
-        with _prefill_rows(msg.prefill and device.type == "cpu"):
-            out = model(None, msg.positions, kv_caches, msg.meta, layer_range=layer_range,
+        positions, meta, prefill = unpack_step(msg, link.device)
+        with _prefill_rows(prefill and link.device.type == "cpu"):
+            out = model(None, positions, kv_caches, meta, layer_range=layer_range,
                         hidden=msg.hidden)
         if last:
-            send_final(out)
+            link.send_final(out)
         else:
-            msg.hidden = out
-            send_step(rank + 1, msg)
+            link.send_step(rank + 1, msg.header, msg.ints, out)
 
 
 def make_parser(parser=None):
