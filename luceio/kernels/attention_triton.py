@@ -11,8 +11,10 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   an online softmax and writes its normalised partial output and log-sum-exp;
   `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the
   first kernel writes the output directly. (Merging in the decode launch itself, by the last
-  split to finish, was measured slower on the H200: the serial merge cost more than the launch
-  it saved; bench/results/h200/step_profile_session10_fused_merge.json: 0.5B step 257 kernels but 829 against 783 us of GPU time, the decode kernel 188 against 106 + 44 us.)
+  split to finish, was measured slower on the H200: its serial merge cost more than the launch
+  it saved. bench/results/h200/step_profile_session10_fused_merge.json: the 0.5B Q4_K_M step
+  had 257 kernels but 829 against 783 us of GPU time, the decode kernel 188 us against
+  106 + 44 us with the reduce.)
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
