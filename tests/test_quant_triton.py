@@ -188,6 +188,37 @@ def test_parts_write_one_output(gen, m, monkeypatch):
     assert calls == [True, False]
 
 
+@pytest.mark.parametrize("types,sizes,min_programs", [
+    (("q4_k", "q6_k"), (40, 8), 0),       # no split-K in either part
+    (("q4_k", "q6_k"), (48, 16), 2),      # the short part splits K, the long one not
+    (("q8_0", "q5_0"), (20, 12), 64)])    # both split K; two x layouts
+def test_two_parts_in_one_launch_equal_two_launches(gen, types, sizes, min_programs,
+                                                    monkeypatch):
+    """One decode row over a projection of two types (a Q4_K_M file's q/k + v) runs as one
+    `_gemv_pair_kernel` launch: bit for bit what one GEMV launch per part gives (each part
+    keeps its own tiles, K-splits and sums), and the parts' reference within the int8 bound."""
+    from dataclasses import replace
+    k = 512
+    cfg = replace(SMALL, gemv_split_min_programs=min_programs, gemv_min_tiles_per_split=1)
+    ws = [weight(gen, q, n, k) for q, n in zip(types, sizes)]
+    bias = gen.randn(sum(sizes))
+    x = gen.randn(1, k)
+    splits = [qt.skinny_split_k(cfg, -(-n // cfg.gemv_block_n), k // cfg.gemv_block_k,
+                                gemv=True)[0] for n in sizes]
+    assert (max(splits) > 1) == (min_programs > 0)
+    real, single = quant_gemv.gemv, []
+    monkeypatch.setattr(quant_gemv, "gemv", lambda *a, **kw: single.append(a[3]) or real(*a, **kw))
+    with configs.use_config(cfg):
+        pair = qt.quant_matmul_parts(x, ws, bias)
+        assert single == []  # no per-part launch
+        apart = torch.cat([qt.quant_matmul(x, w, bias[sum(sizes[:i]):sum(sizes[:i + 1])])
+                           for i, w in enumerate(ws)], dim=-1)
+    assert single == list(types)
+    assert torch.equal(pair, apart)
+    ref = torch.cat([quant_linear_ref(gemv_input(x), w) for w in ws], dim=-1) + bias
+    check(pair, ref, TOL[torch.float32], gen, f"pair {types}")
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows_block_n", [0, 4])
 def test_gemv_rows_equal_one_row_each(gen, qtype, rows_block_n):
