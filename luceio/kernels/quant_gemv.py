@@ -121,7 +121,7 @@ def _x_groups(base, mi, M, s_m, grp, gm):
 
 
 @triton.jit
-def _gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr,
+def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr,
                sc_ptr, mn_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KG, groups_per_split,
                s_om, s_qs, s_qh, s_d, s_sc, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
@@ -273,41 +273,10 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
                  ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PAIRED: tl.constexpr):
-    _gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
+    gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
                QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED)
-
-
-@triton.jit
-def _gemv_pair_kernel(a_xq, a_xs, a_xsum, a_qs, a_qh, a_d, a_m, a_sc, a_mn, a_bias, a_out,
-                      a_part, a_cnt, a_M, a_N, a_KG, a_gps, a_s_om, a_s_qs, a_s_qh, a_s_d, a_s_sc,
-                      b_xq, b_xs, b_xsum, b_qs, b_qh, b_d, b_m, b_sc, b_mn, b_bias, b_out,
-                      b_part, b_cnt, b_M, b_N, b_KG, b_gps, b_s_om, b_s_qs, b_s_qh, b_s_d, b_s_sc,
-                      programs_a, nsplit_a, nsplit_b,
-                      BLOCK_M: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
-                      ASM: tl.constexpr,
-                      QTYPE_A: tl.constexpr, BLOCK_N_A: tl.constexpr, SPLIT_A: tl.constexpr,
-                      HAS_BIAS_A: tl.constexpr, PAIRED_A: tl.constexpr,
-                      QTYPE_B: tl.constexpr, BLOCK_N_B: tl.constexpr, SPLIT_B: tl.constexpr,
-                      HAS_BIAS_B: tl.constexpr, PAIRED_B: tl.constexpr):
-    """Two GEMVs of one x in one launch (a fused projection stored in two types: a Q4_K_M
-    file's q/k in Q4_K, v in Q6_K): programs [0, programs_a) compute part a, the rest part b,
-    each with its own K-splits (a program past its part's splits does nothing)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    if pid < programs_a:
-        if split < nsplit_a:
-            _gemv_body(pid, split, nsplit_a, a_xq, a_xs, a_xsum, a_qs, a_qh, a_d, a_m, a_sc,
-                       a_mn, a_bias, a_out, a_part, a_cnt, a_M, a_N, a_KG, a_gps, a_s_om,
-                       a_s_qs, a_s_qh, a_s_d, a_s_sc, QTYPE_A, BLOCK_M, BLOCK_N_A, G, PREFETCH,
-                       ASM, SPLIT_A, HAS_BIAS_A, PAIRED_A)
-    else:
-        if split < nsplit_b:
-            _gemv_body(pid - programs_a, split, nsplit_b, b_xq, b_xs, b_xsum, b_qs, b_qh, b_d,
-                       b_m, b_sc, b_mn, b_bias, b_out, b_part, b_cnt, b_M, b_N, b_KG, b_gps,
-                       b_s_om, b_s_qs, b_s_qh, b_s_d, b_s_sc, QTYPE_B, BLOCK_M, BLOCK_N_B, G,
-                       PREFETCH, ASM, SPLIT_B, HAS_BIAS_B, PAIRED_B)
 
 
 _COUNTERS: dict = {}
@@ -324,7 +293,8 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _prepare(weights: tuple, strides: tuple, qtype: str, n: int, k: int, num_m: int, cfg):
+def prepare_launch(weights: tuple, strides: tuple, qtype: str, n: int, k: int, num_m: int,
+                   cfg):
     """What a launch over one weight needs besides x: (weights, strides, paired scales, the
     split count, tiles per split * G, programs, block_n)."""
     from .quant_args import paired
@@ -346,7 +316,7 @@ def _prepare(weights: tuple, strides: tuple, qtype: str, n: int, k: int, num_m: 
     return (qs, qh, d, m, sc, mn), strides, pair, split, tiles * g, triton.cdiv(n, block_n), block_n
 
 
-def _x_forms(x_r, qtype: str, num_m: int, r0: int, rows: int, xqs: dict | None):
+def x_forms(x_r, qtype: str, num_m: int, r0: int, rows: int, xqs: dict | None):
     """x rows r0 .. r0 + rows quantized for `qtype` (shared through `xqs`, see `gemv`)."""
     planes = qtype != "q8_0"
     key = planes if num_m == 1 else (planes, r0, rows)  # one row: what producers fill
@@ -358,9 +328,9 @@ def _x_forms(x_r, qtype: str, num_m: int, r0: int, rows: int, xqs: dict | None):
     return forms
 
 
-def _runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
+def runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
                   counters) -> tuple:
-    """The runtime arguments of `_gemv_body` after (pid_n, split, nsplit)."""
+    """The runtime arguments of `gemv_body` after (pid_n, split, nsplit)."""
     qs, qh, d, m, sc, mn = weights
     part = torch.empty((split, rows, n), dtype=torch.float32, device=out_r.device) \
         if split > 1 else out_r
@@ -381,44 +351,18 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     -> `quantize_x`'s triple), shared by the parts of a fused projection, which then quantize
     x once."""
     num_m = x2.shape[0]
-    weights, strides, pair, split, gps, programs, block_n = _prepare(weights, strides, qtype, n,
-                                                                     k, num_m, cfg)
+    weights, strides, pair, split, gps, programs, block_n = prepare_launch(
+        weights, strides, qtype, n, k, num_m, cfg)
     step = max(1, cfg.gemv_rows_per_launch)
     for r0 in range(0, num_m, step):
         rows = min(step, num_m - r0)
         x_r, out_r = x2[r0:r0 + rows], out2[r0:r0 + rows]
-        xq, xs, xsum = _x_forms(x_r, qtype, num_m, r0, rows, xqs)
+        xq, xs, xsum = x_forms(x_r, qtype, num_m, r0, rows, xqs)
         counters = split_counters(x2.device, programs) if split > 1 else None
         _gemv_kernel[(programs, split)](
-            *_runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
+            *runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
                            counters),
             QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
             G=max(1, cfg.gemv_block_k // 32), PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,
             num_warps=cfg.gemv_num_warps)
-
-
-def gemv_pair(x1, parts: list, k: int, cfg, use_asm: bool, xqs: dict | None = None) -> None:
-    """Two one-row GEMVs of x1 [1, K] in one launch (`_gemv_pair_kernel`): parts = [(weights,
-    strides, qtype, n, bias, out [1, n]), ...] as `gemv` takes them. Each part computes as it
-    would alone (the same tiles, splits and sums), so the output equals two `gemv` launches."""
-    preps = [_prepare(w, st, qtype, n, k, 1, cfg) for w, st, qtype, n, _, _ in parts]
-    programs = [prep[5] for prep in preps]
-    splits = [prep[3] for prep in preps]
-    # split-K arrival counters, disjoint: part b's past part a's
-    counters = split_counters(x1.device, sum(programs)) if max(splits) > 1 else None
-    args = []
-    for i, ((_, _, qtype, n, bias, out), prep) in enumerate(zip(parts, preps)):
-        weights, strides, _, split, gps, _, _ = prep
-        xq, xs, xsum = _x_forms(x1, qtype, 1, 0, 1, xqs)
-        cnt = counters[programs[0] * i:] if counters is not None else None
-        args += _runtime_args(xq, xs, xsum, weights, strides, bias, out, split, gps, 1, n, k,
-                              cnt)
-    consts = {}
-    for tag, (_, _, qtype, _, bias, _), prep in zip("AB", parts, preps):
-        consts.update({f"QTYPE_{tag}": qtype, f"BLOCK_N_{tag}": prep[6],
-                       f"SPLIT_{tag}": prep[3] > 1, f"HAS_BIAS_{tag}": bias is not None,
-                       f"PAIRED_{tag}": prep[2]})
-    _gemv_pair_kernel[(sum(programs), max(splits))](
-        *args, programs[0], splits[0], splits[1], BLOCK_M=1, G=max(1, cfg.gemv_block_k // 32),
-        PREFETCH=cfg.gemv_prefetch, ASM=use_asm, num_warps=cfg.gemv_num_warps, **consts)

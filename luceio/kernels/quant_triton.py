@@ -374,7 +374,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
 def _gemv_pair(x: torch.Tensor, parts: list, bias: torch.Tensor | None, out: torch.Tensor,
                xqs: dict) -> None:
     """`quant_matmul_parts` of one row over two parts: `quant_gemv.gemv_pair`."""
-    from .quant_gemv import gemv_pair
+    from .quant_gemv_pair import gemv_pair
     k = x.shape[-1]
     x1 = x.reshape(1, k)
     x1 = x1 if x1.stride(-1) == 1 else x1.contiguous()
