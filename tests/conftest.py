@@ -60,6 +60,15 @@ ARCHS = {
 }
 
 
+def save_tiny(model, folder: str) -> str:
+    """Saves a random transformers model as a checkpoint folder with the tests' tokenizer; it
+    never stops at an EOS token, so every test's generation runs its full length."""
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
 def make_tiny_model(folder: str, arch: str, seed: int = 0, num_layers: int = 2,
                     context: int = 512) -> str:
     import transformers
@@ -80,10 +89,7 @@ def make_tiny_model(folder: str, arch: str, seed: int = 0, num_layers: int = 2,
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    build_tokenizer(folder)
-    return folder
+    return save_tiny(model, folder)
 
 
 MOE_CONFIGS = {
@@ -120,10 +126,7 @@ def make_tiny_moe(folder: str, name: str, seed: int, **over) -> str:
                 p.normal_(1.0, 0.2)
             elif pname.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 1.0)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    build_tokenizer(folder)
-    return folder
+    return save_tiny(model, folder)
 
 
 GEMMA_CONFIGS = {
@@ -165,10 +168,7 @@ def make_tiny_gemma(folder: str, name: str, seed: int, **over) -> str:
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.normal_(0.0, 0.3)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    build_tokenizer(folder)
-    return folder
+    return save_tiny(model, folder)
 
 
 @pytest.fixture(scope="session")
