@@ -171,6 +171,87 @@ def make_tiny_gemma(folder: str, name: str, seed: int, **over) -> str:
     return save_tiny(model, folder)
 
 
+GEMMA4_CONFIGS = {
+    # GQA 2:1, tied, window 5, per-layer inputs, the last two layers reading the KV of
+    # layers 1 (local) and 2 (global) with double-wide MLPs; proportional RoPE (a quarter of
+    # the pairs rotate) on the global layers
+    "gqa_ple_shared": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           global_head_dim=16, sliding_window=5,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                        "sliding_attention", "full_attention"],
+                           hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                           num_kv_shared_layers=2, use_double_wide_mlp=True,
+                           tie_word_embeddings=True),
+    # MHA, odd widths, untied, keys as values on the global layer, soft-capping that bites,
+    # window 7, the default layer pattern (its last layer forced global), no per-layer inputs,
+    # proportional RoPE with half the pairs and a factor
+    "mha_odd_keqv_untied": dict(hidden_size=48, intermediate_size=76, num_hidden_layers=4,
+                                num_attention_heads=3, num_key_value_heads=3, head_dim=20,
+                                global_head_dim=20, num_global_key_value_heads=3,
+                                attention_k_eq_v=True, sliding_window=7,
+                                hidden_size_per_layer_input=0, tie_word_embeddings=False,
+                                final_logit_softcapping=3.0, rope_parameters={
+                                    "full_attention": {"rope_type": "proportional",
+                                                       "partial_rotary_factor": 0.5,
+                                                       "factor": 2.0, "rope_theta": 10_000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1_000.0}}),
+}
+
+
+def gemma4_hf_config(name: str, **over):
+    """A transformers Gemma4TextConfig of one of GEMMA4_CONFIGS, with `over` changed."""
+    from transformers import Gemma4TextConfig
+    kw = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.1,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return Gemma4TextConfig(**{**kw, **GEMMA4_CONFIGS[name], **over})
+
+
+def make_tiny_gemma4(folder: str, name: str, seed: int, **over) -> str:
+    """A random Gemma 4 text checkpoint of GEMMA4_CONFIGS[name] (fp32); norm weights and the
+    layer scalars are drawn away from 1 so that they matter."""
+    from transformers import Gemma4ForCausalLM
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(gemma4_hf_config(name, **over)).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0, 0.3)
+        for pname, b in model.named_buffers():
+            if pname.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    return save_tiny(model, folder)
+
+
+def random_prompts(n: int, seed: int, max_len: int = 30) -> list[list[int]]:
+    """`n` prompts of 1 to max_len - 1 random token ids of the tests' vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(1, max_len, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def assert_greedy_matches_transformers(path: str, prompts: list[list[int]],
+                                       max_tokens: int = 14) -> None:
+    """The engine's greedy tokens equal transformers' `generate` on the checkpoint at `path`
+    (fp32, CPU), and their logprobs its logits' within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from luceio import LLM, SamplingParams
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    outs = LLM(path, **engine_kwargs()).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=max_tokens, logprobs=1, temperature=0.0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                          return_dict_in_generate=True, output_logits=True)
+        tokens = ref.sequences[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == tokens
+        for step, (token, logprobs) in enumerate(zip(tokens, o.outputs[0].logprobs)):
+            expected = torch.log_softmax(ref.logits[step][0], -1)[token].item()
+            assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")

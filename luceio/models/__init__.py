@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..loader import Checkpoint
-from . import gemma
+from . import gemma, gemma4
 from .gemma import Gemma3Config, Gemma3ForCausalLM
+from .gemma4 import Gemma4Config, Gemma4ForCausalLM
 from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
 from .moe import MoeConfig, Qwen3MoeForCausalLM
 
@@ -16,6 +17,7 @@ _ARCHS = {
     "Qwen3ForCausalLM": False,
     "Qwen3MoeForCausalLM": False,
     "Gemma3ForCausalLM": False,
+    "Gemma4ForCausalLM": False,
 }
 
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit",
@@ -27,26 +29,30 @@ def _arch(config: dict) -> str:
 
 
 def model_config(config: dict) -> LlamaConfig:
-    """The model config of an HF config dict (Gemma 3's carries its per-layer windows)."""
+    """The model config of an HF config dict (Gemma's carries its per-layer windows)."""
     arch = _arch(config)
     if arch not in _ARCHS:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     if arch in gemma.ARCHITECTURES:
         return Gemma3Config.from_hf(config)
+    if arch in gemma4.ARCHITECTURES:
+        return Gemma4Config.from_hf(config)
     return LlamaConfig.from_hf(config)
 
 
 def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
     """Raises ValueError, before anything is built, for an engine feature (`args`) that the
     model (a checkpoint, or a model object) cannot run exactly."""
-    if isinstance(model, Gemma3ForCausalLM) or \
-            (ckpt is not None and _arch(ckpt.config) in gemma.ARCHITECTURES):
+    arch = _arch(ckpt.config) if ckpt is not None else None
+    if isinstance(model, Gemma4ForCausalLM) or arch in gemma4.ARCHITECTURES:
+        gemma.check_engine_support(args, "Gemma 4")
+    elif isinstance(model, Gemma3ForCausalLM) or arch in gemma.ARCHITECTURES:
         gemma.check_engine_support(args)
 
 
 def runs_spec_prefill(model) -> bool:
     """Whether speculative prefill may shorten prompts for this model (target) or score them
-    with it (draft); a Gemma 3 model can do neither (see `gemma.py`). None: no model."""
+    with it (draft); a Gemma 3 or 4 model can do neither (see `gemma.py`). None: no model."""
     return not isinstance(model, Gemma3ForCausalLM)
 
 
@@ -80,6 +86,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
             model = Qwen3MoeForCausalLM(cfg, MoeConfig.from_hf(ckpt.config), bias)
         elif arch in gemma.ARCHITECTURES:
             model = Gemma3ForCausalLM(cfg)
+        elif arch in gemma4.ARCHITECTURES:
+            model = Gemma4ForCausalLM(cfg)
         else:
             model = LlamaForCausalLM(cfg, bias=bias)
     if expert_offload is not None:
@@ -97,5 +105,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
 
 def _rope_cache(cfg: LlamaConfig) -> torch.Tensor:
     from ..kernels.rotary import build_cos_sin_cache
+    if isinstance(cfg, Gemma4Config):
+        return gemma4.global_rope(cfg)
     return build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                cfg.rope_scaling)

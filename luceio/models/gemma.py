@@ -42,29 +42,30 @@ class Gemma3Config(LlamaConfig):
     final_logit_softcapping: float | None
 
     @classmethod
-    def from_hf(cls, c: dict) -> "Gemma3Config":
+    def from_hf(cls, c: dict, family: str = "Gemma 3") -> "Gemma3Config":
+        """`family` names the model in the refusals (Gemma 4 reads its shared fields here)."""
         for field in ("attn_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
             if c.get(field):
-                raise ValueError(f"Gemma 3 with {field}={c[field]!r} is not supported")
+                raise ValueError(f"{family} with {field}={c[field]!r} is not supported")
         act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma 3 with hidden_activation {act!r} is not supported "
+            raise ValueError(f"{family} with hidden_activation {act!r} is not supported "
                              "(gelu_pytorch_tanh only)")
         num_layers = c["num_hidden_layers"]
         types = c.get("layer_types") or [
             "full_attention" if (i + 1) % c.get("sliding_window_pattern", 6) == 0
             else "sliding_attention" for i in range(num_layers)]
         if len(types) != num_layers or set(types) - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"Gemma 3 layer_types {types} is not one full_attention or "
+            raise ValueError(f"{family} layer_types {types} is not one full_attention or "
                              "sliding_attention per layer")
         window = c.get("sliding_window") or 0
         if window <= 0 and "sliding_attention" in types:
-            raise ValueError("Gemma 3 has sliding_attention layers but no sliding_window")
+            raise ValueError(f"{family} has sliding_attention layers but no sliding_window")
         rope = c.get("rope_parameters") or {}
         full = dict(rope.get("full_attention") or c.get("rope_scaling") or {})
         local = dict(rope.get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
-            raise ValueError(f"Gemma 3 local layers with rope {local} are not supported")
+            raise ValueError(f"{family} local layers with rope {local} are not supported")
         theta = full.pop("rope_theta", None) or c.get("rope_theta") or 1_000_000.0
         scaling = full if full.get("rope_type", full.get("type", "default")) != "default" \
             else None
@@ -85,15 +86,21 @@ class Gemma3Config(LlamaConfig):
 
 
 class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Gemma 3 scales by 1 + w (`unit_offset`), Gemma 4 by w; `scaled=False`: no weight at all
+    (Gemma 4's value norm)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = True, scaled: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False) if scaled else None
+        self.offset = 1.0 if unit_offset else 0.0
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        if self.weight is not None:
+            h = h * (self.offset + self.weight.float())
+        return h.to(x.dtype)
 
 
 class GemmaAttention(nn.Module):
@@ -126,11 +133,11 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, cfg: Gemma3Config):
+    def __init__(self, cfg: Gemma3Config, intermediate_size: int | None = None):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [self.inter] * 2)
+        self.down_proj = Linear(self.inter, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -138,15 +145,17 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config, window: int):
+    def __init__(self, cfg: Gemma3Config, self_attn: nn.Module, mlp: nn.Module,
+                 unit_offset: bool = True):
         super().__init__()
-        self.window = window
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GemmaAttention(cfg, window)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GemmaMLP(cfg)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.window = self_attn.window
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(dim, eps, unit_offset)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = GemmaRMSNorm(dim, eps, unit_offset)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps, unit_offset)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps, unit_offset)
 
     def forward(self, positions, x, kv_cache, meta, cos_sin):
         h = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, cos_sin)
@@ -159,10 +168,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Loading, tied embeddings and weight accounting are `LlamaForCausalLM`'s (same HF names);
     the layers, norms, embedding scale, RoPE per layer type and logits are Gemma's."""
 
+    family = "Gemma 3"
+    norm_unit_offset = True  # RMSNorm scales by 1 + w
+
     def __init__(self, cfg: Gemma3Config):
         super().__init__(cfg, bias=False)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, w) for w in cfg.layer_windows)
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = self._make_layers(cfg)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_unit_offset)
         self.register_buffer("cos_sin_local", self._local_rope(), persistent=False)
         self.requires_grad_(False)
 
@@ -171,21 +183,31 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                    cfg.rope_local_theta)
 
+    def _make_layers(self, cfg: Gemma3Config) -> nn.ModuleList:
+        return nn.ModuleList(GemmaDecoderLayer(cfg, GemmaAttention(cfg, w), GemmaMLP(cfg))
+                             for w in cfg.layer_windows)
+
     def forward(self, input_ids, positions, kv_caches, meta: AttnMetadata,
                 layer_range: tuple[int, int] | None = None, hidden=None, probe=None):
         """[num_tokens, hidden] after the final norm. All layers in one call: no stages."""
-        if probe is not None:
-            raise ValueError("Gemma 3 runs no per-layer probe (speculative prefill, KV "
-                             "residency scoring)")
-        if layer_range not in (None, (0, len(self.layers))):
-            raise ValueError("Gemma 3 does not run as pipeline stages")
-        x = self.embed_tokens(input_ids)
-        # sqrt(hidden) rounded to the model dtype first, as transformers does
-        x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype).item()
+        self._check_whole_forward(layer_range, probe)
+        x = self._embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(positions, x, kv_caches[i], meta,
                       self.cos_sin_local if layer.window else self.cos_sin)
         return self.norm(x)
+
+    def _check_whole_forward(self, layer_range, probe) -> None:
+        if probe is not None:
+            raise ValueError(f"{self.family} runs no per-layer probe (speculative prefill, KV "
+                             "residency scoring)")
+        if layer_range not in (None, (0, len(self.layers))):
+            raise ValueError(f"{self.family} does not run as pipeline stages")
+
+    def _embed(self, input_ids) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # sqrt(hidden) rounded to the model dtype first, as transformers does
+        return x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype).item()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -203,7 +225,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.cos_sin_local = self._local_rope().to(device)
 
 
-def check_engine_support(args) -> None:
+def check_engine_support(args, family: str = "Gemma 3") -> None:
     """Raises ValueError for an engine feature this family cannot run exactly: bounded KV
     residency and speculative prefill read per-layer queries and drop positions from the
     cache (a window counted in cache slots would be wrong), and stages cut the forward."""
@@ -212,4 +234,4 @@ def check_engine_support(args) -> None:
                "--devices (pipeline stages)": args.devices}
     for what, on in refused.items():
         if on:
-            raise ValueError(f"{what} is not supported for Gemma 3 models")
+            raise ValueError(f"{what} is not supported for {family} models")
