@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from conftest import GEMMA_CONFIGS as CONFIGS, engine_kwargs, make_tiny_gemma
+from conftest import GEMMA_CONFIGS as CONFIGS, assert_greedy_matches_transformers, \
+    engine_kwargs, make_tiny_gemma, random_prompts
 from luceio import LLM, SamplingParams
 from test_kernels import ATTN_TOL, DEVICE, SMALL, Rng, _random_tree_masks, check, make_batch
 
@@ -18,12 +19,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def gemma_models(tmp_path_factory) -> dict[str, str]:
     return {name: make_tiny_gemma(str(tmp_path_factory.mktemp(name)), name, seed)
             for seed, name in enumerate(CONFIGS)}
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 384, (int(torch.randint(1, 30, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
 
 
 def _tokens(outs) -> list[list[int]]:
@@ -44,21 +39,9 @@ def test_config_reads_both_layer_type_forms(gemma_models):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_transformers(gemma_models, name):
-    from transformers import AutoModelForCausalLM
-    path = gemma_models[name]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    llm = LLM(path, **engine_kwargs())
-    prompts = _prompts(3, seed=1) + [list(range(3, 30))]  # one prompt well past the windows
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=14, logprobs=1, **GREEDY))
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False,
-                          return_dict_in_generate=True, output_logits=True)
-        tokens = ref.sequences[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == tokens
-        for step, (token, logprobs) in enumerate(zip(tokens, o.outputs[0].logprobs)):
-            expected = torch.log_softmax(ref.logits[step][0], -1)[token].item()
-            assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
+    # one prompt well past the windows
+    assert_greedy_matches_transformers(gemma_models[name],
+                                       random_prompts(3, seed=1) + [list(range(3, 30))])
 
 
 def test_the_window_and_softcap_matter(gemma_models, tmp_path):
@@ -66,7 +49,7 @@ def test_the_window_and_softcap_matter(gemma_models, tmp_path):
     without the soft-capping (monotonic: the same tokens) other logprobs, so the tests above
     exercise both."""
     import shutil
-    prompts = [{"prompt_token_ids": p} for p in _prompts(3, seed=1) + [list(range(3, 30))]]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=1) + [list(range(3, 30))]]
     params = SamplingParams(max_tokens=14, logprobs=1, **GREEDY)
 
     def run(path):
@@ -85,7 +68,7 @@ def test_the_window_and_softcap_matter(gemma_models, tmp_path):
 
 def test_batched_and_chunked_prefill_equal_alone(gemma_models):
     path = gemma_models["gqa_tied"]
-    prompts = _prompts(5, seed=2)
+    prompts = random_prompts(5, seed=2)
     params = SamplingParams(max_tokens=10, **GREEDY)
     llm = LLM(path, **engine_kwargs())
     alone = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
@@ -191,7 +174,7 @@ def test_gguf_round_trip_equals_safetensors(gemma_models, tmp_path, name):
     pytest.importorskip("gguf")
     path = str(tmp_path / "tiny.gguf")
     _write_gguf(gemma_models[name], path)
-    prompts = _prompts(2, seed=3) + [list(range(3, 25))]
+    prompts = random_prompts(2, seed=3) + [list(range(3, 25))]
     params = SamplingParams(max_tokens=10, logprobs=1, **GREEDY)
     outs = [LLM(p, **engine_kwargs()).generate([{"prompt_token_ids": t} for t in prompts], params)
             for p in (gemma_models[name], path)]

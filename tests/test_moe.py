@@ -4,7 +4,8 @@ chunked prefill against requests run alone."""
 import pytest
 import torch
 
-from conftest import MOE_CONFIGS, engine_kwargs, make_tiny_moe, moe_hf_config
+from conftest import MOE_CONFIGS, assert_greedy_matches_transformers, engine_kwargs, make_tiny_moe, \
+    moe_hf_config, random_prompts
 from luceio import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -19,9 +20,7 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 384, (int(torch.randint(1, 40, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
+    return random_prompts(n, seed, max_len=40)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -50,18 +49,8 @@ def test_greedy_matches_transformers(moe_models, name):
     layers = llm.engine.runner.model.layers
     assert [type(layer.mlp).__name__ for layer in layers] == \
         [type(layer.mlp).__name__.removeprefix("Qwen3Moe") for layer in hf.model.layers]
-    prompts = _prompts(3, seed=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=16, logprobs=1, **GREEDY))
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
-                          return_dict_in_generate=True, output_logits=True)
-        tokens = ref.sequences[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == tokens
-        # the logits too: a routing slip that leaves the argmax alone shows here
-        for step, (token, logprobs) in enumerate(zip(tokens, o.outputs[0].logprobs)):
-            expected = torch.log_softmax(ref.logits[step][0], -1)[token].item()
-            assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
+    # the logprobs too: a routing slip that leaves the argmax alone shows there
+    assert_greedy_matches_transformers(path, _prompts(3, seed=1), max_tokens=16)
 
 
 def test_batched_and_chunked_prefill_equal_alone(moe_models):
