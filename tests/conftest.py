@@ -252,6 +252,24 @@ def assert_greedy_matches_transformers(path: str, prompts: list[list[int]],
             assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
 
 
+def assert_triton_engine_equals_reference(path: str, monkeypatch) -> None:
+    """A whole engine (chunked prefill, decode) on the Triton kernels, interpreted on the CPU,
+    gives the torch reference path's greedy tokens on the checkpoint at `path`."""
+    from luceio import LLM, SamplingParams
+    from test_kernels import INTERPRETED
+    if not INTERPRETED:
+        pytest.skip("a CPU engine on the Triton kernels needs the interpreter")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 33, 70 + i] * (2 + i)} for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = engine_kwargs(max_num_batched_tokens=16)
+    tokens = []
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("LUCEIO_KERNELS", kernels)
+        tokens.append([o.outputs[0].token_ids
+                       for o in LLM(path, **kw).generate(prompts, params)])
+    assert tokens[1] == tokens[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import GEMMA_CONFIGS as CONFIGS, assert_greedy_matches_transformers, \
-    engine_kwargs, make_tiny_gemma, random_prompts
+    assert_triton_engine_equals_reference, engine_kwargs, make_tiny_gemma, random_prompts
 from luceio import LLM, SamplingParams
 from test_kernels import ATTN_TOL, DEVICE, SMALL, Rng, _random_tree_masks, check, make_batch
 
@@ -111,16 +111,7 @@ def test_refuses_what_it_does_not_run(gemma_models, tmp_path):
 def test_engine_on_triton_kernels_equals_reference(gemma_models, monkeypatch):
     """The engine (chunked prefill across the window, decode) on the Triton kernels
     (interpreted on CPU) gives the torch reference path's greedy tokens."""
-    from test_kernels import INTERPRETED
-    if not INTERPRETED:
-        pytest.skip("a CPU engine on the Triton kernels needs the interpreter")
-    prompts = [{"prompt_token_ids": [5 + i, 9, 33, 70 + i] * (2 + i)} for i in range(3)]
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    kw = engine_kwargs(max_num_batched_tokens=16)
-    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
-    ref = _tokens(LLM(gemma_models["gqa_tied"], **kw).generate(prompts, params))
-    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
-    assert _tokens(LLM(gemma_models["gqa_tied"], **kw).generate(prompts, params)) == ref
+    assert_triton_engine_equals_reference(gemma_models["gqa_tied"], monkeypatch)
 
 
 # ------------------------------------------------------------------------------------- GGUF

@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from conftest import GEMMA4_CONFIGS as CONFIGS, assert_greedy_matches_transformers, \
-    engine_kwargs, make_tiny_gemma4, random_prompts as _prompts
+    assert_triton_engine_equals_reference, engine_kwargs, make_tiny_gemma4, \
+    random_prompts as _prompts
 from luceio import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -120,13 +121,4 @@ def test_refusals_of_released_shapes_and_engine_features(gemma4_models):
 def test_engine_on_triton_kernels_equals_reference(gemma4_models, monkeypatch):
     """The engine (chunked prefill across the window, decode, the shared layers' query-only
     RoPE) on the Triton kernels (interpreted on CPU) gives the torch reference path's tokens."""
-    from test_kernels import INTERPRETED
-    if not INTERPRETED:
-        pytest.skip("a CPU engine on the Triton kernels needs the interpreter")
-    prompts = [{"prompt_token_ids": [5 + i, 9, 33, 70 + i] * (2 + i)} for i in range(3)]
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    kw = engine_kwargs(max_num_batched_tokens=16)
-    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
-    ref = _tokens(LLM(gemma4_models["gqa_ple_shared"], **kw).generate(prompts, params))
-    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
-    assert _tokens(LLM(gemma4_models["gqa_ple_shared"], **kw).generate(prompts, params)) == ref
+    assert_triton_engine_equals_reference(gemma4_models["gqa_ple_shared"], monkeypatch)
