@@ -6,9 +6,12 @@ alone (`quant_gemv.gemv_body`), so the output equals one `quant_gemv.gemv` per p
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from .configs import get_config
+from .quant_args import weight_args, words
 from .quant_gemv import gemv_body, prepare_launch, runtime_args, split_counters, x_forms
 
 
@@ -67,3 +70,23 @@ def gemv_pair(x1, parts: list, k: int, cfg, use_asm: bool, xqs: dict | None = No
     _gemv_pair_kernel[(sum(programs), max(splits))](
         *args, programs[0], splits[0], splits[1], BLOCK_M=1, G=max(1, cfg.gemv_block_k // 32),
         PREFETCH=cfg.gemv_prefetch, ASM=use_asm, num_warps=cfg.gemv_num_warps, **consts)
+
+
+def matmul_parts_pair(x: torch.Tensor, parts: list, bias: torch.Tensor | None,
+                      out: torch.Tensor, xqs: dict) -> None:
+    """`quant_triton.quant_matmul_parts` of one row over two QuantWeight parts: `gemv_pair`
+    on their GEMV forms, writing `out`'s two column ranges."""
+    from .quant_triton import _interpreting
+    k = x.shape[-1]
+    x1 = x.reshape(1, k)
+    x1 = x1 if x1.stride(-1) == 1 else x1.contiguous()
+    out2, specs, start = out.view(1, -1), [], 0
+    for w in parts:
+        stop = start + w.shape[0]
+        (qs, *rest), strides = weight_args(w)
+        specs.append(((words(qs), *rest), (strides[0] // 4, *strides[1:]), w.qtype, w.shape[0],
+                      bias[start:stop].contiguous() if bias is not None else None,
+                      out2[:, start:stop]))
+        start = stop
+    gemv_pair(x1, specs, k, get_config(x.device),
+              x.is_cuda and torch.version.hip is None and not _interpreting(), xqs)

@@ -359,7 +359,8 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     xqs = {} if xqs is None else xqs
     if num_m == 1 and len(parts) == 2 and x.shape[-1] == parts[0].shape[1]:
-        _gemv_pair(x, parts, bias, out, xqs)  # one launch for both (one decode row)
+        from .quant_gemv_pair import matmul_parts_pair
+        matmul_parts_pair(x, parts, bias, out, xqs)  # one launch for both (one decode row)
         return out
     start = 0
     for w in parts:
@@ -369,25 +370,6 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
                 bias[start:stop] if bias is not None else None, out[..., start:stop], xqs)
         start = stop
     return out
-
-
-def _gemv_pair(x: torch.Tensor, parts: list, bias: torch.Tensor | None, out: torch.Tensor,
-               xqs: dict) -> None:
-    """`quant_matmul_parts` of one row over two parts: `quant_gemv.gemv_pair`."""
-    from .quant_gemv_pair import gemv_pair
-    k = x.shape[-1]
-    x1 = x.reshape(1, k)
-    x1 = x1 if x1.stride(-1) == 1 else x1.contiguous()
-    out2, specs, start = out.view(1, -1), [], 0
-    for w in parts:
-        stop = start + w.shape[0]
-        (qs, *rest), strides = _weight_args(w)
-        specs.append(((_words(qs), *rest), (strides[0] // 4, *strides[1:]), w.qtype, w.shape[0],
-                      bias[start:stop].contiguous() if bias is not None else None,
-                      out2[:, start:stop]))
-        start = stop
-    gemv_pair(x1, specs, k, get_config(x.device),
-              x.is_cuda and torch.version.hip is None and not _interpreting(), xqs)
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
