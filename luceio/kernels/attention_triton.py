@@ -10,11 +10,8 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   captured for the model's whole context still spreads a short context over its splits) with
   an online softmax and writes its normalised partial output and log-sum-exp;
   `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the
-  first kernel writes the output directly. (Merging in the decode launch itself, by the last
-  split to finish, was measured slower on the H200: its serial merge cost more than the launch
-  it saved. bench/results/h200/step_profile_session10_fused_merge.json: the 0.5B Q4_K_M step
-  had 257 kernels but 829 against 783 us of GPU time, the decode kernel 188 us against
-  106 + 44 us with the reduce.)
+  first kernel writes the output directly. (Merging the splits in the decode launch, by the
+  last split to finish, was slower on the H200: step_profile_session10_fused_merge.json.)
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
@@ -34,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import get_config, num_sms
+from .configs import decode_splits, fit_shared, get_config, num_sms
 from .quant_x import emit_xq, xq_args, xq_flags
 
 _LOG2E = 1.4426950408889634
@@ -302,31 +299,6 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
 # ---------------------------------------------------------------------------------------------
 # launchers
 
-def _fit_shared(block_m: int, block_n: int, stages: int, block_d: int, elt: int,
-                budget_kb: int) -> tuple[int, int]:
-    """Shrinks (block_n, stages) until the Q tile plus `stages` K/V tiles fit the budget."""
-    def need(bn, st):
-        return (block_m * block_d + max(st, 1) * 2 * bn * block_d) * elt
-    while need(block_n, stages) > budget_kb * 1024 and block_n > 16:
-        block_n //= 2
-    while need(block_n, stages) > budget_kb * 1024 and stages > 1:
-        stages -= 1
-    return block_n, stages
-
-
-def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
-                  block_n: int) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) for a decode launch; tokens_per_split is a multiple of
-    block_n. `sms` 0 (CPU / interpreter) puts no occupancy cap on the split count."""
-    max_seq_len = max(int(max_seq_len), 1)
-    splits = min(cfg.decode_max_splits, triton.cdiv(max_seq_len, cfg.decode_min_tokens_per_split))
-    if sms > 0:
-        splits = min(splits, triton.cdiv(int(cfg.decode_waves * sms), num_seqs * num_kv_heads))
-    splits = max(splits, 1)
-    tokens = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
-    return triton.cdiv(max_seq_len, tokens), tokens
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
@@ -371,7 +343,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     if max_query_len == 1:
         block_h = max(16, triton.next_power_of_2(group))
-        block_n, stages = _fit_shared(block_h, cfg.decode_block_n, cfg.decode_num_stages,
+        block_n, stages = fit_shared(block_h, cfg.decode_block_n, cfg.decode_num_stages,
                                       block_d, elt, cfg.max_shared_kb)
         seen = min(max_seq_len, window) if window else max_seq_len  # keys a query can see
         splits, _ = decode_splits(cfg, num_seqs, num_kv_heads, seen, num_sms(q.device), block_n)
@@ -400,7 +372,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
 
     block_m = cfg.prefill_block_m
-    block_n, stages = _fit_shared(block_m, cfg.prefill_block_n, cfg.prefill_num_stages,
+    block_n, stages = fit_shared(block_m, cfg.prefill_block_n, cfg.prefill_num_stages,
                                   block_d, elt, cfg.max_shared_kb)
     grid = (triton.cdiv(max_query_len * group, block_m), num_seqs, num_kv_heads)
     tree = tree_mask is not None

@@ -136,6 +136,37 @@ _by_arch: dict[str, KernelConfig] = {}
 _device_info: dict[int, tuple[str, int]] = {}
 
 
+# launch geometry from a config -----------------------------------------------------------------
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fit_shared(block_m: int, block_n: int, stages: int, block_d: int, elt: int,
+                budget_kb: int) -> tuple[int, int]:
+    """Shrinks (block_n, stages) until the Q tile plus `stages` K/V tiles fit the budget."""
+    def need(bn, st):
+        return (block_m * block_d + max(st, 1) * 2 * bn * block_d) * elt
+    while need(block_n, stages) > budget_kb * 1024 and block_n > 16:
+        block_n //= 2
+    while need(block_n, stages) > budget_kb * 1024 and stages > 1:
+        stages -= 1
+    return block_n, stages
+
+
+def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
+                  block_n: int) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) for a decode launch; tokens_per_split is a multiple of
+    block_n. `sms` 0 (CPU / interpreter) puts no occupancy cap on the split count."""
+    max_seq_len = max(int(max_seq_len), 1)
+    splits = min(cfg.decode_max_splits, _cdiv(max_seq_len, cfg.decode_min_tokens_per_split))
+    if sms > 0:
+        splits = min(splits, _cdiv(int(cfg.decode_waves * sms), num_seqs * num_kv_heads))
+    splits = max(splits, 1)
+    tokens = _cdiv(_cdiv(max_seq_len, splits), block_n) * block_n
+    return _cdiv(max_seq_len, tokens), tokens
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LUCEIO_CACHE") or Path.home() / ".cache" / "luceio")
 
