@@ -32,6 +32,7 @@ from .loader.resolve import model_path
 from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
+from .admission import check_request, check_token_ids
 from .models import build_model, check_engine_support, context_limit, runs_spec_prefill
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
 from .memory import kv_bytes_per_block
@@ -162,13 +163,8 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        self._check_token_ids("prompt token ids", ids)
+        check_token_ids("prompt token ids", ids, self.runner.cfg.vocab_size)
         return text, ids
-
-    def _check_token_ids(self, what: str, ids: list) -> None:
-        vocab = self.runner.cfg.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"{what} must be ints in [0, {vocab})")
 
     def spec_prefill_keep(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
         """The keep ratio speculative prefill applies to this prompt, or None."""
@@ -180,23 +176,6 @@ class LLMEngine:
                 num_prompt_tokens >= self.args.spec_prefill_min_tokens:
             return self.args.spec_prefill_keep
         return None
-
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError for a request that could never run or would break a step."""
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
-        self._check_token_ids("logit_bias token ids", list(params.logit_bias or ()))
-        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
-        if params.seed is not None and not 0 <= params.seed < 2**63 - params.n:
-            raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
-        if params.spec_prefill_keep is not None and self.spec_prefill is None:
-            raise ValueError("spec_prefill_keep needs speculative prefill, which this engine "
-                             "does not run (it needs a --draft-model the target allows it with)")
-        if params.prompt_logprobs is not None and \
-                self.spec_prefill_keep(len(ids), params) is not None:
-            raise ValueError("prompt_logprobs cannot be combined with speculative prefill")
-        if params.infill_sampler and self.tokenizer is None:
-            raise ValueError("infill_sampler compares the candidates' text: it needs a tokenizer")
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
@@ -211,7 +190,7 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        self.check_request(ids, params)
+        check_request(self, ids, params)
         sample_ids = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
         if any(i in self.scheduler.requests for i in sample_ids):
             raise ValueError(f"request id {request_id!r} collides with a running request's samples")
