@@ -8,41 +8,13 @@ and the auth requirement match the model and flags being served."""
 from __future__ import annotations
 
 from .fields import MAX_N
+# the schema builders, under this module's short local names
+from .schema_parts import (BOOL as _BOOL, STRING as _STRING, any_null as _any_null,
+                           content_block as _block, integer as _int, nullable as _null,
+                           number as _num, text_or as _text_or)
 
 _INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
-
-def _null(schema: dict) -> dict:
-    return dict(schema, nullable=True)
-
-
-def _any_null(*branches: dict, **kw) -> dict:
-    """anyOf the branches or null (3.0 has no null type: the first branch is made nullable)."""
-    return {"anyOf": [dict(branches[0], nullable=True), *branches[1:]], **kw}
-
-
-def _int(lo: int | None = None, hi: int | None = None, **kw) -> dict:
-    s = {"type": "integer", **kw}
-    if lo is not None:
-        s["minimum"] = lo
-    if hi is not None:
-        s["maximum"] = hi
-    return _null(s)
-
-
-def _num(lo: float | None = None, hi: float | None = None, exclusive_lo: bool = False,
-         **kw) -> dict:
-    s = {"type": "number", **kw}
-    if lo is not None:
-        s["minimum"] = lo
-        if exclusive_lo:
-            s["exclusiveMinimum"] = True
-    if hi is not None:
-        s["maximum"] = hi
-    return _null(s)
-
-
-_BOOL = _null({"type": "boolean"})
 # one server-sent event: `data` is a JSON chunk, an error object, or `[DONE]` (the last event)
 _SSE_EVENT = {"type": "object", "required": ["data"],
               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
@@ -100,23 +72,6 @@ _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
     "id": _null({"type": "string"}), "type": {"type": "string", "enum": ["function"]},
     "function": {"type": "object", "required": ["name", "arguments"], "properties": {
         "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
-_STRING = {"type": "string"}
-
-
-def _block(kind: str, optional: tuple[str, ...] = (), **fields: dict) -> dict:
-    """An Anthropic content block / Responses item of type `kind`; `fields` are required but
-    for the `optional` ones."""
-    required = ["type"] + [k for k in fields if k not in optional]
-    return {"type": "object", "required": required,
-            "properties": {"type": {"type": "string", "enum": [kind]}, **fields}}
-
-
-def _text_or(*parts: str, nullable: bool = False) -> dict:
-    """A string, or a list of text parts of the given types."""
-    part = {"anyOf": [_block(p, text=_STRING) for p in parts]}
-    return {"anyOf": [dict(_STRING, nullable=nullable), {"type": "array", "items": part}]}
-
-
 def _assist_requests(sampling: dict, tools: bool, fim: bool) -> dict:
     """The request bodies of the editor-assistant routes, field by field as far as they are
     validated; the translating modules' docstrings list every field read."""
