@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from .configs import decode_splits, fit_shared, get_config, num_sms
+from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import emit_xq, xq_args, xq_flags
+
 
 _LOG2E = 1.4426950408889634
 
@@ -122,7 +124,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
-                   XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
+                   XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
+                   PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,7 +193,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_oh,
                           xq0, xs0, xsum0, xq1, xs1, xsum1,
                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
+                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
+                          PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
@@ -222,7 +228,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, TREE: tl.constexpr,
-                    WINDOW: tl.constexpr):
+                    WINDOW: tl.constexpr,
+                    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -362,13 +370,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
             BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
             DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages,
-            **xq_flags(xqs if direct else {}))
+            **xq_flags(xqs if direct else {}),
+            **pdl_kwargs(q.device, cfg, num_seqs * num_kv_heads * splits))
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),
                 *xq_args(xqs, out),
                 HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps, **xq_flags(xqs))
+                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps, **xq_flags(xqs),
+                **pdl_kwargs(q.device, cfg, num_seqs * num_heads))
         return out
 
     block_m = cfg.prefill_block_m
@@ -382,7 +392,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale_log2, window, *strides, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee, TREE=tree, WINDOW=window > 0,
-        num_warps=cfg.prefill_num_warps, num_stages=stages)
+        num_warps=cfg.prefill_num_warps, num_stages=stages,
+        **pdl_kwargs(q.device, cfg, grid[0] * grid[1] * grid[2]))
     return out
 
 

@@ -81,6 +81,11 @@ class KernelConfig:
     moe_block_k: int = 64
     moe_num_warps: int = 4
     moe_num_stages: int = 2
+    # programmatic dependent launch (kernels/pdl.py, sm_90+): a step's kernels launch while the
+    # one before finishes; grids of at most pdl_early_max_programs programs let the next kernel
+    # launch from their start
+    pdl: bool = False
+    pdl_early_max_programs: int = 1024
     source: str = NOT_MEASURED
 
 
@@ -103,6 +108,7 @@ TABLE: dict[str, KernelConfig] = {
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
+                          pdl=True,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "

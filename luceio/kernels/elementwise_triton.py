@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import get_config
+from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import emit_xq, xq_args, xq_buffers, xq_flags
 
 
@@ -20,7 +22,9 @@ def _warps(block: int) -> int:
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
                      xq0, xs0, xsum0, xq1, xs1, xsum1,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                     XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
+                     XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
+                     PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -67,7 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
                                   *xq_args(xqs, out), N=n, BLOCK=block,
                                   HAS_RES=residual is not None, num_warps=_warps(block),
-                                  **xq_flags(xqs))
+                                  **xq_flags(xqs),
+                                  **pdl_kwargs(x.device, get_config(x.device), rows))
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))
 
@@ -95,7 +100,9 @@ def silu_mul(g, u, out_ptr):
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1,
                          D: tl.constexpr, BLOCK: tl.constexpr,
-                         XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False):
+                         XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
+                         PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -119,7 +126,8 @@ def silu_and_mul(x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
         block = max(32, min(1024, triton.next_power_of_2(d)))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), *xq_args(xqs, out), D=d, BLOCK=block,
-            num_warps=_warps(block), **xq_flags(xqs))
+            num_warps=_warps(block), **xq_flags(xqs),
+            **pdl_kwargs(x.device, get_config(x.device), x2.shape[0] * triton.cdiv(d, block)))
     return out.view(*x.shape[:-1], d)
 
 

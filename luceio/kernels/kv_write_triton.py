@@ -6,12 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import get_config
+from .pdl import pdl_enter, pdl_kwargs
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      s_kt, s_kh, s_vt, s_vh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -44,4 +49,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **pdl_kwargs(k.device, get_config(k.device), num_tokens))

@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import get_config
 from .elementwise_triton import cos_sin_at
+from .pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -45,7 +47,9 @@ def _qkv_rope_cache_kernel(qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q
                            NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                            PAGE_SIZE: tl.constexpr, NORM: tl.constexpr,
                            BLOCK_HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           BLOCK_KV: tl.constexpr):
+                           BLOCK_KV: tl.constexpr,
+                           PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     half, hmask, cos, sin = cos_sin_at(t, pos_ptr, cs_ptr, s_cs, HALF, BLOCK_HALF)
@@ -104,5 +108,6 @@ def qkv_rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         qkv.stride(0), cs.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), NUM_Q=num_heads, NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], NORM=norm, BLOCK_HALF=block_half,
-        BLOCK_Q=block_q, BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=warps)
+        BLOCK_Q=block_q, BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=warps,
+        **pdl_kwargs(qkv.device, get_config(qkv.device), n))
     return q

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import quantize_x
 
 
@@ -272,7 +273,9 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  s_qh, s_d, s_sc, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
                  ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PAIRED: tl.constexpr):
+                 PAIRED: tl.constexpr,
+                 PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
@@ -365,4 +368,4 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
             QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
             G=max(1, cfg.gemv_block_k // 32), PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,
-            num_warps=cfg.gemv_num_warps)
+            num_warps=cfg.gemv_num_warps, **pdl_kwargs(x2.device, cfg, programs * split))

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .configs import get_config
+from .pdl import pdl_enter, pdl_kwargs
 from .quant_args import weight_args, words
 from .quant_gemv import gemv_body, prepare_launch, runtime_args, split_counters, x_forms
 
@@ -26,10 +27,12 @@ def _gemv_pair_kernel(a_xq, a_xs, a_xsum, a_qs, a_qh, a_d, a_m, a_sc, a_mn, a_bi
                       QTYPE_A: tl.constexpr, BLOCK_N_A: tl.constexpr, SPLIT_A: tl.constexpr,
                       HAS_BIAS_A: tl.constexpr, PAIRED_A: tl.constexpr,
                       QTYPE_B: tl.constexpr, BLOCK_N_B: tl.constexpr, SPLIT_B: tl.constexpr,
-                      HAS_BIAS_B: tl.constexpr, PAIRED_B: tl.constexpr):
+                      HAS_BIAS_B: tl.constexpr, PAIRED_B: tl.constexpr,
+                      PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     """Two GEMVs of one x in one launch (a fused projection stored in two types: a Q4_K_M
     file's q/k in Q4_K, v in Q6_K): programs [0, programs_a) compute part a, the rest part b,
     each with its own K-splits (a program past its part's splits does nothing)."""
+    pdl_enter(PDL, PDL_EARLY)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if pid < programs_a:
@@ -69,7 +72,8 @@ def gemv_pair(x1, parts: list, k: int, cfg, use_asm: bool, xqs: dict | None = No
                        f"PAIRED_{tag}": prep[2]})
     _gemv_pair_kernel[(sum(programs), max(splits))](
         *args, programs[0], splits[0], splits[1], BLOCK_M=1, G=max(1, cfg.gemv_block_k // 32),
-        PREFETCH=cfg.gemv_prefetch, ASM=use_asm, num_warps=cfg.gemv_num_warps, **consts)
+        PREFETCH=cfg.gemv_prefetch, ASM=use_asm, num_warps=cfg.gemv_num_warps, **consts,
+        **pdl_kwargs(x1.device, cfg, sum(programs) * max(splits)))
 
 
 def matmul_parts_pair(x: torch.Tensor, parts: list, bias: torch.Tensor | None,

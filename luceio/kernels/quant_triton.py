@@ -30,8 +30,10 @@ import triton
 import triton.language as tl
 
 from .configs import KernelConfig, get_config
+from .pdl import pdl_enter, pdl_kwargs
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args, words as _words
+
 
 DENSE = "dense"
 
@@ -147,7 +149,9 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
                    s_qs, s_qh, s_d, s_sc, e_d, e_sc,
                    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                   DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
     G: tl.constexpr = BLOCK_K // 32
     HALF: tl.constexpr = BLOCK_K // 2
     pid_n = tl.program_id(0)
@@ -234,8 +238,10 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
 
 @triton.jit
 def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
-                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     """out[m, n] = sum over splits (in order) of part[s, m, n] + bias[n]."""
+    pdl_enter(PDL, PDL_EARLY)
     mi = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -317,12 +323,13 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_F32=interp and x.dtype == torch.bfloat16, DOT_IEEE=x.dtype == torch.float32,
         SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=num_warps,
-        num_stages=cfg.qgemm_num_stages)
+        num_stages=cfg.qgemm_num_stages, **pdl_kwargs(x.device, cfg, n_programs * split))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_kernel[(num_m, triton.cdiv(n, block))](
             part, bias_arg, out2, num_m, n, split, out2.stride(0), BLOCK=block,
-            HAS_BIAS=has_bias, num_warps=4)
+            HAS_BIAS=has_bias, num_warps=4,
+            **pdl_kwargs(x.device, cfg, num_m * triton.cdiv(n, block)))
     return out
 
 

@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import get_config
+from .pdl import pdl_enter, pdl_kwargs
+
 
 @triton.jit
 def store_xq(x, grp, gmask, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
@@ -53,11 +56,13 @@ def emit_xq(y, g0, g_end, KG, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK: tl.conste
 
 @triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, KG, BLOCK_G: tl.constexpr,
-                       PLANES: tl.constexpr):
+                       PLANES: tl.constexpr,
+                       PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     """x [K] -> xq int8 [K], scale fp32 [K/32], and int32 sums of xq [2, K/32] (elements 0-15
     and 16-31 of each group). xq is in group order, or with PLANES in two planes [2, K/32, 16]
     (elements 0-15, then 16-31, of every group), which keeps the 4-bit GEMV's x loads
     contiguous: its code word j meets x words j of both planes."""
+    pdl_enter(PDL, PDL_EARLY)
     grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]          # [BG, 1]
     gmask = grp < KG
     col = tl.arange(0, 32)[None, :]
@@ -94,8 +99,9 @@ def quantize_x(x: torch.Tensor, planes: bool = True
     kg = k // 32
     xq, xs, xsum = xq_buffers(k, x.device)
     block_g = 16
-    _quantize_x_kernel[(triton.cdiv(kg, block_g),)](x, xq, xs, xsum, kg, BLOCK_G=block_g,
-                                                   PLANES=planes, num_warps=4)
+    _quantize_x_kernel[(triton.cdiv(kg, block_g),)](
+        x, xq, xs, xsum, kg, BLOCK_G=block_g, PLANES=planes, num_warps=4,
+        **pdl_kwargs(x.device, get_config(x.device), triton.cdiv(kg, block_g)))
     return xq, xs, xsum
 
 

@@ -39,3 +39,28 @@ def test_quantized_triton_equals_torch_reference_fp32(tiny_llama, monkeypatch):
     monkeypatch.setenv("LUCEIO_KERNELS", "torch")
     ref_out, _ = run(tiny_llama, quantization="int8", enforce_eager=True)
     assert triton_out == ref_out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_programmatic_dependent_launch_changes_no_output(tiny_llama, dtype):
+    """PDL (kernels/pdl.py) only lets a kernel launch before the one ahead finishes: with it
+    on and off, CUDA graphs and eager each give the same tokens and logprobs, bit for bit."""
+    import dataclasses
+
+    from luceio.kernels import configs, pdl
+    base = configs.get_config(torch.device("cuda"))
+    if not pdl.pdl_enabled(torch.device("cuda"), dataclasses.replace(base, pdl=True)):
+        pytest.skip("PDL needs sm_90 or later")
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24, logprobs=2)
+    results = {}
+    for on in (True, False):
+        for eager in (False, True):
+            with configs.use_config(dataclasses.replace(base, pdl=on)):
+                llm = LLM(tiny_llama, **engine_kwargs(device="cuda", quantization="int4",
+                                                      dtype=dtype, enforce_eager=eager))
+                outs = llm.generate(prompts(6), params)
+            results[on, eager] = [(o.outputs[0].token_ids,
+                                   [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                                  for o in outs]
+    assert results[True, False] == results[False, False]
+    assert results[True, True] == results[False, True]
