@@ -86,6 +86,12 @@ def section_decode(bw: float, quick: bool, with_hf: bool) -> None:
                    "roofline_tok_s": round(bw / bytes_tok, 1),
                    "fraction_of_roofline": round(tps * bytes_tok / bw, 3)}
             del eng
+            from torch_floor import floor_decode_tps
+            try:  # the same weights, plain torch ops, the whole step one CUDA graph
+                row["torch_graph_floor_tok_s"] = round(floor_decode_tps(model, ctx), 1)
+                row["speedup_vs_torch_floor"] = round(tps / row["torch_graph_floor_tok_s"], 2)
+            except Exception as e:  # report, keep measuring
+                row["torch_graph_floor_error"] = repr(e)[:200]
             if hf is not None:
                 configs = [("hf_eager_dynamic", {}),
                            ("hf_static_no_compile", dict(cache_implementation="static",
