@@ -13,9 +13,9 @@ import pydantic
 import pytest
 from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
 
-from luceio.server.anthropic import (AnthropicError, MessageStream, count_tokens_request,
-                                     count_tokens_response, message_response, messages_to_chat,
-                                     to_anthropic)
+from luceio.server.anthropic import (AnthropicError, count_tokens_request, count_tokens_response,
+                                     messages_to_chat, to_anthropic)
+from luceio.server.anthropic_stream import MessageStream, message_response
 from luceio.server.deltas import ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
 from luceio.server.protocol import APIError
 from sdk_oracle import fragmented, sse, strict

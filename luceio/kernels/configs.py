@@ -120,7 +120,9 @@ TABLE: dict[str, KernelConfig] = {
                                  "bench/step_profile.py --set (results/h200/split_ab_*.json); "
                                  "gemv split 256 -> 4224 programs (32 warps per SM), >= 1 tile: "
                                  "GEMV time of a decode step 2082 -> 1934 us (7B Q4_K_M), "
-                                 "458 -> 422 us (0.5B), results/h200/split_ab_gemv.json"),
+                                 "458 -> 422 us (0.5B), results/h200/split_ab_gemv.json; "
+                                 "pdl on: 7B Q4_K_M 410 -> 431 tok/s, GPU idle 9.6 -> 4.8% of a "
+                                 "step, 2026-12-02, results/h200/step_profile_pdl.json"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,

@@ -29,8 +29,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..outputs import RequestOutput
-from .anthropic import (MessageStream, count_tokens_request, count_tokens_response,
-                        messages_to_chat)
+from .anthropic import count_tokens_request, count_tokens_response, messages_to_chat
+from .anthropic_stream import MessageStream
 from .chat import chat_prompt
 from .driver import generate, off_loop, read_json
 from .fields import APIError, bad
