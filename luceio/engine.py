@@ -33,7 +33,8 @@ from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .admission import check_request, check_token_ids
-from .models import build_model, check_engine_support, context_limit, runs_spec_prefill
+from .models import build_model, caches_prefixes, check_engine_support, context_limit, \
+    runs_spec_prefill
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
 from .memory import kv_bytes_per_block
 from .runner import ModelRunner
@@ -79,7 +80,10 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self._weight_bytes = self.runner.model.weight_bytes() + \
             (draft.weight_bytes() if draft is not None else 0)
-        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching,
+        prefix_caching = args.enable_prefix_caching and caches_prefixes(self.runner.model)
+        if args.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off for %s models", self.runner.model.family)
+        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, prefix_caching,
                                  args.residency_config())
         if args.kv_resident_policy == "spec" and args.kv_resident_tokens and draft is None:
             raise ValueError("--kv-resident-policy spec scores blocks with the draft model: "

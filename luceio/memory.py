@@ -1,6 +1,6 @@
 """Memory the runner holds: the KV pool (zeroed; on the CPU mapped page by page as it is
-used), a KV block's size, the pinned buffers that stage each step's inputs, and handing
-freed heap back to the OS after loading."""
+used), a KV block's size, the pinned buffers that stage each step's inputs, hybrid models'
+state slots, and handing freed heap back to the OS after loading."""
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +33,7 @@ def zeros_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    return (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim *
+    return (2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim *
             torch.tensor([], dtype=dtype).element_size())
 
 
@@ -71,3 +71,31 @@ class Staging:
             event.record(torch.cuda.current_stream(self.device))
             ring[i] = (buf, event)
         return list(flat.split(sizes))
+
+
+class StateSlots:
+    """Hybrid models' state rows: one per running request, taken at its first step and given
+    back once the KV manager no longer holds the request (finished, aborted or preempted; a
+    preempted request starts again from its first token, so from a zeroed row)."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.of: dict[str, int] = {}
+
+    def assign(self, scheduled, kv) -> tuple[np.ndarray, np.ndarray]:
+        """(slot of each scheduled request, the slots to zero first: requests at their first
+        token)."""
+        for rid in [rid for rid in self.of if rid not in kv.block_tables]:
+            self.free.append(self.of.pop(rid))
+        slots, fresh = [], []
+        for s in scheduled:
+            rid = s.req.request_id
+            if rid not in self.of:
+                if not self.free:
+                    raise RuntimeError("no free state slot: more running requests than "
+                                       "--max-num-seqs")
+                self.of[rid] = self.free.pop()
+            slots.append(self.of[rid])
+            if s.req.num_computed_tokens == 0:
+                fresh.append(self.of[rid])
+        return np.asarray(slots, dtype=np.int64), np.asarray(fresh, dtype=np.int64)

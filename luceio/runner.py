@@ -24,7 +24,7 @@ from .models import AttnMetadata, build_model
 from .models.cpu_decode import CpuDecoder
 from .models.expert_offload import ExpertOffload
 from .cache.host_store import HostKVStore, QueryProbe
-from .memory import Staging, kv_bytes_per_block, return_freed_heap, zeros_pool
+from .memory import Staging, StateSlots, kv_bytes_per_block, return_freed_heap, zeros_pool
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("luceio")
@@ -44,6 +44,10 @@ class HostBatch:
     # tree speculation: per token, the bits of its request's step tokens it attends to
     # (`spec.tree`; -1 for every token of a request without a tree); None: no tree this step
     tree_mask: np.ndarray | None = None
+    # hybrid models: each sequence's state slot, and the slots to zero before the step (a
+    # request's first token); None for models without state
+    state_slots: np.ndarray | None = None
+    fresh_slots: np.ndarray | None = None
 
     @property
     def q_lens(self) -> np.ndarray:
@@ -103,6 +107,15 @@ class ModelRunner:
                                                                  quantization, self.expert_offload)
         self.cfg = self.model.cfg
         self.block_size = cache_config.block_size
+        # hybrid models (Qwen3.5): a state slot per running request, allocated before the KV
+        # pool is sized so that the pool gets what the states leave
+        self.stateful = getattr(self.model, "has_state", False)
+        if self.stateful:
+            self.state_slots = StateSlots(max_num_seqs)
+            self.model.allocate_state(max_num_seqs, dtype, device)
+            logger.info("%s state: %d slots (--max-num-seqs), %.1f MiB", self.model.family,
+                        max_num_seqs,
+                        max_num_seqs * self.model.state_bytes_per_slot(dtype) / 2**20)
         # a draft model's cache gets as many blocks: size both from one budget
         self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks, self.max_model_len = self._num_blocks(cache_config, max_model_len,
@@ -110,7 +123,7 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
         self.stages = stages
-        end = stages.layer_range[1] if stages is not None else self.cfg.num_layers
+        end = stages.layer_range[1] if stages is not None else self.cfg.num_kv_layers
         self.kv_pool = zeros_pool((end, 2, *shape), dtype, device)
         # indexed by layer: the layers of later stages have no cache here
         self.kv_caches = list(self.kv_pool) + [None] * (self.cfg.num_layers - end)
@@ -123,14 +136,19 @@ class ModelRunner:
             cache_config.resident_tokens) and cache_config.resident_policy == "keys")
         self.graphs = None
         self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) \
-            if device.type == "cpu" and CpuDecoder.supports(dtype) and stages is None else None
+            if device.type == "cpu" and CpuDecoder.supports(dtype) and stages is None \
+            and not self.stateful else None
         if device.type == "cpu":
             return_freed_heap()
         offloaded = self.expert_offload is not None and self.expert_offload.active
         if offloaded and device.type == "cuda":
             logger.info("expert offload reads each layer's routed experts on the host: no CUDA "
                         "graphs")
-        if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
+        if self.stateful and device.type == "cuda":
+            logger.info("%s runs its linear-attention layers on the torch references: no CUDA "
+                        "graphs", self.model.family)
+        if device.type == "cuda" and not enforce_eager and stages is None and not offloaded \
+                and not self.stateful:
             from . import kernels
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
@@ -260,6 +278,8 @@ class ModelRunner:
             for base, tree in trees:
                 words = masks_tensor(tree.ancestor_masks()).numpy()
                 host.tree_mask[base:base + len(words)] = words
+        if self.stateful:
+            host.state_slots, host.fresh_slots = self.state_slots.assign(out.scheduled, kv)
         inp = StepInputs(host, rows, prompt_rows, device_ids, prefill=prefill)
         index = {s.req.request_id: i for i, s in enumerate(out.scheduled)}
         for rid in out.kv_score_ids:
@@ -335,6 +355,10 @@ class ModelRunner:
                                 int(h.q_lens.max()), int(h.seq_lens.max()))
             if h.tree_mask is not None:
                 meta.tree_mask = torch.from_numpy(h.tree_mask).to(self.device)
+            if h.state_slots is not None:
+                meta.state_slots = torch.from_numpy(h.state_slots).to(self.device)
+                if len(h.fresh_slots):
+                    self.model.reset_state(torch.from_numpy(h.fresh_slots).to(self.device))
             with _prefill_rows(inp.prefill and self.device.type == "cpu"):
                 if self._cpu_decode(h, probe):
                     hidden = self.cpu_decoder(ids, pos, meta)
@@ -363,3 +387,4 @@ def _prefill_rows(on: bool):
         return contextlib.nullcontext()
     from .kernels.quant_cpu import prefill_rows
     return prefill_rows()
+

@@ -224,6 +224,47 @@ def make_tiny_gemma4(folder: str, name: str, seed: int, **over) -> str:
     return save_tiny(model, folder)
 
 
+QWEN35_CONFIGS = {
+    # GQA 2:1 for attention, 2 v heads per k head, tied, the default pattern (every 4th full)
+    "gqa_tied": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                     tie_word_embeddings=True),
+    # MHA, one v head per k head, untied, full attention first and in the middle, odd sizes,
+    # half the head rotated
+    "mha_untied": dict(hidden_size=48, intermediate_size=80, num_hidden_layers=5,
+                       num_attention_heads=3, num_key_value_heads=3, head_dim=16,
+                       linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=3,
+                       layer_types=["full_attention", "linear_attention", "full_attention",
+                                    "linear_attention", "linear_attention"],
+                       partial_rotary_factor=0.5, tie_word_embeddings=False),
+}
+
+
+def make_tiny_qwen35(folder: str, name: str, seed: int) -> str:
+    """A random Qwen3.5 text checkpoint of QWEN35_CONFIGS[name] (fp32); the (1 + w) norms are
+    drawn away from 0 so that they matter."""
+    from transformers import Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    torch.manual_seed(seed)
+    spec = dict(QWEN35_CONFIGS[name])
+    factor = spec.pop("partial_rotary_factor", 0.25)
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, max_position_embeddings=512,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": factor},
+                            initializer_range=0.1, eos_token_id=None, bos_token_id=None,
+                            pad_token_id=None, **spec)
+    model = Qwen3_5ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "layernorm" in pname or pname.endswith(("q_norm.weight", "k_norm.weight",
+                                                      "model.norm.weight")):
+                p.normal_(0.0, 0.3)
+    return save_tiny(model, folder)
+
+
 def random_prompts(n: int, seed: int, max_len: int = 30) -> list[list[int]]:
     """`n` prompts of 1 to max_len - 1 random token ids of the tests' vocabulary."""
     g = torch.Generator().manual_seed(seed)

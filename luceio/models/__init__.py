@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 
 from ..loader import Checkpoint
-from . import gemma, gemma4
+from . import gemma, gemma4, qwen3_5
 from .gemma import Gemma3Config, Gemma3ForCausalLM
 from .gemma4 import Gemma4Config, Gemma4ForCausalLM
 from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
 from .moe import MoeConfig, Qwen3MoeForCausalLM
+from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM
 
 _ARCHS = {
     "LlamaForCausalLM": False,  # value: whether q/k/v carry a bias by default
@@ -18,6 +19,7 @@ _ARCHS = {
     "Qwen3MoeForCausalLM": False,
     "Gemma3ForCausalLM": False,
     "Gemma4ForCausalLM": False,
+    "Qwen3_5ForCausalLM": False,
 }
 
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit",
@@ -37,6 +39,8 @@ def model_config(config: dict) -> LlamaConfig:
         return Gemma3Config.from_hf(config)
     if arch in gemma4.ARCHITECTURES:
         return Gemma4Config.from_hf(config)
+    if arch in qwen3_5.ARCHITECTURES:
+        return Qwen35Config.from_hf(config)
     return LlamaConfig.from_hf(config)
 
 
@@ -48,12 +52,20 @@ def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
         gemma.check_engine_support(args, "Gemma 4")
     elif isinstance(model, Gemma3ForCausalLM) or arch in gemma.ARCHITECTURES:
         gemma.check_engine_support(args)
+    elif isinstance(model, Qwen3_5ForCausalLM) or arch in qwen3_5.ARCHITECTURES:
+        qwen3_5.check_engine_support(args)
+
+
+def caches_prefixes(model) -> bool:
+    """Whether prefix caching can serve this model: a hybrid model's cached KV would come
+    without the linear-attention state after it (`qwen3_5.py`), so it runs without."""
+    return not getattr(model, "has_state", False)
 
 
 def runs_spec_prefill(model) -> bool:
     """Whether speculative prefill may shorten prompts for this model (target) or score them
     with it (draft); a Gemma 3 or 4 model can do neither (see `gemma.py`). None: no model."""
-    return not isinstance(model, Gemma3ForCausalLM)
+    return not isinstance(model, (Gemma3ForCausalLM, Qwen3_5ForCausalLM))
 
 
 def context_limit(ckpt: Checkpoint | None, model, max_model_len: int | None) -> int:
@@ -88,6 +100,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
             model = Gemma3ForCausalLM(cfg)
         elif arch in gemma4.ARCHITECTURES:
             model = Gemma4ForCausalLM(cfg)
+        elif arch in qwen3_5.ARCHITECTURES:
+            model = Qwen3_5ForCausalLM(cfg)
         else:
             model = LlamaForCausalLM(cfg, bias=bias)
     if expert_offload is not None:
@@ -107,5 +121,7 @@ def _rope_cache(cfg: LlamaConfig) -> torch.Tensor:
     from ..kernels.rotary import build_cos_sin_cache
     if isinstance(cfg, Gemma4Config):
         return gemma4.global_rope(cfg)
+    if isinstance(cfg, Qwen35Config):
+        return qwen3_5.rope_cache(cfg)
     return build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                cfg.rope_scaling)

@@ -33,6 +33,11 @@ class LlamaConfig:
     qk_norm: bool  # Qwen3
     sliding_window: int | None
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV in the paged cache (all of them here; hybrid models fewer)."""
+        return self.num_layers
+
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
         rope = c.get("rope_parameters") or {}
@@ -64,6 +69,7 @@ class AttnMetadata:
     max_query_len: int
     max_seq_len: int
     tree_mask: torch.Tensor | None = None  # int64 [num_tokens]: draft-tree verification
+    state_slots: torch.Tensor | None = None  # int64 [num_seqs]: hybrid models' state rows
 
 
 class RMSNorm(nn.Module):
@@ -159,6 +165,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # checkpoint projections loaded as shards of one fused projection: name -> (fused, shard)
+    STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
     def __init__(self, cfg: LlamaConfig, bias: bool = False):
         super().__init__()
         self.cfg = cfg
@@ -204,8 +214,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         params = dict(self.named_parameters())
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
-        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        stacked = self.STACKED
         tied = self.cfg.tie_word_embeddings
         for name, tensor in weights:
             name = name.removeprefix("model.")

@@ -45,3 +45,18 @@ def test_gemma_on_gpu_kernels_equals_cpu(tmp_path):
     cpu = LLM(folder, **engine_kwargs()).generate(ps, params)
     gpu = LLM(folder, **engine_kwargs(device="cuda")).generate(ps, params)
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+
+
+def test_qwen35_on_gpu_equals_cpu(tmp_path):
+    """Qwen3.5's hybrid layers on the GPU (attention on the Triton kernels, the DeltaNet on its
+    torch references with state slots on the device) give the CPU path's greedy tokens, with
+    chunked prefill and several requests at once."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    from conftest import make_tiny_qwen35
+    folder = make_tiny_qwen35(str(tmp_path / "qwen35"), "gqa_tied", seed=0)
+    ps = prompts(5, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    cpu = LLM(folder, **engine_kwargs()).generate(ps, params)
+    gpu = LLM(folder, **engine_kwargs(device="cuda", max_num_batched_tokens=32)).generate(ps,
+                                                                                           params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]

@@ -1,0 +1,311 @@
+"""Qwen3.5 text models (transformers `qwen3_5_text`, `Qwen3_5ForCausalLM`): hybrid layers.
+
+Rules (transformers' `modeling_qwen3_5.py` is the truth; fp32 on the CPU matches it to rounding):
+- `layer_types`: each layer is `linear_attention` (a Gated DeltaNet, `kernels/delta_rule.py`) or
+  `full_attention` (every fourth by default); both are followed by the same gated SiLU MLP, with
+  pre-norms and residual adds as Llama's.
+- RMSNorms (input, post-attention, final, q/k per head) scale by (1 + w) in fp32, then cast
+  (Gemma's `GemmaRMSNorm`); the DeltaNet's output norm is a plain-w gated RMSNorm.
+- Full attention: q_proj yields, per head, the query and then a gate of the same size; q and k
+  are normed per head; RoPE rotates the first `partial_rotary_factor` of each head (text
+  positions are one axis: the multimodal sections all see the same position); the attention
+  output is multiplied by sigmoid(gate) before o_proj. Only these layers have KV: the engine's
+  pool holds `num_kv_layers` layers.
+- Gated DeltaNet: in_proj_qkv -> causal depthwise conv + SiLU -> q, k, v heads; in_proj_a / _b
+  -> decay and write gates; the delta rule over a per-request state; gated RMSNorm with
+  in_proj_z; out_proj. Its state lives in two pools beside the KV cache, one row ("slot") per
+  running request: `state` [linear layers, slots, v heads, k dim, v dim] in fp32 and
+  `conv_state` [linear layers, slots, conv dim, kernel - 1] in the model dtype. The runner
+  assigns a request its slot and zeroes it before the request's first token (`reset_state`),
+  which is also what a recompute after preemption needs.
+
+What the engine does not run for this family (refused at startup, `check_engine_support`):
+speculative decoding and speculative prefill (a rejected draft would have to roll the state
+back), swap preemption and bounded KV residency (they move KV only, not the state), pipeline
+stages. Prefix caching is off for these models: a cached prefix's KV would come without the
+state after it (state snapshots per block are not built). The GPU runs the DeltaNet through the
+torch references, eagerly (no CUDA graphs); the other layers take the usual kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..kernels import delta_rule
+from .gemma import GemmaRMSNorm
+from .linear import Linear
+from .llama import MLP, AttnMetadata, LlamaConfig, LlamaForCausalLM
+
+ARCHITECTURES = ("Qwen3_5ForCausalLM",)
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen35Config(LlamaConfig):
+    layer_types: tuple[str, ...]
+    rotary_dim: int
+    linear_num_k_heads: int
+    linear_num_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    conv_kernel: int
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.layer_types.count("full_attention")
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_k_heads * self.linear_k_dim + \
+            self.linear_num_v_heads * self.linear_v_dim
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "Qwen35Config":
+        for field in ("attention_bias",):
+            if c.get(field):
+                raise ValueError(f"Qwen3.5 with {field}={c[field]!r} is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Qwen3.5 with hidden_act {c['hidden_act']!r} is not supported")
+        num_layers = c["num_hidden_layers"]
+        interval = c.get("full_attention_interval", 4)
+        types = tuple(c.get("layer_types") or [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(num_layers)])
+        if len(types) != num_layers or set(types) - set(LAYER_TYPES):
+            raise ValueError(f"Qwen3.5 layer_types {list(types)} is not one of {LAYER_TYPES} "
+                             "per layer")
+        rope = dict(c.get("rope_parameters") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"Qwen3.5 with rope {rope} is not supported (default RoPE only)")
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+        rotary_dim = int(head_dim * factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"Qwen3.5 rotary dims {rotary_dim} of head_dim {head_dim}: not an "
+                             "even number within the head")
+        k_heads, v_heads = c.get("linear_num_key_heads", 16), c.get("linear_num_value_heads", 32)
+        if v_heads % k_heads:
+            raise ValueError(f"Qwen3.5 linear attention with {v_heads} value heads over "
+                             f"{k_heads} key heads: not a whole group per key head")
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_layers=num_layers, num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta") or c.get("rope_theta") or 10_000_000.0,
+            rope_scaling=None, max_position_embeddings=c.get("max_position_embeddings", 32768),
+            tie_word_embeddings=c.get("tie_word_embeddings", False), qk_norm=True,
+            sliding_window=None, layer_types=types, rotary_dim=rotary_dim,
+            linear_num_k_heads=k_heads, linear_num_v_heads=v_heads,
+            linear_k_dim=c.get("linear_key_head_dim", 128),
+            linear_v_dim=c.get("linear_value_head_dim", 128),
+            conv_kernel=c.get("linear_conv_kernel_dim", 4))
+
+
+def partial_rope(x: torch.Tensor, cs: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [n, heads, head_dim] with its first `rotary_dim` rotated by cs [n, rotary_dim] (cos |
+    sin at each token's position), in fp32, the rest unchanged; x's dtype."""
+    half = rotary_dim // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = x[..., :half].float(), x[..., half:rotary_dim].float()
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q_proj's rows are per head [query | gate]: 2 * q_size of them
+        self.qkv_proj = Linear(cfg.hidden_size, [2 * self.q_size, self.kv_size, self.kv_size])
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary_dim = cfg.rotary_dim
+
+    def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin):
+        n, hd = x.shape[0], self.head_dim
+        k_cache, v_cache = kv_cache
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.reshape(n, self.num_heads, 2 * hd)
+        gate = qg[..., hd:].reshape(n, self.q_size)
+        cs = cos_sin.index_select(0, positions)
+        q = partial_rope(self.q_norm(qg[..., :hd]), cs, self.rotary_dim)
+        k = partial_rope(self.k_norm(k.reshape(n, self.num_kv_heads, hd)), cs, self.rotary_dim)
+        kernels.write_kv(k.contiguous(), v.reshape(n, self.num_kv_heads, hd).contiguous(),
+                         k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                    meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                                    meta.max_seq_len, hd ** -0.5)
+        return self.o_proj(o.reshape(n, self.q_size) * torch.sigmoid(gate))
+
+
+class _Conv(nn.Module):
+    """The depthwise causal conv's weight, [conv_dim, 1, kernel] as the checkpoint stores it."""
+
+    def __init__(self, conv_dim: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(conv_dim, 1, kernel), requires_grad=False)
+
+
+class _GatedNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.k_heads, self.v_heads = cfg.linear_num_k_heads, cfg.linear_num_v_heads
+        self.k_dim, self.v_dim = cfg.linear_k_dim, cfg.linear_v_dim
+        self.key_size = self.k_heads * self.k_dim
+        self.value_size = self.v_heads * self.v_dim
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: one GEMM
+        self.in_proj = Linear(cfg.hidden_size, [cfg.conv_dim, self.value_size, self.v_heads,
+                                                self.v_heads])
+        self.conv1d = _Conv(cfg.conv_dim, cfg.conv_kernel)
+        self.A_log = nn.Parameter(torch.empty(self.v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads), requires_grad=False)
+        self.norm = _GatedNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_size, cfg.hidden_size)
+        self.sizes = [cfg.conv_dim, self.value_size, self.v_heads, self.v_heads]
+
+    def forward(self, x, meta: AttnMetadata, state: torch.Tensor, conv_state: torch.Tensor):
+        """x [num_tokens, hidden]; `state` / `conv_state`: this layer's pools, rows
+        `meta.state_slots` read and updated."""
+        n = x.shape[0]
+        slots = meta.state_slots
+        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        weight = self.conv1d.weight[:, 0]
+        decode = meta.max_query_len == 1
+        if decode:
+            mixed = delta_rule.causal_conv1d_update(mixed, conv_state, weight, slots)
+        else:
+            mixed = delta_rule.causal_conv1d_varlen(mixed, conv_state, weight,
+                                                    meta.query_start_loc, slots)
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = q.reshape(n, self.k_heads, self.k_dim)
+        k = k.reshape(n, self.k_heads, self.k_dim)
+        v = v.reshape(n, self.v_heads, self.v_dim)
+        g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
+        if decode:
+            o = delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots)
+        else:
+            o = delta_rule.gated_delta_rule_chunked(q, k, v, g, beta, state,
+                                                    meta.query_start_loc, slots)
+        o = delta_rule.gated_rms_norm(o, z.reshape(n, self.v_heads, self.v_dim),
+                                      self.norm.weight, self.norm.eps)
+        return self.out_proj(o.reshape(n, self.value_size))
+
+
+class Qwen35DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, layer_type: str):
+        super().__init__()
+        self.linear = layer_type == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Loading, tied embeddings and weight accounting are `LlamaForCausalLM`'s; the layers,
+    norms, RoPE and the DeltaNet state pools are Qwen3.5's."""
+
+    family = "Qwen3.5"
+    has_state = True  # the runner assigns state slots (`allocate_state`, `reset_state`)
+    STACKED = {**LlamaForCausalLM.STACKED, "in_proj_qkv": ("in_proj", 0),
+               "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+               "in_proj_a": ("in_proj", 3)}
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__(cfg, bias=False)
+        self.layers = nn.ModuleList(Qwen35DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.cos_sin = rope_cache(cfg)
+        # per layer: its index among the KV layers or among the linear layers
+        kinds = [t == "full_attention" for t in cfg.layer_types]
+        self.pool_index = [sum(k == kinds[i] for k in kinds[:i]) for i in range(len(kinds))]
+        self.state = self.conv_state = None
+        self.requires_grad_(False)
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        cfg = self.cfg
+        per_layer = cfg.linear_num_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4 + \
+            cfg.conv_dim * (cfg.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
+        return cfg.num_linear_layers * per_layer
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Zeroed state pools for `num_slots` requests."""
+        cfg = self.cfg
+        n = cfg.num_linear_layers
+        self.state = torch.zeros((n, num_slots, cfg.linear_num_v_heads, cfg.linear_k_dim,
+                                  cfg.linear_v_dim), dtype=torch.float32, device=device)
+        self.conv_state = torch.zeros((n, num_slots, cfg.conv_dim, cfg.conv_kernel - 1),
+                                      dtype=dtype, device=device)
+
+    def reset_state(self, slots: torch.Tensor) -> None:
+        """Zeroes the state rows `slots` (a request's first token: "no past")."""
+        self.state[:, slots] = 0
+        self.conv_state[:, slots] = 0
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttnMetadata,
+                layer_range: tuple[int, int] | None = None, hidden=None, probe=None):
+        """[num_tokens, hidden] after the final norm. All layers in one call: no stages."""
+        if probe is not None:
+            raise ValueError("Qwen3.5 runs no per-layer probe (speculative prefill, KV "
+                             "residency scoring)")
+        if layer_range not in (None, (0, len(self.layers))):
+            raise ValueError("Qwen3.5 does not run as pipeline stages")
+        if meta.state_slots is None:
+            raise ValueError("a Qwen3.5 forward needs the batch's state slots")
+        x = self.embed_tokens(input_ids)
+        for layer, j in zip(self.layers, self.pool_index):
+            h = layer.input_layernorm(x)
+            if layer.linear:
+                h = layer.linear_attn(h, meta, self.state[j], self.conv_state[j])
+            else:
+                h = layer.self_attn(positions, h, kv_caches[j], meta, self.cos_sin)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def load_weights(self, weights, dtype: torch.dtype | None = None,
+                     device: torch.device | str = "cpu", quantize: str | None = None,
+                     **kwargs) -> None:
+        """`LlamaForCausalLM.load_weights`; the partial RoPE cache is then built on `device`."""
+        super().load_weights(weights, dtype, device, quantize, **kwargs)
+        self.cos_sin = rope_cache(self.cfg).to(device)
+
+
+def rope_cache(cfg: Qwen35Config) -> torch.Tensor:
+    from ..kernels.rotary import build_cos_sin_cache
+    return build_cos_sin_cache(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+
+def check_engine_support(args) -> None:
+    """Raises ValueError for an engine feature the hybrid layers' state cannot follow."""
+    refused = {"--speculative-method (speculative decoding)": args.speculative_method,
+               "--spec-prefill-keep (speculative prefill)": args.spec_prefill_keep is not None,
+               "--preemption-mode swap": args.preemption_mode == "swap",
+               "--kv-resident-tokens (bounded KV residency)": args.kv_resident_tokens,
+               "--devices (pipeline stages)": args.devices}
+    for what, on in refused.items():
+        if on:
+            raise ValueError(f"{what} is not supported for Qwen3.5 (hybrid linear-attention) "
+                             "models: the DeltaNet state is not rolled back, moved or split")

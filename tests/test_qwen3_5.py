@@ -1,0 +1,123 @@
+"""Qwen3.5 hybrid text models (luceio/models/qwen3_5.py) against transformers, fp32 on the CPU:
+Gated DeltaNet layers with their per-request state slots beside full-attention layers with
+gated outputs and partial RoPE. Greedy tokens (and logprobs) equal to transformers' `generate`,
+batched equal to solo, chunked prefill equal to one-shot, preemption and slot reuse, and the
+engine features the state cannot follow refused."""
+import inspect
+
+import pytest
+
+from conftest import QWEN35_CONFIGS, assert_greedy_matches_transformers, \
+    assert_triton_engine_equals_reference, engine_kwargs, make_tiny_qwen35, random_prompts
+from luceio import LLM, SamplingParams
+
+@pytest.fixture(scope="module")
+def qwen35_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen35")
+    return {name: make_tiny_qwen35(str(root / name), name, seed=i)
+            for i, name in enumerate(QWEN35_CONFIGS)}
+
+
+@pytest.fixture(autouse=True)
+def transformers_torch_paths(monkeypatch):
+    """transformers swaps in flash-linear-attention / causal-conv1d kernels when importable; the
+    oracle stays its own torch code."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        if hasattr(modeling_qwen3_5, name):
+            monkeypatch.setattr(modeling_qwen3_5, name,
+                                inspect.unwrap(getattr(modeling_qwen3_5, name)))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.parametrize("name", list(QWEN35_CONFIGS))
+def test_greedy_matches_transformers(qwen35_models, name):
+    assert_greedy_matches_transformers(qwen35_models[name], random_prompts(3, seed=5))
+
+
+@pytest.mark.parametrize("name", list(QWEN35_CONFIGS))
+def test_batched_and_chunked_prefill_equal_solo(qwen35_models, name):
+    """Eight requests at once, prompts prefilled in chunks of 7 tokens (cut anywhere, mixed with
+    other requests' decode steps), equal each request alone in one prefill."""
+    prompts = random_prompts(8, seed=11, max_len=40)
+    solo = [_tokens(LLM(qwen35_models[name], **engine_kwargs()), [p])[0] for p in prompts]
+    chunked = LLM(qwen35_models[name], **engine_kwargs(max_num_batched_tokens=7))
+    assert _tokens(chunked, prompts) == solo
+    # the slots of finished requests are reused, from a zeroed state
+    assert _tokens(chunked, prompts[::-1]) == solo[::-1]
+    # no slot lost: the slots still held belong to requests of the last step, given back at
+    # the next step (they are reclaimed once the KV manager no longer holds the request)
+    slots, kv = chunked.engine.runner.state_slots, chunked.engine.kv
+    assert len(slots.free) + len(slots.of) == chunked.engine.scheduler.config.max_num_seqs
+    assert not any(rid in kv.block_tables for rid in slots.of)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+def test_triton_engine_equals_reference(qwen35_models, monkeypatch):
+    """The attention layers on the (interpreted) Triton kernels, the DeltaNet on its torch
+    references: the GPU's path."""
+    assert_triton_engine_equals_reference(qwen35_models["mha_untied"], monkeypatch)
+
+
+def test_preemption_recomputes_from_a_zeroed_state(qwen35_models):
+    """A pool too small for all requests at once preempts (recompute) and restarts requests;
+    their output equals the unconstrained engine's."""
+    path = qwen35_models["gqa_tied"]
+    prompts = random_prompts(6, seed=3, max_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    free = _tokens(LLM(path, **engine_kwargs()), prompts, params)
+    tight = LLM(path, **engine_kwargs(num_kv_blocks=16, block_size=4))
+    assert _tokens(tight, prompts, params) == free
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_kv_pool_holds_only_full_attention_layers_and_prefix_caching_is_off(qwen35_models):
+    llm = LLM(qwen35_models["mha_untied"], **engine_kwargs())
+    runner = llm.engine.runner
+    assert runner.kv_pool.shape[0] == 2  # two full-attention layers of five
+    assert runner.model.state.shape[:2] == (3, runner.model.state.shape[1])
+    assert not llm.engine.kv.enable_prefix_caching
+    # the same prompt twice: no KV reused, the second answer equal to the first
+    p = random_prompts(1, seed=8)[0]
+    assert _tokens(llm, [p]) == _tokens(llm, [p])
+
+
+@pytest.mark.parametrize("over, flag", [
+    (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
+    (dict(preemption_mode="swap"), "--preemption-mode swap"),
+    (dict(kv_resident_tokens=64), "--kv-resident-tokens"),
+])
+def test_unsupported_engine_features_are_refused(qwen35_models, over, flag):
+    with pytest.raises(ValueError, match=flag):
+        LLM(qwen35_models["gqa_tied"], **engine_kwargs(**over))
+
+
+def test_negative_control_the_state_carries_across_steps(qwen35_models):
+    """If the runner zeroed the state every step, decode would forget the prompt: the logprobs
+    change (so the equalities above do test the state)."""
+    path = qwen35_models["gqa_tied"]
+    prompts = random_prompts(3, seed=21, max_len=20)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def logprobs(llm):
+        return [[sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    good = logprobs(LLM(path, **engine_kwargs()))
+    assert logprobs(LLM(path, **engine_kwargs())) == good  # deterministic
+    llm = LLM(path, **engine_kwargs())
+    model = llm.engine.runner.model
+    forward = model.forward
+
+    def forgetful(*args, **kwargs):
+        model.reset_state(args[3].state_slots)
+        return forward(*args, **kwargs)
+    model.forward = forgetful
+    assert logprobs(llm) != good
