@@ -23,8 +23,9 @@ What the engine does not run for this family (refused at startup, `check_engine_
 speculative decoding and speculative prefill (a rejected draft would have to roll the state
 back), swap preemption and bounded KV residency (they move KV only, not the state), pipeline
 stages. Prefix caching is off for these models: a cached prefix's KV would come without the
-state after it (state snapshots per block are not built). The GPU runs the DeltaNet through the
-torch references, eagerly (no CUDA graphs); the other layers take the usual kernels.
+state after it (state snapshots per block are not built). On GPUs the DeltaNet's decode step is
+a Triton kernel (`kernels/delta_rule_triton.py`), its prefill the torch reference (chunked,
+per sequence), all eagerly (no CUDA graphs); the other layers take the usual kernels.
 """
 from __future__ import annotations
 
@@ -200,7 +201,10 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(n, self.k_heads, self.k_dim)
         v = v.reshape(n, self.v_heads, self.v_dim)
         g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
-        if decode:
+        if decode and kernels.use_triton(x):
+            from ..kernels.delta_rule_triton import gdn_decode
+            o = gdn_decode(q, k, v, g, beta, state, slots)
+        elif decode:
             o = delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots)
         else:
             o = delta_rule.gated_delta_rule_chunked(q, k, v, g, beta, state,
