@@ -6,8 +6,9 @@ engine features the state cannot follow refused."""
 import inspect
 
 import pytest
+import torch
 
-from conftest import QWEN35_CONFIGS, assert_greedy_matches_transformers, \
+from conftest import VOCAB, QWEN35_CONFIGS, assert_greedy_matches_transformers, \
     assert_triton_engine_equals_reference, engine_kwargs, make_tiny_qwen35, random_prompts
 from luceio import LLM, SamplingParams
 
@@ -59,6 +60,38 @@ def test_batched_and_chunked_prefill_equal_solo(qwen35_models, name):
     assert len(slots.free) + len(slots.of) == chunked.engine.scheduler.config.max_num_seqs
     assert not any(rid in kv.block_tables for rid in slots.of)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """A `Qwen3_5ForConditionalGeneration` checkpoint (how Qwen3.5 is released: the text model
+    under `model.language_model.`, a vision tower beside it) serves its text model: greedy
+    tokens and logprobs equal to transformers' multimodal class on text-only prompts."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    from conftest import save_tiny
+    torch.manual_seed(4)
+    text = dict(QWEN35_CONFIGS["gqa_tied"], vocab_size=VOCAB, initializer_range=0.1,
+                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                pad_token_id=None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)).float()
+    path = save_tiny(model, str(tmp_path / "qwen35_vl"))
+    prompts = random_prompts(2, seed=9)
+    outs = LLM(path, **engine_kwargs()).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=10, logprobs=1, temperature=0.0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        tokens = ref.sequences[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == tokens
+        for step, (token, logprobs) in enumerate(zip(tokens, o.outputs[0].logprobs)):
+            expected = torch.log_softmax(ref.logits[step][0], -1)[token].item()
+            assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
 
 
 def test_triton_engine_equals_reference(qwen35_models, monkeypatch):

@@ -20,6 +20,7 @@ _ARCHS = {
     "Gemma3ForCausalLM": False,
     "Gemma4ForCausalLM": False,
     "Qwen3_5ForCausalLM": False,
+    "Qwen3_5ForConditionalGeneration": False,
 }
 
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit",

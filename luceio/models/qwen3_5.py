@@ -40,7 +40,10 @@ from .gemma import GemmaRMSNorm
 from .linear import Linear
 from .llama import MLP, AttnMetadata, LlamaConfig, LlamaForCausalLM
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM",)
+# the released checkpoints are the multimodal wrapper: its text model is served, text only
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# weights the text model does not use: the vision tower, multi-token-prediction layers
+_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -69,6 +72,11 @@ class Qwen35Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, c: dict) -> "Qwen35Config":
+        if "text_config" in c:  # Qwen3_5ForConditionalGeneration: the text model's config
+            text = dict(c["text_config"])
+            text["tie_word_embeddings"] = c.get("tie_word_embeddings",
+                                                text.get("tie_word_embeddings", False))
+            c = text
         for field in ("attention_bias",):
             if c.get(field):
                 raise ValueError(f"Qwen3.5 with {field}={c[field]!r} is not supported")
@@ -292,9 +300,20 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights, dtype: torch.dtype | None = None,
                      device: torch.device | str = "cpu", quantize: str | None = None,
                      **kwargs) -> None:
-        """`LlamaForCausalLM.load_weights`; the partial RoPE cache is then built on `device`."""
-        super().load_weights(weights, dtype, device, quantize, **kwargs)
+        """`LlamaForCausalLM.load_weights` of the text model's weights (a multimodal
+        checkpoint's `model.language_model.*`; its vision tower and MTP layers are skipped);
+        the partial RoPE cache is then built on `device`."""
+        super().load_weights(_text_weights(weights), dtype, device, quantize, **kwargs)
         self.cos_sin = rope_cache(self.cfg).to(device)
+
+
+def _text_weights(weights):
+    for name, tensor in weights:
+        if name.startswith(_SKIPPED):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        yield name, tensor
 
 
 def rope_cache(cfg: Qwen35Config) -> torch.Tensor:

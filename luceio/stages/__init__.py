@@ -12,7 +12,8 @@ def start_stages(args, ckpt, model) -> StageGroup | None:
     """The pipeline stages of a `--devices` run, started (the engine's process is rank 0);
     None for one device. `ckpt` / `model`: what the engine loads (a model object cannot be
     loaded again by the other stages, so it is refused)."""
-    plan = plan_stages(args, ckpt.config["num_hidden_layers"] if ckpt is not None
+    from ..models import model_config  # a multimodal config nests the text model's
+    plan = plan_stages(args, model_config(ckpt.config).num_layers if ckpt is not None
                        else model.cfg.num_layers)
     if plan is None:
         return None
