@@ -154,3 +154,46 @@ def test_negative_control_the_state_carries_across_steps(qwen35_models):
         return forward(*args, **kwargs)
     model.forward = forgetful
     assert logprobs(llm) != good
+
+
+QWEN35_MOE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
+                  num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe(tmp_path_factory):
+    """A random Qwen3.5-MoE text checkpoint (fp32, untied): 6 experts, top-2, a shared expert
+    of another width; norms drawn away from 0."""
+    from transformers import Qwen3_5MoeForCausalLM
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from conftest import save_tiny
+    torch.manual_seed(6)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=VOCAB, max_position_embeddings=512,
+                               initializer_range=0.1, eos_token_id=None, bos_token_id=None,
+                               pad_token_id=None, **QWEN35_MOE)
+    model = Qwen3_5MoeForCausalLM(cfg).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "layernorm" in pname or pname.endswith(("q_norm.weight", "k_norm.weight",
+                                                      "model.norm.weight")):
+                p.normal_(0.0, 0.3)
+    return save_tiny(model, str(tmp_path_factory.mktemp("qwen35moe") / "m"))
+
+
+def test_moe_greedy_matches_transformers(qwen35_moe):
+    assert_greedy_matches_transformers(qwen35_moe, random_prompts(3, seed=13))
+
+
+def test_moe_batched_and_chunked_prefill_equal_solo(qwen35_moe):
+    prompts = random_prompts(6, seed=17, max_len=40)
+    solo = [_tokens(LLM(qwen35_moe, **engine_kwargs()), [p])[0] for p in prompts]
+    assert _tokens(LLM(qwen35_moe, **engine_kwargs(max_num_batched_tokens=9)), prompts) == solo
+
+
+def test_moe_refuses_expert_offload(qwen35_moe):
+    with pytest.raises(ValueError, match="--expert-memory"):
+        LLM(qwen35_moe, **engine_kwargs(expert_memory="0.5"))

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from ..loader import Checkpoint
-from . import gemma, gemma4, qwen3_5
+from . import gemma, gemma4, qwen3_5, qwen3_5_moe
 from .gemma import Gemma3Config, Gemma3ForCausalLM
 from .gemma4 import Gemma4Config, Gemma4ForCausalLM
 from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
 from .moe import MoeConfig, Qwen3MoeForCausalLM
 from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM
+from .qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 _ARCHS = {
     "LlamaForCausalLM": False,  # value: whether q/k/v carry a bias by default
@@ -21,6 +22,8 @@ _ARCHS = {
     "Gemma4ForCausalLM": False,
     "Qwen3_5ForCausalLM": False,
     "Qwen3_5ForConditionalGeneration": False,
+    "Qwen3_5MoeForCausalLM": False,
+    "Qwen3_5MoeForConditionalGeneration": False,
 }
 
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit",
@@ -40,7 +43,7 @@ def model_config(config: dict) -> LlamaConfig:
         return Gemma3Config.from_hf(config)
     if arch in gemma4.ARCHITECTURES:
         return Gemma4Config.from_hf(config)
-    if arch in qwen3_5.ARCHITECTURES:
+    if arch in qwen3_5.ARCHITECTURES + qwen3_5_moe.ARCHITECTURES:
         return Qwen35Config.from_hf(config)
     return LlamaConfig.from_hf(config)
 
@@ -53,8 +56,13 @@ def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
         gemma.check_engine_support(args, "Gemma 4")
     elif isinstance(model, Gemma3ForCausalLM) or arch in gemma.ARCHITECTURES:
         gemma.check_engine_support(args)
-    elif isinstance(model, Qwen3_5ForCausalLM) or arch in qwen3_5.ARCHITECTURES:
+    elif isinstance(model, Qwen3_5ForCausalLM) or \
+            arch in qwen3_5.ARCHITECTURES + qwen3_5_moe.ARCHITECTURES:
         qwen3_5.check_engine_support(args)
+        if (isinstance(model, Qwen3_5MoeForCausalLM) or arch in qwen3_5_moe.ARCHITECTURES) \
+                and args.expert_memory:
+            raise ValueError("--expert-memory (expert offload) is not supported for Qwen3.5-MoE "
+                             "models yet")
 
 
 def caches_prefixes(model) -> bool:
@@ -103,6 +111,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
             model = Gemma4ForCausalLM(cfg)
         elif arch in qwen3_5.ARCHITECTURES:
             model = Qwen3_5ForCausalLM(cfg)
+        elif arch in qwen3_5_moe.ARCHITECTURES:
+            model = Qwen3_5MoeForCausalLM(cfg, *qwen3_5_moe.moe_config(ckpt.config))
         else:
             model = LlamaForCausalLM(cfg, bias=bias)
     if expert_offload is not None:

@@ -135,7 +135,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"--quantization {quantize}: mixture-of-experts models load dense "
                              "for now")
         dtype, device = dtype or self.embed_tokens.weight.dtype, torch.device(device)
-        super().load_weights(self._take_experts(weights, dtype, device), dtype, device)
+        super().load_weights(take_experts(self, weights, dtype, device), dtype, device)
         for i in self.moe_cfg.sparse_layers:
             self.layers[i].mlp.finalize()
 
@@ -144,14 +144,16 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                    for i in self.moe_cfg.sparse_layers}
         return sorted(set(super().weight_types()) | experts)
 
-    def _take_experts(self, weights, dtype: torch.dtype, device: torch.device):
-        """Loads the expert tensors as they stream by; yields every other tensor."""
-        for name, tensor in weights:
-            match = _EXPERT_WEIGHT.fullmatch(name)
-            if match is None:
-                yield name, tensor
-                continue
-            layer, expert, proj = int(match[1]), int(match[2]), match[3]
-            if layer not in self.moe_cfg.sparse_layers:
-                raise KeyError(f"unexpected weight {name!r}: layer {layer} is dense")
-            self.layers[layer].mlp.load_expert(expert, proj, tensor, dtype, device)
+
+def take_experts(model, weights, dtype: torch.dtype, device: torch.device):
+    """Loads the expert tensors into `model`'s sparse blocks (`model.moe_cfg.sparse_layers`,
+    `model.layers[i].mlp`) as they stream by; yields every other tensor."""
+    for name, tensor in weights:
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer, expert, proj = int(match[1]), int(match[2]), match[3]
+        if layer not in model.moe_cfg.sparse_layers:
+            raise KeyError(f"unexpected weight {name!r}: layer {layer} is dense")
+        model.layers[layer].mlp.load_expert(expert, proj, tensor, dtype, device)

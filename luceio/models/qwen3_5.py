@@ -106,7 +106,8 @@ class Qwen35Config(LlamaConfig):
                              f"{k_heads} key heads: not a whole group per key head")
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=num_layers, num_heads=heads,
+            intermediate_size=c.get("intermediate_size", 0),  # 0: every MLP sparse (MoE)
+            num_layers=num_layers, num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta") or c.get("rope_theta") or 10_000_000.0,
