@@ -303,3 +303,44 @@ def test_triton_decode_kernel_matches_reference(k_heads, v_heads, k_dim, v_dim):
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(state, ref_state, atol=ATOL, rtol=RTOL)
     assert torch.equal(state[[1, 3]], ref_state[[1, 3]])
+
+
+def _to_tiled(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Grouped v heads (NUM_K_HEADS groups of 2) -> llama.cpp's tiled order along `dim`."""
+    per_k = NUM_V_HEADS // NUM_K_HEADS
+    order = torch.arange(NUM_V_HEADS).reshape(NUM_K_HEADS, per_k).T.reshape(-1)
+    return x.index_select(dim, order)
+
+
+def test_tiled_v_head_order_is_the_grouped_one_reordered():
+    """The `tiled` forms (GGUF files' v-head order) give the grouped forms' outputs and states
+    with the v heads reordered, for decode, chunked prefill and the Triton decode kernel."""
+    gen = torch.Generator().manual_seed(41)
+    q, k, v, g, beta = _tokens(3, gen)
+    state = _state_pool(gen)
+    slots = torch.tensor([5, 0, 2])
+    want_state = state.clone()
+    want = gated_delta_rule_recurrent(q, k, v, g, beta, want_state, slots)
+    tiled_state = _to_tiled(state, 1)
+    got = gated_delta_rule_recurrent(q, k, _to_tiled(v, 1), _to_tiled(g, 1), _to_tiled(beta, 1),
+                                     tiled_state, slots, tiled=True)
+    torch.testing.assert_close(got, _to_tiled(want, 1), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(tiled_state, _to_tiled(want_state, 1), atol=ATOL, rtol=RTOL)
+    cu = torch.tensor([0, 2, 3])
+    q, k, v, g, beta = _tokens(3, gen)
+    want_state = state.clone()
+    want = gated_delta_rule_chunked(q, k, v, g, beta, want_state, cu, slots[:2], chunk_size=2)
+    tiled_state = _to_tiled(state, 1)
+    got = gated_delta_rule_chunked(q, k, _to_tiled(v, 1), _to_tiled(g, 1), _to_tiled(beta, 1),
+                                   tiled_state, cu, slots[:2], chunk_size=2, tiled=True)
+    torch.testing.assert_close(got, _to_tiled(want, 1), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(tiled_state, _to_tiled(want_state, 1), atol=ATOL, rtol=RTOL)
+    from test_kernels import INTERPRETED
+    if INTERPRETED:
+        from luceio.kernels.delta_rule_triton import gdn_decode
+        q, k, v, g, beta = _tokens(3, gen)
+        ref_state, tri_state = state.clone(), state.clone()
+        ref = gated_delta_rule_recurrent(q, k, v, g, beta, ref_state, slots, tiled=True)
+        tri = gdn_decode(q, k, v, g, beta, tri_state, slots, tiled=True)
+        torch.testing.assert_close(tri, ref, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(tri_state, ref_state, atol=ATOL, rtol=RTOL)

@@ -15,7 +15,9 @@ Rules (what transformers' Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet compute)
   - Gates: beta = sigmoid(b) is the write strength; g = -exp(A_log) * softplus(a + dt_bias) is
     the log decay (g <= 0: the state is multiplied by exp(g) each token).
   - Heads: q/k have num_k_heads, v has num_v_heads; k head h serves the num_v_heads // num_k_heads
-    consecutive v heads h * group .. (h + 1) * group - 1.
+    consecutive v heads h * group .. (h + 1) * group - 1 (HF's order). `tiled=True` takes
+    llama.cpp's GGUF order instead, where v heads cycle over the k heads: v head j reads k head
+    j % num_k_heads (its converter reorders every v-head tensor that way).
   - q and k are l2-normalised over k_dim (eps 1e-6 inside the rsqrt), then q is scaled by
     k_dim ** -0.5.
   - Per token t, per v head (S: [k_dim, v_dim]):
@@ -101,25 +103,27 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int):
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, tiled: bool = False):
     """q, k: [num_tokens, num_k_heads, k_dim] -> fp32 [num_tokens, num_v_heads, k_dim], l2-normed,
-    q scaled by k_dim ** -0.5, each k head repeated for its group of v heads."""
+    q scaled by k_dim ** -0.5, each k head repeated for its v heads (grouped, or `tiled`)."""
     group = num_v_heads // q.shape[1]
     q, k = (_l2norm(x.float()) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
+    if tiled:
+        return q.repeat(1, group, 1), k.repeat(1, group, 1)
     return q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
 
 
 def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor,
-                               slots: torch.Tensor) -> torch.Tensor:
+                               slots: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """Decode: one token per sequence.
 
     q, k: [num_seqs, num_k_heads, k_dim]; v: [num_seqs, num_v_heads, v_dim]; g, beta: [num_seqs,
     num_v_heads]; state: [num_slots, num_v_heads, k_dim, v_dim], rows slots[i] updated in place.
     Returns o: [num_seqs, num_v_heads, v_dim] in v's dtype.
     """
-    q, k = _prepare_qk(q, k, v.shape[1])
+    q, k = _prepare_qk(q, k, v.shape[1], tiled)
     s = state[slots].float() * g.float().exp()[:, :, None, None]      # [num_seqs, h, k_dim, v_dim]
     predicted = torch.einsum("nhkv,nhk->nhv", s, k)
     delta = (v.float() - predicted) * beta.float()[:, :, None]
@@ -147,14 +151,15 @@ def _chunk_step(q, k, v, g, beta, s0):
 
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
-                             slots: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+                             slots: torch.Tensor, chunk_size: int = 64,
+                             tiled: bool = False) -> torch.Tensor:
     """Prefill: a varlen batch, each sequence continuing from state[slots[i]].
 
     q, k: [num_tokens, num_k_heads, k_dim]; v: [num_tokens, num_v_heads, v_dim]; g, beta:
     [num_tokens, num_v_heads]; cu_seqlens: [num_seqs + 1]; state rows slots[i] are replaced by the
     state after the sequence's last token. Returns o: [num_tokens, num_v_heads, v_dim], v's dtype.
     """
-    q, k = _prepare_qk(q, k, v.shape[1])
+    q, k = _prepare_qk(q, k, v.shape[1], tiled)
     v32, g32, beta32 = v.float(), g.float(), beta.float()
     out = torch.empty_like(v)
     starts = cu_seqlens.tolist()

@@ -19,11 +19,14 @@ from .delta_rule import L2NORM_EPS
 @triton.jit
 def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, out_ptr,
                        s_qt, s_qh, s_vt, s_vh, s_gt, s_ot, s_oh, s_ss, s_sh, s_sk, eps, scale,
-                       GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                       GROUP: tl.constexpr, TILED: tl.constexpr, K_DIM: tl.constexpr,
+                       V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    kh = h // GROUP
+    if TILED:  # llama.cpp's v-head order: v heads cycle over the k heads
+        kh = h % (tl.num_programs(1) // GROUP)
+    else:
+        kh = h // GROUP
     ks = tl.arange(0, BLOCK_K)
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     km, vm = ks < K_DIM, vs < V_DIM
@@ -46,7 +49,8 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_pt
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+               beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+               tiled: bool = False) -> torch.Tensor:
     """`delta_rule.gated_delta_rule_recurrent` on the GPU (same arguments and result): q, k
     [num_seqs, k_heads, k_dim]; v [num_seqs, v_heads, v_dim]; g, beta [num_seqs, v_heads];
     state [num_slots, v_heads, k_dim, v_dim] fp32, rows `slots` updated in place."""
@@ -66,7 +70,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     _gdn_decode_kernel[(n, v_heads, triton.cdiv(v_dim, block_v))](
         q, k, v, g, beta, state, slots, out, q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         g.stride(0), out.stride(0), out.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), L2NORM_EPS, k_dim ** -0.5, GROUP=v_heads // k_heads, K_DIM=k_dim,
+        state.stride(2), L2NORM_EPS, k_dim ** -0.5, GROUP=v_heads // k_heads, TILED=tiled, K_DIM=k_dim,
         V_DIM=v_dim, BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=block_v,
         num_warps=4 if k_dim * block_v >= 4096 else 2)
     return out

@@ -15,14 +15,14 @@ import time
 import numpy as np
 import torch
 
-from . import Checkpoint
+from . import Checkpoint, gguf_qwen35
 from .gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", **gguf_qwen35.ARCHITECTURES}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -55,7 +55,8 @@ _ARCH_LAYER_TENSORS = {"gemma3": {**_LAYER_TENSORS,
 _NORM_SHIFT = {"gemma3": 1.0}
 
 def load_gguf(path: str) -> Checkpoint:
-    """Opens a llama/qwen2/qwen3/qwen3moe/gemma3 GGUF; the tensors are read and dequantized when
+    """Opens a llama/qwen2/qwen3/qwen3moe/gemma3/qwen35/qwen35moe GGUF; the tensors are read and
+    dequantized when
     `weights()` runs. Experts' stacked tensors are always dequantized (experts run dense), then
     yielded one expert at a time under the HF Hub's names (`mlp.experts.{e}.gate_proj.weight`)."""
     started = time.perf_counter()
@@ -72,9 +73,11 @@ def load_gguf(path: str) -> Checkpoint:
     if "rope_freqs.weight" in shapes:
         raise ValueError(f"{path}: has a rope_freqs tensor (Llama-3.1-style rope scaling), which "
                          f"luceio cannot turn into HF rope parameters yet.")
-    names = {t.name: hf_tensor_name(t.name, arch) for t in reader.tensors}
-    norm_shift = _NORM_SHIFT.get(arch, 0.0)
     config = gguf_config(meta, shapes)
+    qwen35 = arch in gguf_qwen35.ARCHITECTURES
+    names = {t.name: gguf_qwen35.hf_name(t.name, config["num_hidden_layers"]) if qwen35
+             else hf_tensor_name(t.name, arch) for t in reader.tensors}
+    norm_shift = _NORM_SHIFT.get(arch, 0.0)
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
     logger.info("read GGUF metadata of %s in %.1f s", path, time.perf_counter() - started)
 
@@ -86,6 +89,8 @@ def load_gguf(path: str) -> Checkpoint:
         t0 = time.perf_counter()
         kept = 0
         for tensor in reader.tensors:
+            if names[tensor.name] is None:  # a multi-token-prediction layer (qwen35)
+                continue
             part = tensor.name.split(".")[-2]
             heads = None
             if arch == "llama" and part in ("attn_q", "attn_k"):
@@ -104,10 +109,16 @@ def load_gguf(path: str) -> Checkpoint:
                 array = unpermute_rotary_rows(array, heads)
             if norm_shift and tensor.name.endswith("norm.weight"):
                 array = array - np.float32(norm_shift)
+            if qwen35:
+                array = gguf_qwen35.dense_value(tensor.name, array)
             if not array.flags.writeable:  # an F32 tensor is a view into the read-only mmap
                 array = array.copy()
             if part in _EXPERT_STACKS:
                 yield from split_experts(names[tensor.name], torch.from_numpy(array))
+            elif part == "ffn_gate_up_exps":
+                for name, stack in gguf_qwen35.split_gate_up(names[tensor.name],
+                                                             torch.from_numpy(array)):
+                    yield from split_experts(name, stack)
             else:
                 yield names[tensor.name], torch.from_numpy(array)
         logger.info("read %d GGUF tensors (%d kept quantized) in %.1f s", len(reader.tensors),
@@ -203,6 +214,8 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
         config.update(_moe_config(key, shapes, config["num_hidden_layers"]))
     if arch == "gemma3":
         config.update(_gemma3_config(key, config))
+    if arch in gguf_qwen35.ARCHITECTURES:
+        config.update(gguf_qwen35.config_fields(key, config))
     return config
 
 

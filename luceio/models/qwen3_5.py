@@ -56,6 +56,8 @@ class Qwen35Config(LlamaConfig):
     linear_k_dim: int
     linear_v_dim: int
     conv_kernel: int
+    # v heads in llama.cpp's GGUF order (cycling over the k heads) instead of HF's grouped one
+    linear_v_tiled: bool = False
 
     @property
     def num_kv_layers(self) -> int:
@@ -106,7 +108,7 @@ class Qwen35Config(LlamaConfig):
                              f"{k_heads} key heads: not a whole group per key head")
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c.get("intermediate_size", 0),  # 0: every MLP sparse (MoE)
+            intermediate_size=c.get("intermediate_size") or 0,  # 0: every MLP sparse (MoE)
             num_layers=num_layers, num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
@@ -117,7 +119,8 @@ class Qwen35Config(LlamaConfig):
             linear_num_k_heads=k_heads, linear_num_v_heads=v_heads,
             linear_k_dim=c.get("linear_key_head_dim", 128),
             linear_v_dim=c.get("linear_value_head_dim", 128),
-            conv_kernel=c.get("linear_conv_kernel_dim", 4))
+            conv_kernel=c.get("linear_conv_kernel_dim", 4),
+            linear_v_tiled=c.get("linear_v_head_order", "grouped") == "tiled")
 
 
 def partial_rope(x: torch.Tensor, cs: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -191,6 +194,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = _GatedNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_size, cfg.hidden_size)
         self.sizes = [cfg.conv_dim, self.value_size, self.v_heads, self.v_heads]
+        self.tiled = cfg.linear_v_tiled
 
     def forward(self, x, meta: AttnMetadata, state: torch.Tensor, conv_state: torch.Tensor):
         """x [num_tokens, hidden]; `state` / `conv_state`: this layer's pools, rows
@@ -212,12 +216,13 @@ class GatedDeltaNet(nn.Module):
         g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
         if decode and kernels.use_triton(x):
             from ..kernels.delta_rule_triton import gdn_decode
-            o = gdn_decode(q, k, v, g, beta, state, slots)
+            o = gdn_decode(q, k, v, g, beta, state, slots, tiled=self.tiled)
         elif decode:
-            o = delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots)
+            o = delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots,
+                                                      tiled=self.tiled)
         else:
             o = delta_rule.gated_delta_rule_chunked(q, k, v, g, beta, state,
-                                                    meta.query_start_loc, slots)
+                                                    meta.query_start_loc, slots, tiled=self.tiled)
         o = delta_rule.gated_rms_norm(o, z.reshape(n, self.v_heads, self.v_dim),
                                       self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(n, self.value_size))

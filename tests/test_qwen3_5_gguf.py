@@ -1,0 +1,181 @@
+"""Qwen3.5 GGUF files (`qwen35`, `qwen35moe`; luceio/loader/gguf_qwen35.py): a tiny checkpoint
+written the way llama.cpp's converter writes it (llama.cpp `conversion/qwen.py`, read in the
+llama.cpp that llama-cpp-python 0.3.36 vendors: -exp(A_log), 1 + w norms except the gated one,
+the squeezed conv, `ssm_dt.bias`, v heads reordered from grouped to tiled, experts stacked)
+loads to the same model as the safetensors: greedy tokens equal and logprobs within 1e-5."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VOCAB, engine_kwargs, make_tiny_qwen35, random_prompts, save_tiny
+from luceio import LLM, SamplingParams
+
+gguf = pytest.importorskip("gguf")
+
+
+def _tiled(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_dim: int) -> torch.Tensor:
+    """llama.cpp's `_reorder_v_heads`: grouped [k, per_k, d] -> tiled [per_k, k, d] on `dim`."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], k_heads, per_k, head_dim, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _converted(name: str, t: torch.Tensor, c: dict):
+    """(HF name, value) as the converter's modify_tensors hands them to its name map."""
+    k, v = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    kd, vd = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    if k != v and "linear_attn." in name:
+        per_k = v // k
+        if ".in_proj_qkv." in name:
+            t = torch.cat([t[:2 * k * kd], _tiled(t[2 * k * kd:], 0, k, per_k, vd)])
+        elif ".in_proj_z." in name:
+            t = _tiled(t, 0, k, per_k, vd)
+        elif ".in_proj_b." in name or ".in_proj_a." in name:
+            t = _tiled(t, 0, k, per_k, 1)
+        elif name.endswith((".A_log", ".dt_bias")):
+            t = _tiled(t[:, None], 0, k, per_k, 1)[:, 0]
+        elif ".conv1d." in name:
+            t = torch.cat([t[:2 * k * kd], _tiled(t[2 * k * kd:], 0, k, per_k, vd)])
+        elif ".out_proj." in name:
+            t = _tiled(t, 1, k, per_k, vd)
+    if name.endswith(".A_log"):
+        return name, -torch.exp(t)
+    if name.endswith(".dt_bias"):
+        return name.removesuffix(".dt_bias") + ".dt_proj.bias", t
+    if ".conv1d." in name:
+        return name, t.squeeze()
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return name, t + 1
+    return name, t
+
+
+def write_gguf(folder: str, path: str, fuse_gate_up: bool = False) -> None:
+    from safetensors.torch import load_file
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    moe = "num_experts" in c
+    arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
+    arch_name = "qwen35moe" if moe else "qwen35"
+    layers = c["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch, layers)
+    w = gguf.GGUFWriter(path, arch_name)
+    w.add_block_count(layers)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    if not moe:
+        w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    rope = c["rope_parameters"]
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
+    w.add_uint32(f"{arch_name}.ssm.conv_kernel", c["linear_conv_kernel_dim"])
+    w.add_uint32(f"{arch_name}.ssm.state_size", c["linear_key_head_dim"])
+    w.add_uint32(f"{arch_name}.ssm.group_count", c["linear_num_key_heads"])
+    w.add_uint32(f"{arch_name}.ssm.time_step_rank", c["linear_num_value_heads"])
+    w.add_uint32(f"{arch_name}.ssm.inner_size",
+                 c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    w.add_full_attention_interval(4)
+    w.add_array(f"{arch_name}.attention.recurrent_layers",
+                [t == "linear_attention" for t in c["layer_types"]])
+    if moe:
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    experts: dict = {}
+    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+        if ".mlp.experts." in name:  # stacked per layer and projection, as the converter does
+            layer = int(name.split(".")[2])
+            proj = name.split(".")[-2]
+            experts.setdefault((layer, proj), {})[int(name.split(".")[5])] = t
+            continue
+        name, t = _converted(name, t, c)
+        base, _, suffix = name.rpartition(".")
+        if name.endswith(".A_log"):
+            w.add_tensor(names.get_name(name), t.numpy())
+        else:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", t.numpy())
+    for layer in range(layers if moe else 0):
+        stacks = {p: torch.stack([experts[(layer, p)][e] for e in range(c["num_experts"])])
+                  for p in ("gate_proj", "up_proj", "down_proj")}
+        if fuse_gate_up:
+            w.add_tensor(f"blk.{layer}.ffn_gate_up_exps.weight",
+                         torch.cat([stacks["gate_proj"], stacks["up_proj"]], 1).numpy())
+        else:
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", stacks["gate_proj"].numpy())
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", stacks["up_proj"].numpy())
+        w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", stacks["down_proj"].numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _assert_same_model(hf_path: str, gguf_path: str) -> None:
+    prompts = random_prompts(3, seed=23, max_len=26)
+    params = SamplingParams(max_tokens=10, logprobs=1, temperature=0.0, ignore_eos=True)
+    outs = [LLM(p, **engine_kwargs(max_num_batched_tokens=9)).generate(
+        [{"prompt_token_ids": t} for t in prompts], params) for p in (hf_path, gguf_path)]
+    for hf_out, gguf_out in zip(*outs):
+        assert gguf_out.outputs[0].token_ids == hf_out.outputs[0].token_ids
+        for got, want in zip(gguf_out.outputs[0].logprobs, hf_out.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            for t in got:
+                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
+def test_qwen35_gguf_equals_safetensors(tmp_path, name):
+    """gqa_tied has 2 k heads for 4 v heads (the tiled order runs), mha_untied one v head per
+    k head and layer types off the default pattern (read from recurrent_layers)."""
+    folder = make_tiny_qwen35(str(tmp_path / name), name, seed=2)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(folder, path)
+    _assert_same_model(folder, path)
+    if name == "gqa_tied":
+        llm = LLM(path, **engine_kwargs())
+        assert llm.engine.runner.model.cfg.linear_v_tiled
+
+
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+def test_qwen35moe_gguf_equals_safetensors(tmp_path, fuse_gate_up):
+    from test_qwen3_5 import QWEN35_MOE
+    from transformers import Qwen3_5MoeForCausalLM
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    torch.manual_seed(7)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=VOCAB, max_position_embeddings=512,
+                               initializer_range=0.1, eos_token_id=None, bos_token_id=None,
+                               pad_token_id=None, tie_word_embeddings=False, **QWEN35_MOE)
+    model = Qwen3_5MoeForCausalLM(cfg).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname and "linear_attn" not in pname:
+                p.normal_(0.0, 0.3)
+    folder = save_tiny(model, str(tmp_path / "moe"))
+    path = str(tmp_path / "tiny_moe.gguf")
+    write_gguf(folder, path, fuse_gate_up)
+    _assert_same_model(folder, path)
+
+
+def test_negative_control_grouped_order_on_a_tiled_file_differs(tmp_path):
+    """Reading the tiled file in HF's grouped order changes the logprobs: the order is tested."""
+    folder = make_tiny_qwen35(str(tmp_path / "g"), "gqa_tied", seed=2)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(folder, path)
+    params = SamplingParams(max_tokens=4, logprobs=1, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": random_prompts(1, seed=1)[0]}]
+    good = LLM(folder, **engine_kwargs()).generate(prompt, params)[0].outputs[0]
+    llm = LLM(path, **engine_kwargs())
+    for layer in llm.engine.runner.model.layers:
+        if layer.linear:
+            layer.linear_attn.tiled = False
+    bad = llm.generate(prompt, params)[0].outputs[0]
+    chosen = [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)] for o in (good, bad)]
+    assert bad.token_ids != good.token_ids or not np.allclose(*chosen, atol=1e-5)
