@@ -179,3 +179,17 @@ def test_negative_control_grouped_order_on_a_tiled_file_differs(tmp_path):
     bad = llm.generate(prompt, params)[0].outputs[0]
     chosen = [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)] for o in (good, bad)]
     assert bad.token_ids != good.token_ids or not np.allclose(*chosen, atol=1e-5)
+
+
+def test_qwen35_pre_tokenizer_keeps_combining_marks_with_their_letters():
+    """A qwen35 GGUF's `tokenizer.ggml.pre` splits as Qwen3.5's tokenizer.json does: a
+    combining accent stays with its letter, where Qwen2's split cuts it off."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from luceio.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+
+    def pieces(pre):
+        split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
+        return [p for p, _ in split.pre_tokenize_str("cafe\u0301 x=1")]
+    assert pieces("qwen35") == ["cafe\u0301", " x", "=", "1"]
+    assert pieces("qwen2") == ["cafe", "\u0301", " x", "=", "1"]
