@@ -194,6 +194,17 @@ def test_moe_batched_and_chunked_prefill_equal_solo(qwen35_moe):
     assert _tokens(LLM(qwen35_moe, **engine_kwargs(max_num_batched_tokens=9)), prompts) == solo
 
 
-def test_moe_refuses_expert_offload(qwen35_moe):
-    with pytest.raises(ValueError, match="--expert-memory"):
-        LLM(qwen35_moe, **engine_kwargs(expert_memory="0.5"))
+def test_moe_offloaded_experts_equal_resident(qwen35_moe):
+    """Half the routed experts in host memory (LRU device slots, rounds when a step needs more
+    experts than slots): tokens and logprobs bit for bit those of the resident model."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=29, max_len=30)]
+    resident = LLM(qwen35_moe, **engine_kwargs()).generate(prompts, params)
+    llm = LLM(qwen35_moe, **engine_kwargs(expert_memory="0.5"))
+    offloaded = llm.generate(prompts, params)
+    for g, w in zip(offloaded, resident):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in g.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in w.outputs[0].logprobs]
+    stats = llm.engine.stats().experts
+    assert stats.num_slots == 3 and stats.misses > 0

@@ -59,10 +59,6 @@ def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
     elif isinstance(model, Qwen3_5ForCausalLM) or \
             arch in qwen3_5.ARCHITECTURES + qwen3_5_moe.ARCHITECTURES:
         qwen3_5.check_engine_support(args)
-        if (isinstance(model, Qwen3_5MoeForCausalLM) or arch in qwen3_5_moe.ARCHITECTURES) \
-                and args.expert_memory:
-            raise ValueError("--expert-memory (expert offload) is not supported for Qwen3.5-MoE "
-                             "models yet")
 
 
 def caches_prefixes(model) -> bool:

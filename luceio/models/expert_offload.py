@@ -43,7 +43,7 @@ import torch
 
 from ..config import ExpertOffloadConfig
 from ..kernels.moe import route_topk_ref
-from .moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from .moe import SparseMoeBlock
 
 logger = logging.getLogger("luceio")
 
@@ -162,6 +162,13 @@ class ExpertStore:
         return c.hits, c.misses, c.misses * self.expert_bytes
 
 
+def has_experts(model) -> bool:
+    """Whether `model` has sparse layers of `SparseMoeBlock`s (Qwen3-MoE, Qwen3.5-MoE)."""
+    moe = getattr(model, "moe_cfg", None)
+    return moe is not None and all(isinstance(model.layers[i].mlp, SparseMoeBlock)
+                                   for i in moe.sparse_layers)
+
+
 class ExpertOffload:
     """The model's expert offload: one `ExpertStore` per sparse layer, attached to the model
     before its weights load (`models.build_model`), and their counters (`stats`)."""
@@ -175,7 +182,7 @@ class ExpertOffload:
         """Gives each sparse layer of `model` (on the meta device, not loaded yet) its store;
         raises ValueError for a model without experts or a budget or placement that does not
         fit it. Every expert fitting the budget attaches nothing."""
-        if not isinstance(model, Qwen3MoeForCausalLM):
+        if not has_experts(model):
             raise ValueError(f"--expert-memory applies to mixture-of-experts models; "
                              f"{type(model).__name__} has no experts")
         moe, hidden = model.moe_cfg, model.cfg.hidden_size
@@ -230,7 +237,7 @@ class ExpertOffload:
 def count_experts(model) -> Iterator[dict[int, torch.Tensor]]:
     """While open, counts each sparse layer's routed (token, expert) pairs: layer -> int64
     [num_experts] counts, on the host. Routes each router output again, as the layer does."""
-    if not isinstance(model, Qwen3MoeForCausalLM):
+    if not has_experts(model):
         raise ValueError(f"{type(model).__name__} has no experts to calibrate")
     counts = {i: torch.zeros(model.moe_cfg.num_experts, dtype=torch.int64)
               for i in model.moe_cfg.sparse_layers}

@@ -10,8 +10,9 @@ Rules (transformers' `modeling_qwen3_5_moe.py`):
 - Beside the routed experts every token also goes through a shared expert (a gated MLP of width
   `shared_expert_intermediate_size`) scaled by sigmoid(`shared_expert_gate`(x)), a per-token
   scalar; the two are summed.
-- Expert weights load dense in the model dtype; `--quantization int8|int4` and expert offload
-  (`--expert-memory`) are refused for this family for now.
+- Expert weights load dense in the model dtype (`--quantization int8|int4` is refused); expert
+  offload (`--expert-memory`, `expert_offload.py`) keeps the routed experts in host memory as
+  for Qwen3-MoE, the shared expert always on the device.
 """
 from __future__ import annotations
 
