@@ -11,6 +11,9 @@ a padded request attends to its own first q positions. Attention inside a graph 
 Tree speculation (`spec.tree`) has graphs of its own, captured with a static per-row attention
 mask (`words`): a tree of N nodes is padded to the `tree_rows` rows of the budget, the padding
 rows attending causally (-1) and no real row seeing them.
+Hybrid models (Qwen3.5) replay decode graphs with a static buffer of state slots: a padded
+request reads and writes the state pool's scratch row (`scratch_slot`, one past the slots
+requests take).
 Buckets of at most `LOGITS_ROWS` padded rows also compute the logits of every row inside the
 graph (the step then gathers the rows it needs): at batch 1 the lm_head's launches from Python
 were ~10% of the host's step time (bench/results/h200/host_variance.json). Larger buckets
@@ -33,7 +36,8 @@ LOGITS_ROWS = 16  # the skinny GEMM's rows: logits of padded rows cost little ba
 class StepGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, max_spec_tokens: int = 0, staging=None,
-                 capture_queries: bool = False, tree_rows: int = 0):
+                 capture_queries: bool = False, tree_rows: int = 0,
+                 scratch_slot: int | None = None):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_model_len, self.block_size = max_model_len, block_size
         buckets = [b for b in _BUCKETS if b <= max_num_seqs] or [1]
@@ -51,6 +55,10 @@ class StepGraphs:
         self.tables = torch.zeros(self.max_seqs, self.max_blocks, **i32)
         self.lens = torch.zeros(self.max_seqs, **i32)
         self.words = torch.full((rows,), -1, dtype=torch.long, device=device)  # tree masks
+        # hybrid models: each request's state slot (padding: the scratch slot)
+        self.scratch_slot = scratch_slot
+        self.slots = torch.full((self.max_seqs,), scratch_slot, dtype=torch.long,
+                                device=device) if scratch_slot is not None else None
         self.qsl = {q: torch.arange(self.max_seqs + 1, **i32) * q for q, _ in self.buckets}
         # keyed by (batch bucket, tokens per request, tree)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
@@ -69,7 +77,8 @@ class StepGraphs:
     def _inputs(self, bs: int, q: int, tree: bool):
         n = bs * q
         meta = AttnMetadata(self.tok[2, :n], self.tables[:bs], self.lens[:bs], self.qsl[q][:bs + 1],
-                            q, self.max_model_len, self.words[:n] if tree else None)
+                            q, self.max_model_len, self.words[:n] if tree else None,
+                            self.slots[:bs] if self.slots is not None else None)
         return self.tok[0, :n], self.tok[1, :n], meta
 
     @torch.inference_mode()
@@ -188,12 +197,18 @@ class StepGraphs:
             words = np.full(bs * q, -1, dtype=np.int64)
             words[rows_of_tok] = h.tree_mask
             extra.append(words)
+        if self.slots is not None:  # hybrid models: state slots, padding on the scratch one
+            slots = np.full(bs, self.scratch_slot, dtype=np.int64)
+            slots[:len(q_lens)] = h.state_slots
+            extra.append(slots)
         if ids_from is not None:
             extra += [ids_from.src, rows_of_tok[ids_from.dst]]
         rows, *more = self._fill(*self._pad(h.input_ids, h.positions, h.slot_mapping,
                                             h.block_tables, h.seq_lens, q_lens, bs, q), extra)
         if tree:
             self.words[:bs * q].copy_(more.pop(0))
+        if self.slots is not None:
+            self.slots[:bs].copy_(more.pop(0))
         if more:
             self.tok[0].index_copy_(0, more[1], ids_from.token_ids[more[0]])
         self.graphs[key].replay()

@@ -112,7 +112,8 @@ class ModelRunner:
         self.stateful = getattr(self.model, "has_state", False)
         if self.stateful:
             self.state_slots = StateSlots(max_num_seqs)
-            self.model.allocate_state(max_num_seqs, dtype, device)
+            # one more row: the scratch slot that CUDA graphs' padded requests use
+            self.model.allocate_state(max_num_seqs + 1, dtype, device)
             logger.info("%s state: %d slots (--max-num-seqs), %.1f MiB", self.model.family,
                         max_num_seqs,
                         max_num_seqs * self.model.state_bytes_per_slot(dtype) / 2**20)
@@ -144,11 +145,7 @@ class ModelRunner:
         if offloaded and device.type == "cuda":
             logger.info("expert offload reads each layer's routed experts on the host: no CUDA "
                         "graphs")
-        if self.stateful and device.type == "cuda":
-            logger.info("%s runs its linear-attention layers on the torch references: no CUDA "
-                        "graphs", self.model.family)
-        if device.type == "cuda" and not enforce_eager and stages is None and not offloaded \
-                and not self.stateful:
+        if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
             from . import kernels
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
@@ -157,7 +154,8 @@ class ModelRunner:
                                          max_spec_tokens, self.staging, capture_queries=bool(
                                              cache_config.resident_tokens) and
                                          cache_config.resident_policy == "keys",
-                                         tree_rows=tree_rows)
+                                         tree_rows=tree_rows,
+                                         scratch_slot=max_num_seqs if self.stateful else None)
                 self.graphs.capture()
 
     @property
@@ -340,6 +338,8 @@ class ModelRunner:
     def _forward(self, inp: StepInputs, probe, graphed: bool) -> torch.Tensor:
         h = inp.host
         if graphed:
+            if h.fresh_slots is not None and len(h.fresh_slots):  # a one-token prompt's step
+                self.model.reset_state(torch.from_numpy(h.fresh_slots).to(self.device))
             hidden, rows, logits = self.graphs.run(h, inp.ids_from)
             if logits is not None:
                 return logits[rows]

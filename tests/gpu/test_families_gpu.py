@@ -60,3 +60,23 @@ def test_qwen35_on_gpu_equals_cpu(tmp_path):
     gpu = LLM(folder, **engine_kwargs(device="cuda", max_num_batched_tokens=32)).generate(ps,
                                                                                            params)
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+
+
+def test_qwen35_cuda_graphs_equal_eager(tmp_path):
+    """Qwen3.5 decode steps replay CUDA graphs (state slots in a static buffer, padded requests
+    on the scratch slot): tokens and logprobs equal to eager, with a one-token prompt (its first
+    step is a graph step that zeroes its slot first) among longer ones."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    from conftest import make_tiny_qwen35
+    folder = make_tiny_qwen35(str(tmp_path / "qwen35"), "gqa_tied", seed=1)
+    ps = [{"prompt_token_ids": [7]}] + prompts(4, seed=9)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    eager = LLM(folder, **engine_kwargs(device="cuda", enforce_eager=True)).generate(ps, params)
+    llm = LLM(folder, **engine_kwargs(device="cuda"))
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    graphs = llm.generate(ps, params)
+    for g, e in zip(graphs, eager):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for gl, el in zip(logprobs(g), logprobs(e)):
+            assert gl.keys() == el.keys()
+            assert all(abs(gl[t] - el[t]) < 1e-4 for t in gl)
