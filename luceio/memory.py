@@ -33,8 +33,11 @@ def zeros_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    return (2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim *
-            torch.tensor([], dtype=dtype).element_size())
+    elt = torch.tensor([], dtype=dtype).element_size()
+    shapes = cfg.kv_layer_shapes
+    if shapes is not None:  # per-layer shapes (Gemma 4)
+        return sum(2 * block_size * heads * dim * elt for heads, dim in shapes)
+    return 2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elt
 
 
 class Staging:

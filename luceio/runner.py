@@ -122,12 +122,17 @@ class ModelRunner:
         self.num_blocks, self.max_model_len = self._num_blocks(cache_config, max_model_len,
                                                                fit_context)
         shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
-        self.stages = stages
+        self.stages = stages  # one [2, ...] tensor per layer: kv[0] keys, kv[1] values
         end = stages.layer_range[1] if stages is not None else self.cfg.num_kv_layers
-        self.kv_pool = zeros_pool((end, 2, *shape), dtype, device)
-        # indexed by layer: the layers of later stages have no cache here
-        self.kv_caches = list(self.kv_pool) + [None] * (self.cfg.num_layers - end)
+        per_layer = self.cfg.kv_layer_shapes if stages is None else None
+        if per_layer is None:
+            self.kv_pool = zeros_pool((end, 2, *shape), dtype, device)
+            # indexed by layer: the layers of later stages have no cache here
+            self.kv_caches = list(self.kv_pool) + [None] * (self.cfg.num_layers - end)
+        else:  # layers of different shapes (Gemma 4): a tensor each, the same block ids
+            self.kv_pool = None
+            self.kv_caches = [zeros_pool((2, *shape[:2], heads, dim), dtype, device)
+                              for heads, dim in per_layer]
         if stages is not None:
             stages.connect(self.model, ckpt.config, self.num_blocks, self.block_size)
         self.staging = Staging(device)
@@ -303,9 +308,14 @@ class ModelRunner:
                     dst.append(h.slot_mapping[root + depth])
         if not src:
             return
-        flat = self.kv_pool.view(*self.kv_pool.shape[:2], -1, *self.kv_pool.shape[4:])
-        flat[:, :, torch.tensor(dst, device=self.device)] = \
-            flat[:, :, torch.tensor(src, device=self.device)]
+        src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        if self.kv_pool is not None:
+            flat = self.kv_pool.view(*self.kv_pool.shape[:2], -1, *self.kv_pool.shape[4:])
+            flat[:, :, dst] = flat[:, :, src]
+            return
+        for kv in self.kv_caches:  # per-layer shapes
+            flat = kv.view(2, -1, *kv.shape[3:])
+            flat[:, dst] = flat[:, src]
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()

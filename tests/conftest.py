@@ -197,6 +197,16 @@ GEMMA4_CONFIGS = {
                                                        "factor": 2.0, "rope_theta": 10_000.0},
                                     "sliding_attention": {"rope_type": "default",
                                                           "rope_theta": 1_000.0}}),
+    # released-style shapes: global layers of another head size (32 against 16) and, keys as
+    # values, another KV head count (1 against 2): a KV cache tensor per layer shape
+    "global_wide_keqv": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             global_head_dim=32, num_global_key_value_heads=1,
+                             attention_k_eq_v=True, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention",
+                                          "sliding_attention", "sliding_attention",
+                                          "full_attention"],
+                             hidden_size_per_layer_input=0, tie_word_embeddings=True),
 }
 
 

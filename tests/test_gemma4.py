@@ -35,7 +35,8 @@ def _with_config(path: str, folder, **change) -> str:
 def test_config_reads_what_transformers_builds(gemma4_models):
     from luceio.loader import load_checkpoint
     from luceio.models import model_config
-    shared, keqv = (model_config(load_checkpoint(gemma4_models[n]).config) for n in CONFIGS)
+    shared, keqv = (model_config(load_checkpoint(gemma4_models[n]).config)
+                    for n in ("gqa_ple_shared", "mha_odd_keqv_untied"))
     assert shared.layer_windows == (5, 5, 0, 5, 0)
     assert shared.layer_kv_source == (0, 1, 2, 1, 2)  # the last of each type before sharing
     assert shared.layer_intermediate == (96, 96, 96, 192, 192)
@@ -91,7 +92,6 @@ def test_batched_and_chunked_prefill_equal_alone(gemma4_models):
 @pytest.mark.parametrize("change,match", [
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
       "moe_intermediate_size": 32}, "enable_moe_block"),
-    ({"per_layer_config": {"2": {"head_dim": 32}}}, "per-layer attention shapes"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"hidden_activation": "silu"}, "hidden_activation"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0},
@@ -108,9 +108,10 @@ def test_refusals_of_released_shapes_and_engine_features(gemma4_models):
     # a released-style config: global layers of head_dim 512 (transformers' default)
     config = {"architectures": ["Gemma4ForCausalLM"], "vocab_size": 384, "hidden_size": 64,
               "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4}
-    with pytest.raises(ValueError, match="per-layer attention shapes"):
-        Gemma4Config.from_hf(config)
-    assert Gemma4Config.from_hf({**config, "global_head_dim": 256}).head_dim == 256
+    released = Gemma4Config.from_hf(config)  # global layers of head size 512, the rest 256
+    assert released.kv_layer_shapes == ((4, 256),) * 5 + ((4, 512),)
+    assert released.global_head_dim == 512 and released.head_dim == 256
+    assert Gemma4Config.from_hf({**config, "global_head_dim": 256}).kv_layer_shapes is None
     path = gemma4_models["gqa_ple_shared"]
     with pytest.raises(ValueError, match="bounded KV residency"):
         LLM(path, **engine_kwargs(kv_resident_tokens=64))
@@ -122,3 +123,28 @@ def test_engine_on_triton_kernels_equals_reference(gemma4_models, monkeypatch):
     """The engine (chunked prefill across the window, decode, the shared layers' query-only
     RoPE) on the Triton kernels (interpreted on CPU) gives the torch reference path's tokens."""
     assert_triton_engine_equals_reference(gemma4_models["gqa_ple_shared"], monkeypatch)
+
+
+def test_global_layers_of_another_kv_shape(gemma4_models, tmp_path):
+    """Released-style shapes (global head size 32 against 16, one KV head against two): a KV
+    cache tensor per layer in its own shape, sized by the sum of the layers' bytes; batched and
+    chunked prefill equal each request alone (greedy tokens equal transformers' above); on the
+    interpreted Triton kernels equal to the reference; swap preemption refused."""
+    path = gemma4_models["global_wide_keqv"]
+    llm = LLM(path, **engine_kwargs())
+    runner = llm.engine.runner
+    assert runner.kv_pool is None
+    assert [tuple(kv.shape[-2:]) for kv in runner.kv_caches] == \
+        [(2, 16), (1, 32), (2, 16), (2, 16), (1, 32)]
+    assert runner.bytes_per_block == 2 * 16 * 4 * (3 * 2 * 16 + 2 * 1 * 32)  # fp32, 16-token blocks
+    prompts = _prompts(5, seed=4) + [LONG]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    alone = [_tokens(llm.generate([{"prompt_token_ids": p}], params))[0] for p in prompts]
+    chunked = LLM(path, **engine_kwargs(max_num_batched_tokens=7))
+    assert _tokens(chunked.generate([{"prompt_token_ids": p} for p in prompts], params)) == alone
+    with pytest.raises(ValueError, match="swap"):
+        LLM(path, **engine_kwargs(preemption_mode="swap"))
+
+
+def test_global_wide_on_triton_kernels_equals_reference(gemma4_models, monkeypatch):
+    assert_triton_engine_equals_reference(gemma4_models["global_wide_keqv"], monkeypatch)

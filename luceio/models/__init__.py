@@ -54,6 +54,10 @@ def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
     arch = _arch(ckpt.config) if ckpt is not None else None
     if isinstance(model, Gemma4ForCausalLM) or arch in gemma4.ARCHITECTURES:
         gemma.check_engine_support(args, "Gemma 4")
+        cfg = model.cfg if model is not None else model_config(ckpt.config)
+        if cfg.kv_layer_shapes is not None and args.preemption_mode == "swap":
+            raise ValueError("--preemption-mode swap is not supported for Gemma 4 models whose "
+                             "global layers have another KV shape (global_head_dim)")
     elif isinstance(model, Gemma3ForCausalLM) or arch in gemma.ARCHITECTURES:
         gemma.check_engine_support(args)
     elif isinstance(model, Qwen3_5ForCausalLM) or \

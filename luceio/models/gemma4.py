@@ -18,11 +18,14 @@ layer is always global), final logit soft-capping. Where Gemma 4 differs:
   the scaled token embedding; after its MLP, layer i adds
   norm(proj(gelu(gate(x)) * per_layer_input[i])).
 - Every layer ends by multiplying its output by a loaded scalar (`layer_scalar`).
-Refused (ValueError): mixture-of-experts layers (`enable_moe_block`), layers of different
-attention shapes (`global_head_dim` or `num_global_key_value_heads` unlike the local layers':
-the engine's KV cache has one shape across layers), rope types other than default, linear and
-proportional, and what Gemma 3 refuses (`Gemma3Config.from_hf`). The engine features Gemma 3
-refuses (`gemma.check_engine_support`) are refused here too.
+- Global layers may have another head size (`global_head_dim`, 512 by default, as released)
+  and, with keys as values, another KV head count (`num_global_key_value_heads`); the engine
+  then keeps one KV cache tensor per layer in that layer's shape (`kv_layer_shapes`), all
+  indexed by the same block ids.
+Refused (ValueError): mixture-of-experts layers (`enable_moe_block`), rope types other than
+default, linear and proportional, and what Gemma 3 refuses (`Gemma3Config.from_hf`). The
+engine features Gemma 3 refuses (`gemma.check_engine_support`) are refused here too, and with
+per-layer KV shapes swap preemption (its host copies assume one shape).
 """
 from __future__ import annotations
 
@@ -50,6 +53,20 @@ class Gemma4Config(Gemma3Config):
     layer_intermediate: tuple[int, ...]  # per layer: its MLP width
     per_layer_input_size: int  # 0: no per-layer inputs
     per_layer_vocab_size: int
+    layer_head_dim: tuple[int, ...] = ()  # per layer: head size (global layers' may differ)
+    layer_kv_heads: tuple[int, ...] = ()  # per layer: KV heads
+
+    @property
+    def kv_layer_shapes(self) -> tuple[tuple[int, int], ...] | None:
+        """Per layer (KV heads, head size) when they differ between layers, else None."""
+        shapes = tuple(zip(self.layer_kv_heads, self.layer_head_dim))
+        return shapes if len(set(shapes)) > 1 else None
+
+    @property
+    def global_head_dim(self) -> int:
+        """The head size of the global layers (the RoPE of `global_rope`)."""
+        return next((d for d, w in zip(self.layer_head_dim, self.layer_windows) if not w),
+                    self.head_dim)
 
     @classmethod
     def from_hf(cls, c: dict, family: str = "Gemma 4") -> "Gemma4Config":
@@ -60,7 +77,7 @@ class Gemma4Config(Gemma3Config):
         types = list(c.get("layer_types") or [
             "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)])
         types[-1] = "full_attention"  # as transformers forces
-        head_dim, num_kv_heads = _attention_shape(c, types)
+        head_dim, num_kv_heads, per_layer = _attention_shape(c, types)
         rope = c.get("rope_parameters") or {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -91,13 +108,16 @@ class Gemma4Config(Gemma3Config):
             layer_intermediate=tuple(c["intermediate_size"] * (wide if s != i else 1)
                                      for i, s in enumerate(sources)),
             per_layer_input_size=c.get("hidden_size_per_layer_input", 256) or 0,
-            per_layer_vocab_size=c.get("vocab_size_per_layer_input", 262_144)))
+            per_layer_vocab_size=c.get("vocab_size_per_layer_input", 262_144),
+            layer_head_dim=tuple(d for _, d in per_layer),
+            layer_kv_heads=tuple(h for h, _ in per_layer)))
 
 
-def _attention_shape(c: dict, types: list[str]) -> tuple[int, int]:
-    """(head_dim, num_kv_heads) of every layer; a ValueError when the global layers' differ
-    from the local layers' (`per_layer_config` as transformers saves it, or the released
-    configs' `global_head_dim` / `num_global_key_value_heads`, with transformers' defaults)."""
+def _attention_shape(c: dict, types: list[str]) -> tuple[int, int, list[tuple[int, int]]]:
+    """(head_dim, num_kv_heads) of the local layers, and (num_kv_heads, head_dim) of every
+    layer: the global layers' from `per_layer_config` as transformers saves it, or from the
+    released configs' `global_head_dim` / `num_global_key_value_heads` (transformers'
+    defaults: 512, and the local count unless keys are values)."""
     shape = {"head_dim": c.get("head_dim", 256),
              "num_key_value_heads": c.get("num_key_value_heads", 4)}
     if "per_layer_config" in c:
@@ -107,13 +127,11 @@ def _attention_shape(c: dict, types: list[str]) -> tuple[int, int]:
         if c.get("attention_k_eq_v") and c.get("num_global_key_value_heads") is not None:
             override["num_key_value_heads"] = c["num_global_key_value_heads"]
         overrides = {i: override for i, t in enumerate(types) if t == "full_attention"}
-    for i, override in overrides.items():
-        if {**shape, **override} != shape:
-            raise ValueError(
-                f"Gemma 4 with per-layer attention shapes (layer {i}: {override}, the others: "
-                f"{shape}; global_head_dim / num_global_key_value_heads) is not supported: the "
-                "engine's KV cache has one shape across layers")
-    return shape["head_dim"], shape["num_key_value_heads"]
+    per_layer = []
+    for i in range(len(types)):
+        s = {**shape, **overrides.get(i, {})}
+        per_layer.append((s["num_key_value_heads"], s["head_dim"]))
+    return shape["head_dim"], shape["num_key_value_heads"], per_layer
 
 
 def _kv_sources(types: list[str], num_shared: int) -> tuple[int, ...]:
@@ -130,7 +148,7 @@ def _kv_sources(types: list[str], num_shared: int) -> tuple[int, ...]:
 def global_rope(cfg: Gemma4Config) -> torch.Tensor:
     """[max_positions, head_dim] fp32 cos | sin of the global layers' RoPE, computed as
     transformers' "proportional" RoPE (default and linear are its special cases)."""
-    head_dim = cfg.head_dim
+    head_dim = cfg.global_head_dim
     rotated = int(cfg.rope_partial_factor * head_dim // 2)
     inv_freq = 1.0 / (cfg.rope_theta ** (
         torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / head_dim))
@@ -142,21 +160,22 @@ def global_rope(cfg: Gemma4Config) -> torch.Tensor:
 class Gemma4Attention(nn.Module):
     def __init__(self, cfg: Gemma4Config, layer: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads, self.head_dim = cfg.layer_kv_heads[layer], cfg.layer_head_dim[layer]
         self.window = cfg.layer_windows[layer]
         self.kv_source = cfg.layer_kv_source[layer]
         self.shares_kv = self.kv_source != layer
         self.k_eq_v = cfg.layer_k_eq_v[layer]
-        self.q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = cfg.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
         sizes = [self.q_size] if self.shares_kv else \
             [self.q_size, kv_size] if self.k_eq_v else [self.q_size, kv_size, kv_size]
         self.qkv_proj = Linear(cfg.hidden_size, sizes)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=False)
         if not self.shares_kv:
-            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset=False)
-            self.v_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, scaled=False)
+            self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=False)
+            self.v_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, scaled=False)
 
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin):
         """`kv_cache`: the cache of layer `kv_source` (this layer's own unless it shares)."""

@@ -38,6 +38,12 @@ class LlamaConfig:
         """Layers that keep KV in the paged cache (all of them here; hybrid models fewer)."""
         return self.num_layers
 
+    @property
+    def kv_layer_shapes(self) -> tuple[tuple[int, int], ...] | None:
+        """Per KV layer (KV heads, head size) where layers differ (Gemma 4), else None: one
+        shape, `num_kv_heads` x `head_dim`, for every layer."""
+        return None
+
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
         rope = c.get("rope_parameters") or {}
