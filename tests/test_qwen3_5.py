@@ -208,3 +208,45 @@ def test_moe_offloaded_experts_equal_resident(qwen35_moe):
             [{t: lp.logprob for t, lp in d.items()} for d in w.outputs[0].logprobs]
     stats = llm.engine.stats().experts
     assert stats.num_slots == 3 and stats.misses > 0
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    """A random Qwen3-Next checkpoint (fp32): 2 key heads for 4 value heads (the interleaved
+    projections regroup), layer 1 dense (`mlp_only_layers`), the rest sparse with a shared
+    expert; full attention every 2nd layer."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from conftest import save_tiny
+    torch.manual_seed(8)
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=16, linear_value_head_dim=8,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                          num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1],
+                          layer_types=["linear_attention", "full_attention"] * 2,
+                          max_position_embeddings=512, initializer_range=0.1,
+                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = Qwen3NextForCausalLM(cfg).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname and "linear_attn" not in pname:
+                p.normal_(0.0, 0.3)
+    return save_tiny(model, str(tmp_path_factory.mktemp("qwen3next") / "m"))
+
+
+def test_qwen3_next_greedy_matches_transformers(qwen3_next, monkeypatch):
+    from transformers.models.qwen3_next import modeling_qwen3_next
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        if hasattr(modeling_qwen3_next, name):
+            monkeypatch.setattr(modeling_qwen3_next, name,
+                                inspect.unwrap(getattr(modeling_qwen3_next, name)))
+    assert_greedy_matches_transformers(qwen3_next, random_prompts(3, seed=31))
+    llm = LLM(qwen3_next, **engine_kwargs(max_num_batched_tokens=7))
+    model = llm.engine.runner.model
+    assert model.moe_cfg.sparse_layers == (0, 2, 3)
+    prompts = random_prompts(4, seed=37, max_len=30)
+    solo = [_tokens(LLM(qwen3_next, **engine_kwargs()), [p])[0] for p in prompts]
+    assert _tokens(llm, prompts) == solo

@@ -4,13 +4,14 @@ from __future__ import annotations
 import torch
 
 from ..loader import Checkpoint
-from . import gemma, gemma4, qwen3_5, qwen3_5_moe
+from . import gemma, gemma4, qwen3_5, qwen3_5_moe, qwen3_next
 from .gemma import Gemma3Config, Gemma3ForCausalLM
 from .gemma4 import Gemma4Config, Gemma4ForCausalLM
 from .llama import AttnMetadata, LlamaConfig, LlamaForCausalLM
 from .moe import MoeConfig, Qwen3MoeForCausalLM
 from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM
 from .qwen3_5_moe import Qwen3_5MoeForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 
 _ARCHS = {
     "LlamaForCausalLM": False,  # value: whether q/k/v carry a bias by default
@@ -24,7 +25,11 @@ _ARCHS = {
     "Qwen3_5ForConditionalGeneration": False,
     "Qwen3_5MoeForCausalLM": False,
     "Qwen3_5MoeForConditionalGeneration": False,
+    "Qwen3NextForCausalLM": False,
 }
+
+# hybrid linear-attention families (models/qwen3_5.py and the two built on it)
+_HYBRID = qwen3_5.ARCHITECTURES + qwen3_5_moe.ARCHITECTURES + qwen3_next.ARCHITECTURES
 
 __all__ = ["AttnMetadata", "LlamaConfig", "LlamaForCausalLM", "build_model", "context_limit",
            "check_engine_support"]
@@ -43,7 +48,7 @@ def model_config(config: dict) -> LlamaConfig:
         return Gemma3Config.from_hf(config)
     if arch in gemma4.ARCHITECTURES:
         return Gemma4Config.from_hf(config)
-    if arch in qwen3_5.ARCHITECTURES + qwen3_5_moe.ARCHITECTURES:
+    if arch in _HYBRID:
         return Qwen35Config.from_hf(config)
     return LlamaConfig.from_hf(config)
 
@@ -60,8 +65,7 @@ def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
                              "global layers have another KV shape (global_head_dim)")
     elif isinstance(model, Gemma3ForCausalLM) or arch in gemma.ARCHITECTURES:
         gemma.check_engine_support(args)
-    elif isinstance(model, Qwen3_5ForCausalLM) or \
-            arch in qwen3_5.ARCHITECTURES + qwen3_5_moe.ARCHITECTURES:
+    elif isinstance(model, Qwen3_5ForCausalLM) or arch in _HYBRID:
         qwen3_5.check_engine_support(args)
 
 
@@ -113,6 +117,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
             model = Qwen3_5ForCausalLM(cfg)
         elif arch in qwen3_5_moe.ARCHITECTURES:
             model = Qwen3_5MoeForCausalLM(cfg, *qwen3_5_moe.moe_config(ckpt.config))
+        elif arch in qwen3_next.ARCHITECTURES:
+            model = Qwen3NextForCausalLM(cfg, *qwen3_next.moe_config(ckpt.config))
         else:
             model = LlamaForCausalLM(cfg, bias=bias)
     if expert_offload is not None:

@@ -61,8 +61,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     def __init__(self, cfg: Qwen35Config, moe: MoeConfig, shared_inter: int):
         super().__init__(cfg)
         self.moe_cfg = moe
-        for layer in self.layers:
-            layer.mlp = SharedExpertMoeBlock(cfg.hidden_size, moe, shared_inter)
+        for i in moe.sparse_layers:
+            self.layers[i].mlp = SharedExpertMoeBlock(cfg.hidden_size, moe, shared_inter)
 
     def load_weights(self, weights, dtype: torch.dtype | None = None,
                      device: torch.device | str = "cpu", quantize: str | None = None,
@@ -75,9 +75,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         dtype, device = dtype or self.embed_tokens.weight.dtype, torch.device(device)
         super().load_weights(take_experts(self, _text_weights(weights), dtype, device), dtype,
                              device)
-        for layer in self.layers:
-            layer.mlp.finalize()
+        for i in self.moe_cfg.sparse_layers:
+            self.layers[i].mlp.finalize()
 
     def weight_types(self) -> list[str]:
-        experts = {kernels.weight_kind(layer.mlp.w_gate_up) for layer in self.layers}
+        experts = {kernels.weight_kind(self.layers[i].mlp.w_gate_up)
+                   for i in self.moe_cfg.sparse_layers}
         return sorted(set(super().weight_types()) | experts)
