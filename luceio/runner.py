@@ -23,6 +23,7 @@ from .loader import Checkpoint
 from .models import AttnMetadata, build_model
 from .models.cpu_decode import CpuDecoder
 from .models.expert_offload import ExpertOffload
+from .models.moe import routes_on_host
 from .cache.host_store import HostKVStore, QueryProbe
 from .memory import Staging, StateSlots, kv_bytes_per_block, return_freed_heap, zeros_pool
 from .scheduler import SchedulerOutput
@@ -146,10 +147,11 @@ class ModelRunner:
             and not self.stateful else None
         if device.type == "cpu":
             return_freed_heap()
-        offloaded = self.expert_offload is not None and self.expert_offload.active
+        offloaded = (self.expert_offload is not None and self.expert_offload.active) or \
+            routes_on_host(self.model)
         if offloaded and device.type == "cuda":
-            logger.info("expert offload reads each layer's routed experts on the host: no CUDA "
-                        "graphs")
+            logger.info("offloaded or quantized experts: the routing is read on the host, so "
+                        "no CUDA graphs")
         if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
             from . import kernels
             from .cuda_graphs import StepGraphs

@@ -152,11 +152,16 @@ def test_gguf_round_trip_equals_safetensors(moe_models, tmp_path, name):
             [{t: lp.logprob for t, lp in d.items()} for d in hf_out.outputs[0].logprobs]
 
 
-def test_gguf_quantized_experts_are_dequantized_at_load(moe_models, tmp_path):
+def test_gguf_quantized_experts_stay_quantized(moe_models, tmp_path):
+    """A GGUF with Q8_0 gate/up expert stacks (down in F32): those experts load as QuantWeights
+    (repacked losslessly: dequantized they are gguf's own dequantization), run through the
+    quantized matmuls expert by expert, and decode the tokens of the same file loaded with every
+    expert dequantized (`--quantization none`), logprobs close. CUDA graphs are off for it."""
     import gguf
     from gguf.quants import dequantize, quantize
     from safetensors.torch import load_file
 
+    from luceio.kernels.quant import QuantWeight, dequantize as dequantize_qw
     from luceio.loader import load_checkpoint
     folder, path = moe_models["e4k2"], str(tmp_path / "q8.gguf")
     _write_gguf(folder, path, quant=gguf.GGMLQuantizationType.Q8_0)
@@ -166,9 +171,37 @@ def test_gguf_quantized_experts_are_dequantized_at_load(moe_models, tmp_path):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     q8 = gguf.GGMLQuantizationType.Q8_0
     oracle = dequantize(quantize(expected[name].numpy(), q8), q8)
-    assert torch.equal(weights[name], torch.from_numpy(oracle))
-    assert not torch.equal(weights[name], expected[name])  # it was quantized, not passed through
-    model = LLM(path, **engine_kwargs()).engine.runner.model
-    assert model.weight_types() == ["float32"]
+    assert isinstance(weights[name], QuantWeight)
+    assert torch.equal(dequantize_qw(weights[name]).float(), torch.from_numpy(oracle))
+    assert not torch.equal(torch.from_numpy(oracle), expected[name])  # it was quantized
+    down = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert torch.equal(weights[down], expected[down])  # F32 stays dense
+    llm = LLM(path, **engine_kwargs())
+    model = llm.engine.runner.model
+    assert model.weight_types() == ["float32", "q8_0"]
     block = model.layers[1].mlp
-    assert torch.equal(block.w_gate_up[3, CONFIGS["e4k2"]["moe_intermediate_size"]:], torch.from_numpy(oracle))
+    assert block.q_experts is not None and block.quantized_bytes() > 0
+    dense = LLM(path, **engine_kwargs(quantization="none"))
+    assert dense.engine.runner.model.layers[1].mlp.q_experts is None
+    assert model.weight_bytes() < dense.engine.runner.model.weight_bytes()
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, seed=5)]
+    params = SamplingParams(max_tokens=10, logprobs=1, **GREEDY)
+    got, want = llm.generate(prompts, params), dense.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for gl, wl in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert all(abs(gl[t].logprob - wl[t].logprob) < 2e-3 for t in wl)
+    with pytest.raises(ValueError, match="quantized experts"):
+        LLM(path, **engine_kwargs(expert_memory="0.5"))
+
+
+def test_quantized_experts_on_triton_kernels_equal_reference(moe_models, tmp_path,
+                                                            monkeypatch):
+    """The GPU's path for quantized experts (each expert's projections through the quantized
+    GEMM kernel, interpreted on the CPU) gives the torch reference's greedy tokens."""
+    import gguf
+
+    from conftest import assert_triton_engine_equals_reference
+    path = str(tmp_path / "q8.gguf")
+    _write_gguf(moe_models["e4k2"], path, quant=gguf.GGMLQuantizationType.Q8_0)
+    assert_triton_engine_equals_reference(path, monkeypatch)

@@ -71,3 +71,28 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                 out[group] = F.linear(act, w_down[row])
     out *= weights.flatten()[order, None]
     return torch.zeros_like(x).index_add_(0, token_ids, out)
+
+
+def per_expert_moe(x: torch.Tensor, experts: list, weights: torch.Tensor,
+                   expert_ids: torch.Tensor, linear) -> torch.Tensor:
+    """`fused_moe_ref` over experts stored one by one (quantized ones: `QuantWeight`s or the
+    CPU's packed forms): experts[e] = (gate_up, down), gate_up one [2 * inter, hidden] weight or
+    a (gate, up) pair; `linear(x, w)` is `kernels.linear`. The groups' sizes are read on the
+    host, so a step that runs this cannot be a CUDA graph."""
+    top_k = expert_ids.shape[1]
+    order, counts = group_by_expert(expert_ids, len(experts))
+    token_ids = order // top_k
+    rows = x[token_ids]
+    out = torch.empty_like(rows)
+    start = 0
+    for (gate_up, down), count in zip(experts, counts):
+        if count:
+            group = rows[start:start + count]
+            if isinstance(gate_up, tuple):
+                h = torch.cat([linear(group, gate_up[0]), linear(group, gate_up[1])], dim=-1)
+            else:
+                h = linear(group, gate_up)
+            out[start:start + count] = linear(silu_and_mul_ref(h), down)
+            start += count
+    out *= weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token_ids, out)

@@ -96,6 +96,11 @@ def load_gguf(path: str) -> Checkpoint:
             if arch == "llama" and part in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
             shape = shapes[tensor.name]
+            stack = part in _EXPERT_STACKS or part == "ffn_gate_up_exps"
+            if keep_quantized and stack and len(shape) == 3 and ggml_to_qtype(tensor.tensor_type):
+                kept += 1  # experts stay quantized, expert by expert (`moe.SparseMoeBlock`)
+                yield from quantized_experts(names[tensor.name], tensor, shape)
+                continue
             if keep_quantized and len(shape) == 2 and ggml_to_qtype(tensor.tensor_type):
                 w = repack_gguf(tensor.data, tensor.tensor_type, shape)
                 if heads is not None:
@@ -159,6 +164,23 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if hf is None:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart that luceio knows")
     return f"{hf}.{suffix}"
+
+
+def quantized_experts(name: str, tensor, shape: tuple[int, int, int]):
+    """A quantized expert stack [num_experts, rows, cols] -> one (HF per-expert name,
+    QuantWeight) pair per expert (gate and up apart for a fused `ffn_gate_up_exps`)."""
+    from ..kernels.quant import permute_rows, repack_gguf
+    data = tensor.data.reshape(shape[0], -1)
+    prefix, leaf = name.split(".experts.")
+    for expert in range(shape[0]):
+        w = repack_gguf(data[expert], tensor.tensor_type, shape[1:])
+        if leaf == "gate_up_proj.weight":
+            inter = shape[1] // 2
+            yield f"{prefix}.experts.{expert}.gate_proj.weight", permute_rows(w, range(inter))
+            yield f"{prefix}.experts.{expert}.up_proj.weight", \
+                permute_rows(w, range(inter, 2 * inter))
+        else:
+            yield f"{prefix}.experts.{expert}.{leaf}", w
 
 
 def split_experts(name: str, stack: torch.Tensor):

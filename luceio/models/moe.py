@@ -11,8 +11,12 @@ Rules:
 - Weights arrive under the HF Hub's per-expert names (`mlp.experts.{e}.gate_proj.weight`, ...,
   and the router `mlp.gate.weight`) and are stacked per layer: `w_gate_up`
   [num_experts, 2 * inter, hidden] ([gate | up] rows), `w_down` [num_experts, hidden, inter].
-- Expert weights are dense in the model dtype (a GGUF's quantized expert stacks are dequantized
-  at load); `--quantization int8|int4` is refused for these models.
+- Expert weights are dense in the model dtype, stacked, or, from a GGUF whose expert stacks are
+  in a repacked type (Q4_K, Q8_0, ...), kept quantized expert by expert (`q_experts`, each
+  projection through `kernels.linear`: the GPU's quantized GEMM, the CPU's packed matmuls).
+  Such layers read their routing on the host each step (`kernels.moe.per_expert_moe`), so the
+  model runs without CUDA graphs; expert offload is refused for them. `--quantization
+  int8|int4` is refused for these models.
 - Expert offload (`--expert-memory`, `expert_offload.py`): a layer given an `ExpertStore` before
   loading loads its experts into the store's host stacks; its `w_gate_up` / `w_down` are then
   the store's device slots, and each forward runs the experts in the store's rounds.
@@ -64,12 +68,14 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig):
         super().__init__()
         e, inter = moe.num_experts, moe.moe_intermediate_size
-        self.num_experts, self.inter = e, inter
+        self.num_experts, self.inter, self.hidden = e, inter, hidden_size
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(hidden_size, e)  # the router: one logit per expert
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * inter, hidden_size), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(e, hidden_size, inter), requires_grad=False)
         self._loaded: set[tuple[int, str]] = set()
+        self._quantized: dict[tuple[int, str], object] = {}  # (expert, proj) -> QuantWeight
+        self.q_experts: list | None = None  # quantized experts: [(gate_up, down)] per expert
         self.store: ExpertStore | None = None  # expert offload
 
     def offload(self, store: ExpertStore) -> None:
@@ -84,6 +90,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
+        if self.q_experts is not None:
+            from ..kernels.moe import per_expert_moe
+            return per_expert_moe(x, self.q_experts, weights, expert_ids, kernels.linear)
         rounds = self.store.rounds(expert_ids) if self.store is not None else None
         return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids,
                                  rounds=rounds)
@@ -94,13 +103,27 @@ class SparseMoeBlock(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has "
                              f"{self.num_experts} experts")
+        stack = "w_down" if proj == "down_proj" else "w_gate_up"
+        if not isinstance(tensor, torch.Tensor):  # a QuantWeight: kept quantized (`finalize`)
+            want = (self.inter, self.hidden) if proj != "down_proj" else (self.hidden, self.inter)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)}, "
+                                 f"expected {want}")
+            self._quantized[expert, proj] = tensor.to(device)
+            self._loaded.add((expert, proj))
+            self._dtype = dtype
+            if getattr(self, stack).is_meta:  # no dense stack (so far): it takes no memory
+                setattr(self, stack, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                  requires_grad=False))
+            return
         if self.store is not None:
             w_gate_up, w_down = self.store.host_gate_up, self.store.host_down
-        else:
-            if self.w_gate_up.is_meta:
-                self.w_gate_up, self.w_down = (
-                    nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
-                                 requires_grad=False) for p in (self.w_gate_up, self.w_down))
+        else:  # each stack allocated when its first dense expert arrives
+            if getattr(self, stack).is_meta or not getattr(self, stack).numel():
+                shape = (self.num_experts, 2 * self.inter, self.hidden) if stack == "w_gate_up" \
+                    else (self.num_experts, self.hidden, self.inter)
+                setattr(self, stack, nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                                  requires_grad=False))
             w_gate_up, w_down = self.w_gate_up, self.w_down
         rows = {"gate_proj": slice(0, self.inter), "up_proj": slice(self.inter, None)}
         target = w_down[expert] if proj == "down_proj" else w_gate_up[expert, rows[proj]]
@@ -117,8 +140,44 @@ class SparseMoeBlock(nn.Module):
             raise KeyError(f"checkpoint has {len(self._loaded)} of the {expected} expert weights "
                            "of a mixture-of-experts layer")
         self._loaded = set()
+        if self._quantized:
+            self._keep_quantized()
         if self.store is not None:
             self.store.place_pinned()
+
+    def _keep_quantized(self) -> None:
+        """Per expert (gate_up, down) in the device's quantized forms; dense projections of the
+        same layer (a file may quantize some stacks only) stay slices of the stacks."""
+        from ..kernels.quant import cat_rows
+        if self.store is not None:
+            raise ValueError("--expert-memory (expert offload) with quantized experts is not "
+                             "supported yet")
+        dtype = self._dtype
+        q, experts = self._quantized, []
+        for e in range(self.num_experts):
+            gate, up, down = (q.get((e, p)) for p in ("gate_proj", "up_proj", "down_proj"))
+            if gate is not None and up is not None and gate.qtype == up.qtype:
+                gate_up = kernels.prepare_weight(cat_rows([gate, up]), dtype)
+            else:
+                gate_up = tuple(kernels.prepare_weight(w, dtype) if w is not None else
+                                self.w_gate_up[e, rows]
+                                for w, rows in ((gate, slice(0, self.inter)),
+                                                (up, slice(self.inter, None))))
+            down = kernels.prepare_weight(down, dtype) if down is not None else self.w_down[e]
+            experts.append((gate_up, down))
+        self.q_experts, self._quantized = experts, {}
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the experts kept quantized (not parameters, so not in `parameters()`)."""
+        if self.q_experts is None:
+            return 0
+        seen, total = set(), 0
+        for gate_up, down in self.q_experts:
+            for w in (*(gate_up if isinstance(gate_up, tuple) else (gate_up,)), down):
+                if not isinstance(w, torch.Tensor) and id(w) not in seen:
+                    seen.add(id(w))
+                    total += kernels.weight_nbytes(w)
+        return total
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -140,9 +199,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             self.layers[i].mlp.finalize()
 
     def weight_types(self) -> list[str]:
-        experts = {kernels.weight_kind(self.layers[i].mlp.w_gate_up)
-                   for i in self.moe_cfg.sparse_layers}
-        return sorted(set(super().weight_types()) | experts)
+        return sorted(set(super().weight_types()) | expert_kinds(self))
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + quantized_expert_bytes(self)
 
 
 def take_experts(model, weights, dtype: torch.dtype, device: torch.device):
@@ -157,3 +217,27 @@ def take_experts(model, weights, dtype: torch.dtype, device: torch.device):
         if layer not in model.moe_cfg.sparse_layers:
             raise KeyError(f"unexpected weight {name!r}: layer {layer} is dense")
         model.layers[layer].mlp.load_expert(expert, proj, tensor, dtype, device)
+
+
+def expert_kinds(model) -> set[str]:
+    """The types `model`'s experts are stored in (dense stacks, quantized experts)."""
+    kinds = set()
+    for i in model.moe_cfg.sparse_layers:
+        block = model.layers[i].mlp
+        if block.q_experts is None:
+            kinds.add(kernels.weight_kind(block.w_gate_up))
+            continue
+        for gate_up, down in block.q_experts:
+            for w in (*(gate_up if isinstance(gate_up, tuple) else (gate_up,)), down):
+                kinds.add(kernels.weight_kind(w))
+    return kinds
+
+
+def quantized_expert_bytes(model) -> int:
+    return sum(model.layers[i].mlp.quantized_bytes() for i in model.moe_cfg.sparse_layers)
+
+
+def routes_on_host(model) -> bool:
+    """Whether a forward of `model` reads expert routing on the host (quantized experts)."""
+    return any(isinstance(m, SparseMoeBlock) and m.q_experts is not None
+               for m in model.modules())

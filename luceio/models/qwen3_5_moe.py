@@ -20,10 +20,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import kernels
 from .linear import Linear
 from .llama import MLP
-from .moe import MoeConfig, SparseMoeBlock, take_experts
+from .moe import MoeConfig, SparseMoeBlock, expert_kinds, quantized_expert_bytes, take_experts
 from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM, _text_weights
 
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -79,6 +78,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
             self.layers[i].mlp.finalize()
 
     def weight_types(self) -> list[str]:
-        experts = {kernels.weight_kind(self.layers[i].mlp.w_gate_up)
-                   for i in self.moe_cfg.sparse_layers}
-        return sorted(set(super().weight_types()) | experts)
+        return sorted(set(super().weight_types()) | expert_kinds(self))
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + quantized_expert_bytes(self)
