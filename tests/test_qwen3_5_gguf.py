@@ -52,7 +52,8 @@ def _converted(name: str, t: torch.Tensor, c: dict):
     return name, t
 
 
-def write_gguf(folder: str, path: str, fuse_gate_up: bool = False) -> None:
+def write_gguf(folder: str, path: str, fuse_gate_up: bool = False, expert_type=None) -> None:
+    """`expert_type`: a GGMLQuantizationType for the expert stacks (F32 otherwise)."""
     from safetensors.torch import load_file
     with open(os.path.join(folder, "config.json")) as f:
         c = json.load(f)
@@ -105,13 +106,17 @@ def write_gguf(folder: str, path: str, fuse_gate_up: bool = False) -> None:
     for layer in range(layers if moe else 0):
         stacks = {p: torch.stack([experts[(layer, p)][e] for e in range(c["num_experts"])])
                   for p in ("gate_proj", "up_proj", "down_proj")}
+        out = {"down": stacks["down_proj"]}
         if fuse_gate_up:
-            w.add_tensor(f"blk.{layer}.ffn_gate_up_exps.weight",
-                         torch.cat([stacks["gate_proj"], stacks["up_proj"]], 1).numpy())
+            out["gate_up"] = torch.cat([stacks["gate_proj"], stacks["up_proj"]], 1)
         else:
-            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", stacks["gate_proj"].numpy())
-            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", stacks["up_proj"].numpy())
-        w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", stacks["down_proj"].numpy())
+            out["gate"], out["up"] = stacks["gate_proj"], stacks["up_proj"]
+        for part, t in out.items():
+            if expert_type is None:
+                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", t.numpy())
+            else:
+                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight",
+                             gguf.quants.quantize(t.numpy(), expert_type), raw_dtype=expert_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -144,8 +149,7 @@ def test_qwen35_gguf_equals_safetensors(tmp_path, name):
         assert llm.engine.runner.model.cfg.linear_v_tiled
 
 
-@pytest.mark.parametrize("fuse_gate_up", [False, True])
-def test_qwen35moe_gguf_equals_safetensors(tmp_path, fuse_gate_up):
+def _tiny_qwen35moe(tmp_path) -> str:
     from test_qwen3_5 import QWEN35_MOE
     from transformers import Qwen3_5MoeForCausalLM
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -158,10 +162,32 @@ def test_qwen35moe_gguf_equals_safetensors(tmp_path, fuse_gate_up):
         for pname, p in model.named_parameters():
             if "norm" in pname and "linear_attn" not in pname:
                 p.normal_(0.0, 0.3)
-    folder = save_tiny(model, str(tmp_path / "moe"))
+    return save_tiny(model, str(tmp_path / "moe"))
+
+
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+def test_qwen35moe_gguf_equals_safetensors(tmp_path, fuse_gate_up):
+    folder = _tiny_qwen35moe(tmp_path)
     path = str(tmp_path / "tiny_moe.gguf")
     write_gguf(folder, path, fuse_gate_up)
     _assert_same_model(folder, path)
+
+
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+def test_qwen35moe_quantized_experts_stay_quantized(tmp_path, fuse_gate_up):
+    """Q8_0 expert stacks (fused gate/up too) load quantized, expert by expert, and decode the
+    tokens of the same file with its experts dequantized at load."""
+    folder = _tiny_qwen35moe(tmp_path)
+    path = str(tmp_path / "q8_moe.gguf")
+    write_gguf(folder, path, fuse_gate_up, expert_type=gguf.GGMLQuantizationType.Q8_0)
+    prompts = [{"prompt_token_ids": t} for t in random_prompts(3, seed=19, max_len=24)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, **engine_kwargs())
+    assert "q8_0" in llm.engine.runner.model.weight_types()
+    assert all(layer.mlp.q_experts is not None for layer in llm.engine.runner.model.layers)
+    dense = LLM(path, **engine_kwargs(quantization="none"))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
 
 
 def test_negative_control_grouped_order_on_a_tiled_file_differs(tmp_path):
