@@ -219,3 +219,84 @@ def test_qwen35_pre_tokenizer_keeps_combining_marks_with_their_letters():
         return [p for p, _ in split.pre_tokenize_str("cafe\u0301 x=1")]
     assert pieces("qwen35") == ["cafe\u0301", " x", "=", "1"]
     assert pieces("qwen2") == ["cafe", "\u0301", " x", "=", "1"]
+
+
+def _qwen3next_converted(name: str, t: torch.Tensor, c: dict):
+    """The converter's Qwen3NextModel.modify_tensors: in_proj_qkvz regrouped into attn_qkv
+    (q, k, v of all heads) and attn_gate (z); the rest as `_converted` without a v reorder."""
+    if name.endswith("in_proj_qkvz.weight"):
+        k, kd, vd = c["linear_num_key_heads"], c["linear_key_head_dim"], \
+            c["linear_value_head_dim"]
+        per_k = c["linear_num_value_heads"] // k
+        g = t.reshape(k, 2 * kd + 2 * per_k * vd, -1)
+        q, key, v, z = (x.reshape(-1, t.shape[-1]) for x in
+                        g.split([kd, kd, per_k * vd, per_k * vd], dim=1))
+        return [("qkv", torch.cat([q, key, v])), ("gate", z)]
+    return [_converted(name, t, {**c, "linear_num_key_heads": 1, "linear_num_value_heads": 1})]
+
+
+def test_qwen3next_gguf_equals_safetensors(tmp_path):
+    """A qwen3next file as llama.cpp's converter writes it (2 key heads for 4 value heads, a
+    dense layer among sparse ones, the shared expert) loads to the safetensors' model."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from safetensors.torch import load_file
+    torch.manual_seed(12)
+    hf = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=8,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1],
+                         layer_types=["linear_attention", "full_attention"] * 2,
+                         max_position_embeddings=512, initializer_range=0.1,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None)
+    model = Qwen3NextForCausalLM(hf).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname and "linear_attn" not in pname:
+                p.normal_(0.0, 0.3)
+    folder = save_tiny(model, str(tmp_path / "next"))
+    c = json.load(open(os.path.join(folder, "config.json")))
+    path = str(tmp_path / "next.gguf")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, 4)
+    dense_mlp = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    w = gguf.GGUFWriter(path, "qwen3next")
+    for fn, value in [(w.add_block_count, 4), (w.add_context_length, 512),
+                      (w.add_embedding_length, 64), (w.add_feed_forward_length, 80),
+                      (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_key_length, 16),
+                      (w.add_value_length, 16), (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
+                      (w.add_rope_freq_base, c["rope_parameters"]["rope_theta"]),
+                      (w.add_rope_dimension_count, 4), (w.add_expert_count, 6),
+                      (w.add_expert_used_count, 2), (w.add_expert_feed_forward_length, 32),
+                      (w.add_expert_shared_feed_forward_length, 48),
+                      (w.add_full_attention_interval, 2)]:
+        fn(value)
+    for key, value in [("conv_kernel", 4), ("state_size", 16), ("group_count", 2),
+                       ("time_step_rank", 4), ("inner_size", 32)]:
+        w.add_uint32(f"qwen3next.ssm.{key}", value)
+    experts: dict = {}
+    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:
+            experts.setdefault((int(parts[2]), parts[-2]), {})[int(parts[5])] = t
+            continue
+        if name.startswith("model.layers.1.mlp.") and parts[-2] in dense_mlp:
+            w.add_tensor(f"blk.1.{dense_mlp[parts[-2]]}.weight", t.numpy())
+            continue
+        for out_name, value in _qwen3next_converted(name, t, c):
+            if out_name in ("qkv", "gate"):
+                w.add_tensor(f"blk.{parts[2]}.attn_{out_name}.weight", value.numpy())
+            elif out_name.endswith(".A_log"):
+                w.add_tensor(names.get_name(out_name), value.numpy())
+            else:
+                base, _, suffix = out_name.rpartition(".")
+                w.add_tensor(f"{names.get_name(base)}.{suffix}", value.numpy())
+    for (layer, proj), by_expert in sorted(experts.items()):
+        stack = torch.stack([by_expert[e] for e in range(6)])
+        w.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stack.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_same_model(folder, path)

@@ -237,7 +237,7 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     if arch == "gemma3":
         config.update(_gemma3_config(key, config))
     if arch in gguf_qwen35.ARCHITECTURES:
-        config.update(gguf_qwen35.config_fields(key, config))
+        config.update(gguf_qwen35.config_fields(key, config, arch))
     return config
 
 

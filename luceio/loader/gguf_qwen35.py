@@ -16,13 +16,17 @@
   (`linear_v_head_order: tiled` in the config, `Qwen35Config.linear_v_tiled`).
 - multi-token-prediction layers (`nextn_predict_layers`, appended after the last block) are
   not loaded: `block_count` counts them.
+- `qwen3next` (Qwen3-Next, the same converter's base class): HF's interleaved in_proj_qkvz is
+  written already regrouped as `attn_qkv` + `attn_gate`, in_proj_ba as it is (`ssm_ba`, which
+  `models/qwen3_next.py` regroups), and the v heads keep HF's grouped order.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-ARCHITECTURES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+ARCHITECTURES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
+                 "qwen3next": "Qwen3NextForCausalLM"}
 
 _LAYER = {  # blk.{i}.<gguf part> -> model.layers.{i}.<HF module>
     "attn_norm": "input_layernorm",
@@ -35,6 +39,7 @@ _LAYER = {  # blk.{i}.<gguf part> -> model.layers.{i}.<HF module>
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "linear_attn.in_proj_qkv",
     "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",  # qwen3next
     "ssm_beta": "linear_attn.in_proj_b",
     "ssm_alpha": "linear_attn.in_proj_a",
     "ssm_conv1d": "linear_attn.conv1d",
@@ -99,7 +104,7 @@ def split_gate_up(name: str, stack: torch.Tensor):
     yield prefix + "up_proj.weight", stack[:, inter:]
 
 
-def config_fields(key, config: dict) -> dict:
+def config_fields(key, config: dict, arch: str) -> dict:
     """Qwen3.5 fields of an HF text config from the file's metadata (`key(name)` reads
     `qwen35.<name>`), over the generic ones in `config`."""
     num_layers = config["num_hidden_layers"] - (key("nextn_predict_layers") or 0)
@@ -114,7 +119,7 @@ def config_fields(key, config: dict) -> dict:
     v_heads = key("ssm.time_step_rank")
     k_heads = key("ssm.group_count")
     fields = {
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_next" if arch == "qwen3next" else "qwen3_5_text",
         "num_hidden_layers": num_layers,
         "layer_types": types,
         "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"],
@@ -125,7 +130,8 @@ def config_fields(key, config: dict) -> dict:
         "linear_num_key_heads": k_heads,
         "linear_num_value_heads": v_heads,
         "linear_value_head_dim": key("ssm.inner_size") // v_heads,
-        "linear_v_head_order": "tiled" if k_heads != v_heads else "grouped",
+        "linear_v_head_order": "tiled" if k_heads != v_heads and arch != "qwen3next"
+                               else "grouped",
     }
     if key("expert_count"):
         fields.update({"num_experts": key("expert_count"),
