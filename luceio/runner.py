@@ -108,8 +108,7 @@ class ModelRunner:
                                                                  quantization, self.expert_offload)
         self.cfg = self.model.cfg
         self.block_size = cache_config.block_size
-        # hybrid models (Qwen3.5): a state slot per running request, allocated before the KV
-        # pool is sized so that the pool gets what the states leave
+        # hybrid models (Qwen3.5): a state slot per running request, before the KV pool's sizing
         self.stateful = getattr(self.model, "has_state", False)
         if self.stateful:
             self.state_slots = StateSlots(max_num_seqs)
@@ -148,10 +147,9 @@ class ModelRunner:
         if device.type == "cpu":
             return_freed_heap()
         offloaded = (self.expert_offload is not None and self.expert_offload.active) or \
-            routes_on_host(self.model)
+            routes_on_host(self.model)  # offloaded or quantized experts: routing on the host
         if offloaded and device.type == "cuda":
-            logger.info("offloaded or quantized experts: the routing is read on the host, so "
-                        "no CUDA graphs")
+            logger.info("the experts' routing is read on the host: no CUDA graphs")
         if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
             from . import kernels
             from .cuda_graphs import StepGraphs

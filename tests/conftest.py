@@ -253,6 +253,28 @@ QWEN35_CONFIGS = {
 }
 
 
+# Qwen3-Next: 2 key heads for 4 value heads, layer 1 dense among sparse ones, full attention
+# every 2nd layer, a shared expert of another width
+QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=8, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                  mlp_only_layers=[1], layer_types=["linear_attention", "full_attention"] * 2,
+                  max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def spread_qwen35_norms(model):
+    """Qwen3.5-family (1 + w) norms drawn away from 0 so that they matter (the gated
+    DeltaNet norm, plain w, stays)."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname and "linear_attn" not in pname:
+                p.normal_(0.0, 0.3)
+    return model
+
+
 def make_tiny_qwen35(folder: str, name: str, seed: int) -> str:
     """A random Qwen3.5 text checkpoint of QWEN35_CONFIGS[name] (fp32); the (1 + w) norms are
     drawn away from 0 so that they matter."""
@@ -266,13 +288,7 @@ def make_tiny_qwen35(folder: str, name: str, seed: int) -> str:
                                              "partial_rotary_factor": factor},
                             initializer_range=0.1, eos_token_id=None, bos_token_id=None,
                             pad_token_id=None, **spec)
-    model = Qwen3_5ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "layernorm" in pname or pname.endswith(("q_norm.weight", "k_norm.weight",
-                                                      "model.norm.weight")):
-                p.normal_(0.0, 0.3)
-    return save_tiny(model, folder)
+    return save_tiny(spread_qwen35_norms(Qwen3_5ForCausalLM(cfg).float()), folder)
 
 
 def random_prompts(n: int, seed: int, max_len: int = 30) -> list[list[int]]:

@@ -8,8 +8,9 @@ import inspect
 import pytest
 import torch
 
-from conftest import VOCAB, QWEN35_CONFIGS, assert_greedy_matches_transformers, \
-    assert_triton_engine_equals_reference, engine_kwargs, make_tiny_qwen35, random_prompts
+from conftest import QWEN3_NEXT, QWEN35_CONFIGS, VOCAB, assert_greedy_matches_transformers, \
+    assert_triton_engine_equals_reference, engine_kwargs, make_tiny_qwen35, random_prompts, \
+    spread_qwen35_norms
 from luceio import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
@@ -175,12 +176,7 @@ def qwen35_moe(tmp_path_factory):
     cfg = Qwen3_5MoeTextConfig(vocab_size=VOCAB, max_position_embeddings=512,
                                initializer_range=0.1, eos_token_id=None, bos_token_id=None,
                                pad_token_id=None, **QWEN35_MOE)
-    model = Qwen3_5MoeForCausalLM(cfg).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "layernorm" in pname or pname.endswith(("q_norm.weight", "k_norm.weight",
-                                                      "model.norm.weight")):
-                p.normal_(0.0, 0.3)
+    model = spread_qwen35_norms(Qwen3_5MoeForCausalLM(cfg).float())
     return save_tiny(model, str(tmp_path_factory.mktemp("qwen35moe") / "m"))
 
 
@@ -219,20 +215,7 @@ def qwen3_next(tmp_path_factory):
 
     from conftest import save_tiny
     torch.manual_seed(8)
-    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
-                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                          linear_key_head_dim=16, linear_value_head_dim=8,
-                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                          num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1],
-                          layer_types=["linear_attention", "full_attention"] * 2,
-                          max_position_embeddings=512, initializer_range=0.1,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    model = Qwen3NextForCausalLM(cfg).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and "linear_attn" not in pname:
-                p.normal_(0.0, 0.3)
+    model = spread_qwen35_norms(Qwen3NextForCausalLM(Qwen3NextConfig(**QWEN3_NEXT)).float())
     return save_tiny(model, str(tmp_path_factory.mktemp("qwen3next") / "m"))
 
 

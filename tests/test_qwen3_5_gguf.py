@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB, engine_kwargs, make_tiny_qwen35, random_prompts, save_tiny
+from conftest import QWEN3_NEXT, VOCAB, engine_kwargs, make_tiny_qwen35, random_prompts, \
+    save_tiny, spread_qwen35_norms
 from luceio import LLM, SamplingParams
 
 gguf = pytest.importorskip("gguf")
@@ -157,11 +158,7 @@ def _tiny_qwen35moe(tmp_path) -> str:
     cfg = Qwen3_5MoeTextConfig(vocab_size=VOCAB, max_position_embeddings=512,
                                initializer_range=0.1, eos_token_id=None, bos_token_id=None,
                                pad_token_id=None, tie_word_embeddings=False, **QWEN35_MOE)
-    model = Qwen3_5MoeForCausalLM(cfg).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and "linear_attn" not in pname:
-                p.normal_(0.0, 0.3)
+    model = spread_qwen35_norms(Qwen3_5MoeForCausalLM(cfg).float())
     return save_tiny(model, str(tmp_path / "moe"))
 
 
@@ -241,21 +238,7 @@ def test_qwen3next_gguf_equals_safetensors(tmp_path):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from safetensors.torch import load_file
     torch.manual_seed(12)
-    hf = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=80,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                         linear_key_head_dim=16, linear_value_head_dim=8,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                         num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1],
-                         layer_types=["linear_attention", "full_attention"] * 2,
-                         max_position_embeddings=512, initializer_range=0.1,
-                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
-                         pad_token_id=None)
-    model = Qwen3NextForCausalLM(hf).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and "linear_attn" not in pname:
-                p.normal_(0.0, 0.3)
+    model = spread_qwen35_norms(Qwen3NextForCausalLM(Qwen3NextConfig(**QWEN3_NEXT)).float())
     folder = save_tiny(model, str(tmp_path / "next"))
     c = json.load(open(os.path.join(folder, "config.json")))
     path = str(tmp_path / "next.gguf")

@@ -75,7 +75,8 @@ def load_gguf(path: str) -> Checkpoint:
                          f"luceio cannot turn into HF rope parameters yet.")
     config = gguf_config(meta, shapes)
     qwen35 = arch in gguf_qwen35.ARCHITECTURES
-    names = {t.name: gguf_qwen35.hf_name(t.name, config["num_hidden_layers"]) if qwen35
+    layers = config["num_hidden_layers"]
+    names = {t.name: gguf_qwen35.hf_name(t.name, layers, _LAYER_TENSORS) if qwen35
              else hf_tensor_name(t.name, arch) for t in reader.tensors}
     norm_shift = _NORM_SHIFT.get(arch, 0.0)
     tokenizer, tokenizer_config = gguf_tokenizer(meta)

@@ -28,15 +28,10 @@ import torch
 ARCHITECTURES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
                  "qwen3next": "Qwen3NextForCausalLM"}
 
-_LAYER = {  # blk.{i}.<gguf part> -> model.layers.{i}.<HF module>
-    "attn_norm": "input_layernorm",
+# blk.{i}.<gguf part> -> model.layers.{i}.<HF module>, over llama.cpp's common names
+# (`gguf._LAYER_TENSORS`: attention, q/k norms, MLP, router, expert stacks)
+_LAYER = {
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "linear_attn.in_proj_qkv",
     "attn_gate": "linear_attn.in_proj_z",
     "ssm_ba": "linear_attn.in_proj_ba",  # qwen3next
@@ -45,25 +40,19 @@ _LAYER = {  # blk.{i}.<gguf part> -> model.layers.{i}.<HF module>
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 }
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
            "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def hf_name(gguf_name: str, num_layers: int) -> str | None:
-    """The HF name of a qwen35 GGUF tensor; None for a multi-token-prediction layer's."""
+def hf_name(gguf_name: str, num_layers: int, common: dict[str, str]) -> str | None:
+    """The HF name of a qwen35 GGUF tensor (`common`: the layer names shared with the other
+    architectures); None for a multi-token-prediction layer's."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     parts = gguf_name.split(".")
@@ -77,9 +66,10 @@ def hf_name(gguf_name: str, num_layers: int) -> str | None:
         return prefix + "linear_attn.A_log"
     if part == "ssm_dt" and parts[3:] == ["bias"]:
         return prefix + "linear_attn.dt_bias"
-    if part not in _LAYER or len(parts) != 4:
+    hf = _LAYER.get(part) or common.get(part)
+    if hf is None or len(parts) != 4:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart that luceio knows")
-    return f"{prefix}{_LAYER[part]}.{parts[3]}"
+    return f"{prefix}{hf}.{parts[3]}"
 
 
 def dense_value(gguf_name: str, array: np.ndarray) -> np.ndarray:

@@ -180,21 +180,24 @@ class SparseMoeBlock(nn.Module):
         return total
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: LlamaConfig, moe: MoeConfig, bias: bool = False):
-        super().__init__(cfg, bias)
-        self.moe_cfg = moe
-        for i in moe.sparse_layers:
-            self.layers[i].mlp = SparseMoeBlock(cfg.hidden_size, moe)
+class ExpertLoading:
+    """Loading and accounting of a model whose `moe_cfg.sparse_layers` hold `SparseMoeBlock`s,
+    mixed in before its dense model class: the experts' tensors are taken out of the weight
+    stream into the blocks (`take_experts`), the rest loads as the model loads it."""
+
+    def _expert_weights(self, weights):
+        """The checkpoint's names as `take_experts` reads them (a hook for subclasses)."""
+        return weights
 
     def load_weights(self, weights, dtype: torch.dtype | None = None,
-                     device: torch.device | str = "cpu", quantize: str | None = None) -> None:
-        """`LlamaForCausalLM.load_weights`, with the experts' weights stacked per layer."""
+                     device: torch.device | str = "cpu", quantize: str | None = None,
+                     **kwargs) -> None:
         if quantize:
             raise ValueError(f"--quantization {quantize}: mixture-of-experts models load dense "
                              "for now")
         dtype, device = dtype or self.embed_tokens.weight.dtype, torch.device(device)
-        super().load_weights(take_experts(self, weights, dtype, device), dtype, device)
+        super().load_weights(take_experts(self, self._expert_weights(weights), dtype, device),
+                             dtype, device, **kwargs)
         for i in self.moe_cfg.sparse_layers:
             self.layers[i].mlp.finalize()
 
@@ -203,6 +206,14 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def weight_bytes(self) -> int:
         return super().weight_bytes() + quantized_expert_bytes(self)
+
+
+class Qwen3MoeForCausalLM(ExpertLoading, LlamaForCausalLM):
+    def __init__(self, cfg: LlamaConfig, moe: MoeConfig, bias: bool = False):
+        super().__init__(cfg, bias)
+        self.moe_cfg = moe
+        for i in moe.sparse_layers:
+            self.layers[i].mlp = SparseMoeBlock(cfg.hidden_size, moe)
 
 
 def take_experts(model, weights, dtype: torch.dtype, device: torch.device):

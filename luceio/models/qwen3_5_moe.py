@@ -22,7 +22,7 @@ import torch
 
 from .linear import Linear
 from .llama import MLP
-from .moe import MoeConfig, SparseMoeBlock, expert_kinds, quantized_expert_bytes, take_experts
+from .moe import ExpertLoading, MoeConfig, SparseMoeBlock
 from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM, _text_weights
 
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -54,7 +54,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+class Qwen3_5MoeForCausalLM(ExpertLoading, Qwen3_5ForCausalLM):
     family = "Qwen3.5-MoE"
 
     def __init__(self, cfg: Qwen35Config, moe: MoeConfig, shared_inter: int):
@@ -63,22 +63,5 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         for i in moe.sparse_layers:
             self.layers[i].mlp = SharedExpertMoeBlock(cfg.hidden_size, moe, shared_inter)
 
-    def load_weights(self, weights, dtype: torch.dtype | None = None,
-                     device: torch.device | str = "cpu", quantize: str | None = None,
-                     **kwargs) -> None:
-        """Qwen3.5's loading (text weights, partial RoPE) with the experts stacked per layer
-        as Qwen3-MoE stacks them."""
-        if quantize:
-            raise ValueError(f"--quantization {quantize}: mixture-of-experts models load dense "
-                             "for now")
-        dtype, device = dtype or self.embed_tokens.weight.dtype, torch.device(device)
-        super().load_weights(take_experts(self, _text_weights(weights), dtype, device), dtype,
-                             device)
-        for i in self.moe_cfg.sparse_layers:
-            self.layers[i].mlp.finalize()
-
-    def weight_types(self) -> list[str]:
-        return sorted(set(super().weight_types()) | expert_kinds(self))
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + quantized_expert_bytes(self)
+    def _expert_weights(self, weights):
+        return _text_weights(weights)  # a multimodal checkpoint's names first
