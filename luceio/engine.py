@@ -72,6 +72,9 @@ class LLMEngine:
             draft = build_model(load_checkpoint(model_path(args.draft_model)), dtype, device,
                                 args.quantization) \
                 if args.draft_model else None
+            if getattr(draft, "has_state", False):  # its state would need the same rollback
+                raise ValueError(f"--draft-model: {draft.family} (hybrid linear-attention) "
+                                 "models cannot draft")
             self.runner = self._make_runner(args, ckpt, model, dtype, device, draft)
         except BaseException:
             if self.stages is not None:

@@ -134,6 +134,13 @@ def test_unsupported_engine_features_are_refused(qwen35_models, over, flag):
         LLM(qwen35_models["gqa_tied"], **engine_kwargs(**over))
 
 
+def test_a_hybrid_model_cannot_draft(qwen35_models, tiny_llama):
+    with pytest.raises(ValueError, match="cannot draft"):
+        LLM(tiny_llama, **engine_kwargs(speculative_method="draft",
+                                        draft_model=qwen35_models["gqa_tied"],
+                                        num_speculative_tokens=2))
+
+
 def test_negative_control_the_state_carries_across_steps(qwen35_models):
     """If the runner zeroed the state every step, decode would forget the prompt: the logprobs
     change (so the equalities above do test the state)."""
