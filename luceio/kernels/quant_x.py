@@ -109,6 +109,10 @@ def quantize_x_ref(x: torch.Tensor) -> torch.Tensor:
     """The dequantized int8 x the GEMV multiplies (xq * scale), in fp32: its reference input."""
     g = x.float().reshape(-1, 32)
     amax = g.abs().amax(1, keepdim=True)
-    t = g * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax correctly rounded, as the kernel's fp32 division is: torch computes a python
+    # number over a tensor as a reciprocal times the number (two roundings), which can move t
+    # across a .5 tie and one code by one step
+    inv = torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax))
+    t = g * torch.where(amax > 0, inv, torch.zeros_like(amax))
     q = torch.where(t >= 0, t + 0.5, t - 0.5).trunc().clamp(-127, 127)
     return (q * (amax / 127.0)).reshape(x.shape)
