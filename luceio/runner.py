@@ -45,8 +45,7 @@ class HostBatch:
     # tree speculation: per token, the bits of its request's step tokens it attends to
     # (`spec.tree`; -1 for every token of a request without a tree); None: no tree this step
     tree_mask: np.ndarray | None = None
-    # hybrid models: each sequence's state slot, and the slots to zero before the step (a
-    # request's first token); None for models without state
+    # hybrid models: each sequence's state slot, the slots to zero first (None: no state)
     state_slots: np.ndarray | None = None
     fresh_slots: np.ndarray | None = None
 
@@ -115,8 +114,7 @@ class ModelRunner:
             # one more row: the scratch slot that CUDA graphs' padded requests use
             self.model.allocate_state(max_num_seqs + 1, dtype, device)
             logger.info("%s state: %d slots (--max-num-seqs), %.1f MiB", self.model.family,
-                        max_num_seqs,
-                        max_num_seqs * self.model.state_bytes_per_slot(dtype) / 2**20)
+                        max_num_seqs, max_num_seqs * self.model.state_bytes_per_slot(dtype) / 2**20)
         # a draft model's cache gets as many blocks: size both from one budget
         self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks, self.max_model_len = self._num_blocks(cache_config, max_model_len,
@@ -355,8 +353,10 @@ class ModelRunner:
                 return logits[rows]
         else:
             gather = [inp.ids_from.src, inp.ids_from.dst] if inp.ids_from is not None else []
-            ids, pos, slots, rows, *gather = self.staging.to_device(
-                np.int64, [h.input_ids, h.positions, h.slot_mapping, h.logits_indices, *gather])
+            state = [h.state_slots, h.fresh_slots] if h.state_slots is not None else []
+            ids, pos, slots, rows, *more = self.staging.to_device(np.int64, [
+                h.input_ids, h.positions, h.slot_mapping, h.logits_indices, *state, *gather])
+            state, gather = more[:len(state)], more[len(state):]
             if gather:
                 ids.index_copy_(0, gather[1], inp.ids_from.token_ids[gather[0]])
             bt, seq_lens, qsl = self.staging.to_device(
@@ -365,10 +365,10 @@ class ModelRunner:
                                 int(h.q_lens.max()), int(h.seq_lens.max()))
             if h.tree_mask is not None:
                 meta.tree_mask = torch.from_numpy(h.tree_mask).to(self.device)
-            if h.state_slots is not None:
-                meta.state_slots = torch.from_numpy(h.state_slots).to(self.device)
+            if state:  # hybrid models: the slots, and the ones to zero first
+                meta.state_slots = state[0]
                 if len(h.fresh_slots):
-                    self.model.reset_state(torch.from_numpy(h.fresh_slots).to(self.device))
+                    self.model.reset_state(state[1])
             with _prefill_rows(inp.prefill and self.device.type == "cpu"):
                 if self._cpu_decode(h, probe):
                     hidden = self.cpu_decoder(ids, pos, meta)

@@ -291,6 +291,21 @@ def make_tiny_qwen35(folder: str, name: str, seed: int) -> str:
     return save_tiny(spread_qwen35_norms(Qwen3_5ForCausalLM(cfg).float()), folder)
 
 
+def gguf_hparams(writer, c: dict, feed_forward: bool = True) -> None:
+    """The llama.cpp hyperparameters every GGUF test writer takes from an HF config `c`
+    (`feed_forward`: the dense MLP width, which an all-sparse MoE has none of)."""
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    if feed_forward:
+        writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+
+
 def random_prompts(n: int, seed: int, max_len: int = 30) -> list[list[int]]:
     """`n` prompts of 1 to max_len - 1 random token ids of the tests' vocabulary."""
     g = torch.Generator().manual_seed(seed)
@@ -299,13 +314,15 @@ def random_prompts(n: int, seed: int, max_len: int = 30) -> list[list[int]]:
 
 
 def assert_greedy_matches_transformers(path: str, prompts: list[list[int]],
-                                       max_tokens: int = 14) -> None:
+                                       max_tokens: int = 14, hf=None) -> None:
     """The engine's greedy tokens equal transformers' `generate` on the checkpoint at `path`
-    (fp32, CPU), and their logprobs its logits' within 1e-4."""
+    (fp32, CPU), and their logprobs its logits' within 1e-4. `hf`: the transformers model to
+    compare with (default: `AutoModelForCausalLM` of `path`)."""
     from transformers import AutoModelForCausalLM
 
     from luceio import LLM, SamplingParams
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     outs = LLM(path, **engine_kwargs()).generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=max_tokens, logprobs=1, temperature=0.0, ignore_eos=True))

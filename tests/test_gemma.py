@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import GEMMA_CONFIGS as CONFIGS, assert_greedy_matches_transformers, \
-    assert_triton_engine_equals_reference, engine_kwargs, make_tiny_gemma, random_prompts
+    assert_triton_engine_equals_reference, engine_kwargs, gguf_hparams, make_tiny_gemma, \
+    random_prompts
 from luceio import LLM, SamplingParams
 from test_kernels import ATTN_TOL, DEVICE, SMALL, Rng, _random_tree_masks, check, make_batch
 
@@ -127,15 +128,7 @@ def _write_gguf(folder: str, path: str) -> None:
     layers = c["num_hidden_layers"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, layers)
     writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_block_count(layers)
-    writer.add_context_length(c["max_position_embeddings"])
-    writer.add_embedding_length(c["hidden_size"])
-    writer.add_feed_forward_length(c["intermediate_size"])
-    writer.add_head_count(c["num_attention_heads"])
-    writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_key_length(c["head_dim"])
-    writer.add_value_length(c["head_dim"])
-    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    gguf_hparams(writer, c)
     writer.add_rope_freq_base(c["rope_parameters"]["full_attention"]["rope_theta"])
     writer.add_sliding_window(c["sliding_window"])
     # gguf keys luceio reads where llama.cpp assumes Gemma 3's release values (pattern 6,

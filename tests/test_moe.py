@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import MOE_CONFIGS, assert_greedy_matches_transformers, engine_kwargs, make_tiny_moe, \
-    moe_hf_config, random_prompts
+    gguf_hparams, moe_hf_config, random_prompts
 from luceio import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -110,16 +110,8 @@ def _write_gguf(folder: str, path: str, quant=None) -> None:
     maps = [gguf.get_tensor_name_map(arch, layers)
             for arch in (gguf.MODEL_ARCH.QWEN3MOE, gguf.MODEL_ARCH.QWEN3)]
     writer = gguf.GGUFWriter(path, "qwen3moe")
-    writer.add_block_count(layers)
-    writer.add_context_length(c["max_position_embeddings"])
-    writer.add_embedding_length(c["hidden_size"])
-    writer.add_feed_forward_length(c["intermediate_size"])
-    writer.add_head_count(c["num_attention_heads"])
-    writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_key_length(c["head_dim"])
-    writer.add_value_length(c["head_dim"])
+    gguf_hparams(writer, c)
     writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_expert_count(c["num_local_experts"])
     writer.add_expert_used_count(c["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(c["moe_intermediate_size"])

@@ -81,18 +81,7 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
     model = Qwen3_5ForConditionalGeneration(
         Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)).float()
     path = save_tiny(model, str(tmp_path / "qwen35_vl"))
-    prompts = random_prompts(2, seed=9)
-    outs = LLM(path, **engine_kwargs()).generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=10, logprobs=1, temperature=0.0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True)
-        tokens = ref.sequences[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == tokens
-        for step, (token, logprobs) in enumerate(zip(tokens, o.outputs[0].logprobs)):
-            expected = torch.log_softmax(ref.logits[step][0], -1)[token].item()
-            assert logprobs[token].logprob == pytest.approx(expected, abs=1e-4)
+    assert_greedy_matches_transformers(path, random_prompts(2, seed=9), max_tokens=10, hf=model)
 
 
 def test_triton_engine_equals_reference(qwen35_models, monkeypatch):

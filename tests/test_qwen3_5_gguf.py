@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import QWEN3_NEXT, VOCAB, engine_kwargs, make_tiny_qwen35, random_prompts, \
-    save_tiny, spread_qwen35_norms
+from conftest import QWEN3_NEXT, VOCAB, engine_kwargs, gguf_hparams, make_tiny_qwen35, \
+    random_prompts, save_tiny, spread_qwen35_norms
 from luceio import LLM, SamplingParams
 
 gguf = pytest.importorskip("gguf")
@@ -64,16 +64,7 @@ def write_gguf(folder: str, path: str, fuse_gate_up: bool = False, expert_type=N
     layers = c["num_hidden_layers"]
     names = gguf.get_tensor_name_map(arch, layers)
     w = gguf.GGUFWriter(path, arch_name)
-    w.add_block_count(layers)
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    if not moe:
-        w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    gguf_hparams(w, c, feed_forward=not moe)
     rope = c["rope_parameters"]
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
@@ -245,11 +236,8 @@ def test_qwen3next_gguf_equals_safetensors(tmp_path):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, 4)
     dense_mlp = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     w = gguf.GGUFWriter(path, "qwen3next")
-    for fn, value in [(w.add_block_count, 4), (w.add_context_length, 512),
-                      (w.add_embedding_length, 64), (w.add_feed_forward_length, 80),
-                      (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_key_length, 16),
-                      (w.add_value_length, 16), (w.add_layer_norm_rms_eps, c["rms_norm_eps"]),
-                      (w.add_rope_freq_base, c["rope_parameters"]["rope_theta"]),
+    gguf_hparams(w, c)
+    for fn, value in [(w.add_rope_freq_base, c["rope_parameters"]["rope_theta"]),
                       (w.add_rope_dimension_count, 4), (w.add_expert_count, 6),
                       (w.add_expert_used_count, 2), (w.add_expert_feed_forward_length, 32),
                       (w.add_expert_shared_feed_forward_length, 48),

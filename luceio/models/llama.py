@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         stacked = self.STACKED
         tied = self.cfg.tie_word_embeddings
-        for name, tensor in weights:
+        for name, tensor in self._route_weights(weights, dtype, device):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and tied):
                 continue
@@ -255,6 +255,11 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             raise KeyError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+
+    def _route_weights(self, weights, dtype: torch.dtype, device: torch.device):
+        """The stream of (HF name, tensor) that the loop of `load_weights` loads, after a
+        subclass took the tensors it loads itself (`moe.ExpertLoading`: the experts)."""
+        return weights
 
     def _load_bias_shard(self, lin: Linear, shard: int, tensor, dtype, device) -> None:
         start = sum(lin.out_sizes[:shard])

@@ -183,11 +183,11 @@ class SparseMoeBlock(nn.Module):
 class ExpertLoading:
     """Loading and accounting of a model whose `moe_cfg.sparse_layers` hold `SparseMoeBlock`s,
     mixed in before its dense model class: the experts' tensors are taken out of the weight
-    stream into the blocks (`take_experts`), the rest loads as the model loads it."""
+    stream into the blocks (`take_experts`, at `LlamaForCausalLM._route_weights`, after the
+    model's own name mapping), the rest loads as the model loads it."""
 
-    def _expert_weights(self, weights):
-        """The checkpoint's names as `take_experts` reads them (a hook for subclasses)."""
-        return weights
+    def _route_weights(self, weights, dtype: torch.dtype, device: torch.device):
+        return take_experts(self, super()._route_weights(weights, dtype, device), dtype, device)
 
     def load_weights(self, weights, dtype: torch.dtype | None = None,
                      device: torch.device | str = "cpu", quantize: str | None = None,
@@ -195,9 +195,7 @@ class ExpertLoading:
         if quantize:
             raise ValueError(f"--quantization {quantize}: mixture-of-experts models load dense "
                              "for now")
-        dtype, device = dtype or self.embed_tokens.weight.dtype, torch.device(device)
-        super().load_weights(take_experts(self, self._expert_weights(weights), dtype, device),
-                             dtype, device, **kwargs)
+        super().load_weights(weights, dtype, device, **kwargs)
         for i in self.moe_cfg.sparse_layers:
             self.layers[i].mlp.finalize()
 

@@ -23,7 +23,7 @@ import torch
 from .linear import Linear
 from .llama import MLP
 from .moe import ExpertLoading, MoeConfig, SparseMoeBlock
-from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM, _text_weights
+from .qwen3_5 import Qwen35Config, Qwen3_5ForCausalLM
 
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 
@@ -62,6 +62,3 @@ class Qwen3_5MoeForCausalLM(ExpertLoading, Qwen3_5ForCausalLM):
         self.moe_cfg = moe
         for i in moe.sparse_layers:
             self.layers[i].mlp = SharedExpertMoeBlock(cfg.hidden_size, moe, shared_inter)
-
-    def _expert_weights(self, weights):
-        return _text_weights(weights)  # a multimodal checkpoint's names first
