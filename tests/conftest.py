@@ -291,6 +291,24 @@ def make_tiny_qwen35(folder: str, name: str, seed: int) -> str:
     return save_tiny(spread_qwen35_norms(Qwen3_5ForCausalLM(cfg).float()), folder)
 
 
+def assert_same_model(paths: tuple[str, str], prompts: list[list[int]], max_tokens: int = 10,
+                      **kw) -> None:
+    """The two checkpoints (a GGUF and the safetensors it was written from) decode the same
+    greedy tokens, with the same top logprob keys and values within 1e-5 (`kw`: engine
+    arguments)."""
+    from luceio import LLM, SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, logprobs=1, temperature=0.0,
+                            ignore_eos=True)
+    outs = [LLM(p, **engine_kwargs(**kw)).generate([{"prompt_token_ids": t} for t in prompts],
+                                                   params) for p in paths]
+    for first, second in zip(*outs):
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids
+        for got, want in zip(second.outputs[0].logprobs, first.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            for t in got:
+                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+
+
 def gguf_hparams(writer, c: dict, feed_forward: bool = True) -> None:
     """The llama.cpp hyperparameters every GGUF test writer takes from an HF config `c`
     (`feed_forward`: the dense MLP width, which an all-sparse MoE has none of)."""

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import GEMMA_CONFIGS as CONFIGS, assert_greedy_matches_transformers, \
-    assert_triton_engine_equals_reference, engine_kwargs, gguf_hparams, make_tiny_gemma, \
-    random_prompts
+    assert_same_model, assert_triton_engine_equals_reference, engine_kwargs, gguf_hparams, \
+    make_tiny_gemma, random_prompts
 from luceio import LLM, SamplingParams
 from test_kernels import ATTN_TOL, DEVICE, SMALL, Rng, _random_tree_masks, check, make_batch
 
@@ -158,16 +158,7 @@ def test_gguf_round_trip_equals_safetensors(gemma_models, tmp_path, name):
     pytest.importorskip("gguf")
     path = str(tmp_path / "tiny.gguf")
     _write_gguf(gemma_models[name], path)
-    prompts = random_prompts(2, seed=3) + [list(range(3, 25))]
-    params = SamplingParams(max_tokens=10, logprobs=1, **GREEDY)
-    outs = [LLM(p, **engine_kwargs()).generate([{"prompt_token_ids": t} for t in prompts], params)
-            for p in (gemma_models[name], path)]
-    for hf_out, gguf_out in zip(*outs):
-        assert gguf_out.outputs[0].token_ids == hf_out.outputs[0].token_ids
-        for got, want in zip(gguf_out.outputs[0].logprobs, hf_out.outputs[0].logprobs):
-            assert got.keys() == want.keys()
-            for t in got:
-                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+    assert_same_model((gemma_models[name], path), random_prompts(2, seed=3) + [list(range(3, 25))])
 
 
 def test_gguf_without_luceio_keys_takes_llama_cpp_defaults(tmp_path):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import QWEN3_NEXT, VOCAB, engine_kwargs, gguf_hparams, make_tiny_qwen35, \
-    random_prompts, save_tiny, spread_qwen35_norms
+from conftest import QWEN3_NEXT, VOCAB, assert_same_model, engine_kwargs, gguf_hparams, \
+    make_tiny_qwen35, random_prompts, save_tiny, spread_qwen35_norms
 from luceio import LLM, SamplingParams
 
 gguf = pytest.importorskip("gguf")
@@ -116,16 +116,8 @@ def write_gguf(folder: str, path: str, fuse_gate_up: bool = False, expert_type=N
 
 
 def _assert_same_model(hf_path: str, gguf_path: str) -> None:
-    prompts = random_prompts(3, seed=23, max_len=26)
-    params = SamplingParams(max_tokens=10, logprobs=1, temperature=0.0, ignore_eos=True)
-    outs = [LLM(p, **engine_kwargs(max_num_batched_tokens=9)).generate(
-        [{"prompt_token_ids": t} for t in prompts], params) for p in (hf_path, gguf_path)]
-    for hf_out, gguf_out in zip(*outs):
-        assert gguf_out.outputs[0].token_ids == hf_out.outputs[0].token_ids
-        for got, want in zip(gguf_out.outputs[0].logprobs, hf_out.outputs[0].logprobs):
-            assert got.keys() == want.keys()
-            for t in got:
-                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+    assert_same_model((hf_path, gguf_path), random_prompts(3, seed=23, max_len=26),
+                      max_num_batched_tokens=9)
 
 
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
