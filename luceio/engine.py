@@ -42,6 +42,7 @@ from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import build_spec_decoder, build_spec_prefill
+from .spec.commit import commit_verified
 from .stages import start_stages
 from .structured import StructuredOutputs
 from .tokenizer import Tokenizer
@@ -315,8 +316,7 @@ class LLMEngine:
         by_id = {s.req.request_id: s for s in batch.sched.scheduled}
         if self.spec is not None and any(s.spec_token_ids for s in batch.sched.scheduled):
             tokens, lps, paths = self.spec.verify(logits, rows, batch.sched.scheduled, bitmask)
-            if paths:
-                self.runner.commit_tree_kv(batch.inputs, paths)
+            commit_verified(self.runner, batch.inputs, tokens, paths)
             res.sampled.update(tokens)
             res.logprobs.update(lps)
         plain = [by_id[rid].req for rid in rows if rid not in res.sampled]

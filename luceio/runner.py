@@ -23,6 +23,7 @@ from .loader import Checkpoint
 from .models import AttnMetadata, build_model
 from .models.cpu_decode import CpuDecoder
 from .models.expert_offload import ExpertOffload
+from .models.hybrid_verify import KeptStates
 from .models.moe import routes_on_host
 from .cache.host_store import HostKVStore, QueryProbe
 from .memory import Staging, StateSlots, kv_bytes_per_block, return_freed_heap, zeros_pool
@@ -82,6 +83,7 @@ class StepInputs:
     # path, so a prompt token's KV and logits do not depend on how its prefill was chunked
     # (a prefix-cache hit leaves a short tail) -- see kernels/quant_cpu.py `prefill_rows`
     prefill: bool = False
+    kept: object = None  # hybrid models' verifying sequences (`models.hybrid_verify`)
 
 
 class ModelRunner:
@@ -154,7 +156,8 @@ class ModelRunner:
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
                 self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs,
                                          self.max_model_len, self.block_size, device,
-                                         max_spec_tokens, self.staging, capture_queries=bool(
+                                         # hybrid models verify eagerly (hybrid_verify)
+                                         0 if self.stateful else max_spec_tokens, self.staging, capture_queries=bool(
                                              cache_config.resident_tokens) and
                                          cache_config.resident_policy == "keys",
                                          tree_rows=tree_rows,
@@ -279,9 +282,10 @@ class ModelRunner:
             for base, tree in trees:
                 words = masks_tensor(tree.ancestor_masks()).numpy()
                 host.tree_mask[base:base + len(words)] = words
+        inp = StepInputs(host, rows, prompt_rows, device_ids, prefill=prefill)
         if self.stateful:
             host.state_slots, host.fresh_slots = self.state_slots.assign(out.scheduled, kv)
-        inp = StepInputs(host, rows, prompt_rows, device_ids, prefill=prefill)
+            inp.kept = KeptStates.of(out.scheduled)
         index = {s.req.request_id: i for i, s in enumerate(out.scheduled)}
         for rid in out.kv_score_ids:
             i = index[rid]
@@ -291,29 +295,6 @@ class ModelRunner:
             inp.score_rows[rid] = q_starts[i] + last - 1
             inp.score_tables[rid] = (list(kv.blocks_of(rid)), (r.num_computed_tokens + last) // bs)
         return inp
-
-    def commit_tree_kv(self, inp: StepInputs, paths: dict[str, list[int]]) -> None:
-        """Tree speculation: moves the KV of each request's accepted tree rows to the cache
-        indices of their depths (row r at depth d: root index + r -> root index + d), so the
-        request's cache holds its accepted tokens in order, as plain decoding would have written
-        them. Queued on the device before anything reads the cache again."""
-        h, src, dst = inp.host, [], []
-        for rid, path in paths.items():
-            root = int(h.logits_indices[inp.row_slices[rid].start])  # flat index of its row 0
-            for depth, row in enumerate(path, 1):
-                if row != depth:
-                    src.append(h.slot_mapping[root + row])
-                    dst.append(h.slot_mapping[root + depth])
-        if not src:
-            return
-        src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        if self.kv_pool is not None:
-            flat = self.kv_pool.view(*self.kv_pool.shape[:2], -1, *self.kv_pool.shape[4:])
-            flat[:, :, dst] = flat[:, :, src]
-            return
-        for kv in self.kv_caches:  # per-layer shapes
-            flat = kv.view(2, -1, *kv.shape[3:])
-            flat[:, dst] = flat[:, src]
 
     # forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -366,7 +347,7 @@ class ModelRunner:
             if h.tree_mask is not None:
                 meta.tree_mask = torch.from_numpy(h.tree_mask).to(self.device)
             if state:  # hybrid models: the slots, and the ones to zero first
-                meta.state_slots = state[0]
+                meta.state_slots, meta.kept = state[0], inp.kept
                 if len(h.fresh_slots):
                     self.model.reset_state(state[1])
             with _prefill_rows(inp.prefill and self.device.type == "cpu"):

@@ -114,7 +114,8 @@ def test_kv_pool_holds_only_full_attention_layers_and_prefix_caching_is_off(qwen
 
 
 @pytest.mark.parametrize("over, flag", [
-    (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tree_budget=6),
+     "--spec-tree-budget"),
     (dict(preemption_mode="swap"), "--preemption-mode swap"),
     (dict(kv_resident_tokens=64), "--kv-resident-tokens"),
 ])

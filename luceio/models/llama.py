@@ -76,6 +76,7 @@ class AttnMetadata:
     max_seq_len: int
     tree_mask: torch.Tensor | None = None  # int64 [num_tokens]: draft-tree verification
     state_slots: torch.Tensor | None = None  # int64 [num_seqs]: hybrid models' state rows
+    kept: object = None  # hybrid models' verify step: `hybrid_verify.KeptStates`
 
 
 class RMSNorm(nn.Module):

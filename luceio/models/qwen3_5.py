@@ -19,13 +19,16 @@ Rules (transformers' `modeling_qwen3_5.py` is the truth; fp32 on the CPU matches
   assigns a request its slot and zeroes it before the request's first token (`reset_state`),
   which is also what a recompute after preemption needs.
 
+Speculative decoding (chains, n-gram or a non-hybrid draft model) keeps every verified
+position's state and commits the one after the last accepted token (`hybrid_verify.py`).
 What the engine does not run for this family (refused at startup, `check_engine_support`):
-speculative decoding and speculative prefill (a rejected draft would have to roll the state
-back), swap preemption and bounded KV residency (they move KV only, not the state), pipeline
-stages. Prefix caching is off for these models: a cached prefix's KV would come without the
-state after it (state snapshots per block are not built). On GPUs the DeltaNet's decode step is
+draft trees (a state per branch), speculative prefill, swap preemption and bounded KV residency
+(they move KV only, not the state), pipeline stages. Prefix caching is off for these models:
+a cached prefix's KV would come without the state after it (state snapshots per block are not
+built). On GPUs the DeltaNet's decode step is
 a Triton kernel (`kernels/delta_rule_triton.py`), its prefill the torch reference (chunked,
-per sequence), all eagerly (no CUDA graphs); the other layers take the usual kernels.
+per sequence); decode steps replay CUDA graphs, prefill and verify steps run eagerly; the
+other layers take the usual kernels.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import delta_rule
+from . import hybrid_verify
 from .gemma import GemmaRMSNorm
 from .linear import Linear
 from .llama import MLP, AttnMetadata, LlamaConfig, LlamaForCausalLM
@@ -198,31 +202,44 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, meta: AttnMetadata, state: torch.Tensor, conv_state: torch.Tensor):
         """x [num_tokens, hidden]; `state` / `conv_state`: this layer's pools, rows
-        `meta.state_slots` read and updated."""
-        n = x.shape[0]
-        slots = meta.state_slots
+        `meta.state_slots` read and updated (a speculative verify step's verifying rows:
+        `hybrid_verify`)."""
+        if meta.kept is not None:
+            return hybrid_verify.forward_keeping(self, x, meta, state, conv_state)
         mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
-        weight = self.conv1d.weight[:, 0]
-        decode = meta.max_query_len == 1
-        if decode:
-            mixed = delta_rule.causal_conv1d_update(mixed, conv_state, weight, slots)
-        else:
-            mixed = delta_rule.causal_conv1d_varlen(mixed, conv_state, weight,
-                                                    meta.query_start_loc, slots)
-        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = q.reshape(n, self.k_heads, self.k_dim)
-        k = k.reshape(n, self.k_heads, self.k_dim)
-        v = v.reshape(n, self.v_heads, self.v_dim)
+        if meta.max_query_len == 1:
+            return self.output(self.recurrent_step(mixed, b, a, state, conv_state,
+                                                   meta.state_slots), z)
+        n, slots = x.shape[0], meta.state_slots
+        mixed = delta_rule.causal_conv1d_varlen(mixed, conv_state, self.conv1d.weight[:, 0],
+                                                meta.query_start_loc, slots)
+        q, k, v = self._heads(mixed)
         g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
-        if decode and kernels.use_triton(x):
+        o = delta_rule.gated_delta_rule_chunked(q, k, v, g, beta, state, meta.query_start_loc,
+                                                slots, tiled=self.tiled)
+        return self.output(o, z)
+
+    def _heads(self, mixed):
+        n = mixed.shape[0]
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        return (q.reshape(n, self.k_heads, self.k_dim), k.reshape(n, self.k_heads, self.k_dim),
+                v.reshape(n, self.v_heads, self.v_dim))
+
+    def recurrent_step(self, mixed, b, a, state, conv_state, slots):
+        """One token per sequence (in_proj's conv part `mixed`, gates' b, a): the conv and the
+        delta rule continuing rows `slots`, updated in place. Returns o [n, v heads, v dim]."""
+        mixed = delta_rule.causal_conv1d_update(mixed, conv_state, self.conv1d.weight[:, 0], slots)
+        q, k, v = self._heads(mixed)
+        g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
+        if kernels.use_triton(mixed):
             from ..kernels.delta_rule_triton import gdn_decode
-            o = gdn_decode(q, k, v, g, beta, state, slots, tiled=self.tiled)
-        elif decode:
-            o = delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots,
-                                                      tiled=self.tiled)
-        else:
-            o = delta_rule.gated_delta_rule_chunked(q, k, v, g, beta, state,
-                                                    meta.query_start_loc, slots, tiled=self.tiled)
+            return gdn_decode(q, k, v, g, beta, state, slots, tiled=self.tiled)
+        return delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots,
+                                                     tiled=self.tiled)
+
+    def output(self, o, z):
+        """The gated RMSNorm (gate `z`) and out_proj of the delta rule's output o."""
+        n = o.shape[0]
         o = delta_rule.gated_rms_norm(o, z.reshape(n, self.v_heads, self.v_dim),
                                       self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(n, self.value_size))
@@ -329,7 +346,8 @@ def rope_cache(cfg: Qwen35Config) -> torch.Tensor:
 
 def check_engine_support(args) -> None:
     """Raises ValueError for an engine feature the hybrid layers' state cannot follow."""
-    refused = {"--speculative-method (speculative decoding)": args.speculative_method,
+    refused = {"--spec-tree-budget (tree speculation)": args.speculative_method and
+               args.spec_tree_budget,
                "--spec-prefill-keep (speculative prefill)": args.spec_prefill_keep is not None,
                "--preemption-mode swap": args.preemption_mode == "swap",
                "--kv-resident-tokens (bounded KV residency)": args.kv_resident_tokens,
@@ -337,4 +355,5 @@ def check_engine_support(args) -> None:
     for what, on in refused.items():
         if on:
             raise ValueError(f"{what} is not supported for Qwen3.5 (hybrid linear-attention) "
-                             "models: the DeltaNet state is not rolled back, moved or split")
+                             "models: the DeltaNet state is not kept per tree branch, moved or "
+                             "split")
