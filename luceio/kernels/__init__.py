@@ -13,11 +13,11 @@ import torch
 from .activation import silu_and_mul_ref
 from .attention import paged_attention_ref, write_kv_ref
 from .moe import fused_moe_ref
-from .norm import rms_norm_ref
+from .norm import gemma_rms_norm_ref, rms_norm_ref
 from .qkv_rope import qkv_rope_cache_ref
 from .rotary import build_cos_sin_cache, rotary_ref
 
-__all__ = ["rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
+__all__ = ["rms_norm", "gemma_rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
            "fused_moe", "build_cos_sin_cache", "use_triton"]
 
 
@@ -58,6 +58,7 @@ def _impl(name: str, ref):
 
 
 rms_norm = _impl("rms_norm", rms_norm_ref)
+gemma_rms_norm = _impl("gemma_rms_norm", gemma_rms_norm_ref)
 silu_and_mul = _impl("silu_and_mul", silu_and_mul_ref)
 rotary = _impl("rotary", rotary_ref)
 write_kv = _impl("write_kv", write_kv_ref)

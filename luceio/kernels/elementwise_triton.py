@@ -77,6 +77,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, res_out.view(shape))
 
 
+@triton.jit
+def _gemma_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
+                       OFFSET: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+                       HAS_RES: tl.constexpr, HAS_W: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + t * s_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + t * s_ro + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    h = h * (1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps))
+    if HAS_W:  # Gemma: scaled by (offset + w) in fp32, then cast
+        h = h * (OFFSET + tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + t * s_o + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   offset: float = 1.0, residual: torch.Tensor | None = None):
+    """Same contract as `norm.gemma_rms_norm_ref`; inputs are not modified."""
+    shape, n = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = res_out = x2
+    if residual is not None:
+        r2 = residual.reshape(-1, n).contiguous()
+        res_out = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
+    out = torch.empty(x2.shape, dtype=res_out.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(n)
+        w = weight.contiguous() if weight is not None else x2
+        _gemma_norm_kernel[(x2.shape[0],)](x2, r2, w, out, res_out, float(eps), x2.stride(0),
+                                           r2.stride(0), out.stride(0), res_out.stride(0),
+                                           OFFSET=float(offset), N=n, BLOCK=block,
+                                           HAS_RES=residual is not None,
+                                           HAS_W=weight is not None, num_warps=_warps(block))
+    out = out.view(shape)
+    return out if residual is None else (out, res_out.view(shape))
+
+
 def xq_layouts(layouts, rows: int, n: int, device) -> dict:
     """The int8 forms (`quant_x.quantize_x` layouts: True = two planes, False = group
     order) that a one-row output is also written in, as empty buffers for the kernel to fill."""

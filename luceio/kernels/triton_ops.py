@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from .attention_triton import paged_attention
 from .kv_write_triton import write_kv
-from .elementwise_triton import rms_norm, rotary, silu_and_mul
+from .elementwise_triton import gemma_rms_norm, rms_norm, rotary, silu_and_mul
 from .moe_triton import fused_moe
 from .qkv_rope_triton import qkv_rope_cache
 
-__all__ = ["rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
+__all__ = ["rms_norm", "gemma_rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
            "fused_moe"]

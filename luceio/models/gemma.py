@@ -95,12 +95,9 @@ class GemmaRMSNorm(nn.Module):
         self.offset = 1.0 if unit_offset else 0.0
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            h = h * (self.offset + self.weight.float())
-        return h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`kernels.gemma_rms_norm`: the normed x, or (normed x + residual, x + residual)."""
+        return kernels.gemma_rms_norm(x, self.weight, self.eps, self.offset, residual)
 
 
 class GemmaAttention(nn.Module):

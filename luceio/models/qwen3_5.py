@@ -227,21 +227,28 @@ class GatedDeltaNet(nn.Module):
 
     def recurrent_step(self, mixed, b, a, state, conv_state, slots):
         """One token per sequence (in_proj's conv part `mixed`, gates' b, a): the conv and the
-        delta rule continuing rows `slots`, updated in place. Returns o [n, v heads, v dim]."""
-        mixed = delta_rule.causal_conv1d_update(mixed, conv_state, self.conv1d.weight[:, 0], slots)
-        q, k, v = self._heads(mixed)
-        g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
+        delta rule continuing rows `slots`, updated in place. Returns o [n, v heads, v dim].
+        On GPUs two launches: conv + gates, then the delta rule."""
+        weight = self.conv1d.weight[:, 0]
         if kernels.use_triton(mixed):
-            from ..kernels.delta_rule_triton import gdn_decode
-            return gdn_decode(q, k, v, g, beta, state, slots, tiled=self.tiled)
-        return delta_rule.gated_delta_rule_recurrent(q, k, v, g, beta, state, slots,
+            from ..kernels.delta_rule_triton import conv_gates_decode, gdn_decode
+            mixed, g, beta = conv_gates_decode(mixed, conv_state, weight, a, b, self.A_log,
+                                               self.dt_bias, slots)
+            return gdn_decode(*self._heads(mixed), g, beta, state, slots, tiled=self.tiled)
+        mixed = delta_rule.causal_conv1d_update(mixed, conv_state, weight, slots)
+        g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
+        return delta_rule.gated_delta_rule_recurrent(*self._heads(mixed), g, beta, state, slots,
                                                      tiled=self.tiled)
 
     def output(self, o, z):
         """The gated RMSNorm (gate `z`) and out_proj of the delta rule's output o."""
         n = o.shape[0]
-        o = delta_rule.gated_rms_norm(o, z.reshape(n, self.v_heads, self.v_dim),
-                                      self.norm.weight, self.norm.eps)
+        z = z.reshape(n, self.v_heads, self.v_dim)
+        if kernels.use_triton(o):
+            from ..kernels.delta_rule_triton import gated_rms_norm
+            o = gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+        else:
+            o = delta_rule.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(n, self.value_size))
 
 
@@ -309,16 +316,18 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             raise ValueError("Qwen3.5 does not run as pipeline stages")
         if meta.state_slots is None:
             raise ValueError("a Qwen3.5 forward needs the batch's state slots")
-        x = self.embed_tokens(input_ids)
+        h, x = self.embed_tokens(input_ids), None  # x: the residual stream
         for layer, j in zip(self.layers, self.pool_index):
-            h = layer.input_layernorm(x)
+            # each residual add rides in the norm after it (one launch on GPUs)
+            h, x = layer.input_layernorm(h, x) if x is not None else \
+                (layer.input_layernorm(h), h)
             if layer.linear:
                 h = layer.linear_attn(h, meta, self.state[j], self.conv_state[j])
             else:
                 h = layer.self_attn(positions, h, kv_caches[j], meta, self.cos_sin)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            h, x = layer.post_attention_layernorm(h, x)
+            h = layer.mlp(h)
+        return self.norm(h, x)[0]
 
     def load_weights(self, weights, dtype: torch.dtype | None = None,
                      device: torch.device | str = "cpu", quantize: str | None = None,

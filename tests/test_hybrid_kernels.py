@@ -1,0 +1,87 @@
+"""The hybrid families' small fused kernels against their torch references: Gemma's RMSNorm
+(Gemma 3/4 and Qwen3.5, with the residual add fused), and the Gated DeltaNet's decode-step
+conv + gates and gated norm (kernels/delta_rule_triton.py). Interpreted on the CPU (fp32 to
+1e-5, bf16 / fp16 to the references' roundings), natively on a GPU when there is one."""
+import pytest
+import torch
+
+from test_kernels import DEVICE, DTYPES, INTERPRETED, TOL, Rng, check, rnd
+from luceio.kernels import delta_rule
+from luceio.kernels.norm import gemma_rms_norm_ref
+
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("needs the Triton interpreter or a GPU", allow_module_level=True)
+
+
+@pytest.fixture
+def gen():
+    return Rng()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 1000])
+@pytest.mark.parametrize("offset, scaled", [(1.0, True), (0.0, True), (0.0, False)],
+                         ids=["1+w", "w", "none"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm(gen, dtype, hidden, offset, scaled, with_residual):
+    from luceio.kernels.elementwise_triton import gemma_rms_norm
+    x = rnd(gen, 5, hidden, dtype=dtype)
+    w = rnd(gen, hidden, dtype=dtype, scale=0.5) if scaled else None
+    if not with_residual:
+        check(gemma_rms_norm(x, w, 1e-6, offset), gemma_rms_norm_ref(x, w, 1e-6, offset),
+              TOL[dtype], gen, "out")
+        return
+    r = rnd(gen, 5, hidden, dtype=dtype, scale=3.0)
+    r_before = r.clone()
+    out, res = gemma_rms_norm(x, w, 1e-6, offset, r)
+    ref_out, ref_res = gemma_rms_norm_ref(x, w, 1e-6, offset, r_before)
+    assert torch.equal(r, r_before)  # inputs are not modified
+    check(res, ref_res, TOL[dtype], gen, "residual")
+    check(out, ref_out, TOL[dtype], gen, "out")
+
+
+def test_gemma_rms_norm_of_head_slices(gen):
+    """q/k norms read a strided slice per head (Qwen3.5's [query | gate] rows)."""
+    from luceio.kernels.elementwise_triton import gemma_rms_norm
+    qg = rnd(gen, 3, 4, 32)
+    w = rnd(gen, 16, scale=0.5)
+    check(gemma_rms_norm(qg[..., :16], w, 1e-6), gemma_rms_norm_ref(qg[..., :16], w, 1e-6),
+          TOL[torch.float32], gen, "slice")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("conv_dim, ksize, heads", [(40, 4, 4), (700, 3, 6), (24, 2, 3)])
+def test_conv_gates_decode(gen, dtype, conv_dim, ksize, heads):
+    """The conv's output and shifted state, g and beta, equal `causal_conv1d_update` +
+    `gdn_gates` on rows of a wider projection (strided), other slots untouched."""
+    from luceio.kernels.delta_rule_triton import conv_gates_decode
+    n, num_slots = 3, 5
+    proj = rnd(gen, n, conv_dim + 2 * heads + 5, dtype=dtype)
+    x, b, a = proj[:, :conv_dim], proj[:, conv_dim:conv_dim + heads], \
+        proj[:, conv_dim + heads:conv_dim + 2 * heads]
+    a = a * 8  # softplus past its threshold of 20 too
+    state = rnd(gen, num_slots, conv_dim, ksize - 1, dtype=dtype)
+    weight = rnd(gen, conv_dim, ksize, dtype=dtype, scale=0.5)
+    A_log = rnd(gen, heads, scale=0.5)
+    dt_bias = rnd(gen, heads, scale=8.0)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    ref_state = state.clone()
+    ref = delta_rule.causal_conv1d_update(x, ref_state, weight, slots)
+    ref_g, ref_beta = delta_rule.gdn_gates(a, b, A_log, dt_bias)
+    out, g, beta = conv_gates_decode(x, state, weight, a, b, A_log, dt_bias, slots)
+    check(out, ref, TOL[dtype], gen, "conv")
+    assert torch.equal(state.cpu(), ref_state.cpu())  # the shift moves values, no arithmetic
+    check(g, ref_g, TOL[torch.float32], gen, "g")
+    check(beta, ref_beta.float(), TOL[torch.float32], gen, "beta")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, v", [(4, 8), (3, 128)])
+def test_gated_rms_norm(gen, dtype, heads, v):
+    from luceio.kernels.delta_rule_triton import gated_rms_norm
+    n = 3
+    o = rnd(gen, n, heads, v, dtype=dtype)
+    z = rnd(gen, n, heads * v + 7, dtype=dtype)[:, :heads * v].reshape(n, heads, v)
+    w = rnd(gen, v, dtype=dtype, scale=0.5) + 1
+    check(gated_rms_norm(o, z, w, 1e-6), delta_rule.gated_rms_norm(o, z, w, 1e-6), TOL[dtype],
+          gen, "gated norm")
