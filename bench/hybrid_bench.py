@@ -4,6 +4,7 @@ and off.
 
     python bench/hybrid_bench.py [--shapes qwen3.5-9b,qwen3.5-35b-a3b] [--context 512]
                                  [--out bench/results/h200/hybrid_bench.json]
+                                 [--no-eager] [--profile-steps 32]
 
 Shapes: `qwen3.5-9b` is transformers' `Qwen3_5TextConfig` defaults (hidden 4096, 32 layers, 24
 of them Gated DeltaNet, 16 / 32 key / value heads of 128, 8 full-attention layers of 16 heads
@@ -11,7 +12,9 @@ of them Gated DeltaNet, 16 / 32 key / value heads of 128, 8 full-attention layer
 2048, 40 layers, 256 experts of width 512, top-8, a shared expert of 512). Roofline per token
 = (weights a decode step reads: every dense weight and the LM head, for an MoE only the top-k
 experts' + the KV of the context read + the DeltaNet state read and written) / the copy
-bandwidth measured in the same run.
+bandwidth measured in the same run. With `--profile-steps N` (default 32, 0: none) the CUDA-graph
+row also carries step_profile.py's breakdown of N profiled steps: kernels per step, GPU busy
+time, idle share, the kernels with the most GPU time.
 """
 from __future__ import annotations
 
@@ -88,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3.5-9b,qwen3.5-35b-a3b")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--no-eager", action="store_true", help="CUDA-graph rows only")
+    ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
                                                   "hybrid_bench.json"))
     a = ap.parse_args()
@@ -98,7 +103,7 @@ def main() -> None:
         model, c = random_hybrid(shape, a.context + 1024)
         parts = bytes_per_token(model, c, a.context + 64)
         roofline = bw / sum(parts.values())
-        for eager in (False, True):
+        for eager in (False,) if a.no_eager else (False, True):
             eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=4,
                               enforce_eager=eager)
             tps = luceio_decode_tps(eng, a.context)
@@ -106,6 +111,9 @@ def main() -> None:
                    "roofline_tok_s": round(roofline, 1),
                    "fraction_of_roofline": round(tps / roofline, 3),
                    "bytes_per_token": parts}
+            if a.profile_steps and not eager:
+                from step_profile import profile_decode
+                row["profile"] = profile_decode(eng, a.context, a.profile_steps)
             print(row, flush=True)
             results["rows"].append(row)
             write_json(a.out, results)

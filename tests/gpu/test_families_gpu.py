@@ -80,3 +80,49 @@ def test_qwen35_cuda_graphs_equal_eager(tmp_path):
         for gl, el in zip(logprobs(g), logprobs(e)):
             assert gl.keys() == el.keys()
             assert all(abs(gl[t] - el[t]) < 1e-4 for t in gl)
+
+
+def _greedy(llm, ps, max_tokens=12):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+
+
+def test_qwen35_speculation_on_gpu_equals_plain(tmp_path):
+    """Speculative decoding on the hybrid model on the GPU: verify steps eager with the
+    DeltaNet's per-position states kept (hybrid_verify.py), decode steps on CUDA graphs; drafts
+    of the target's own continuation with a wrong token after 0..k right ones."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    from conftest import make_tiny_qwen35
+    from test_qwen3_5_spec import Oracle
+    folder = make_tiny_qwen35(str(tmp_path / "qwen35"), "gqa_tied", seed=2)
+    ps = prompts(4, seed=12)
+    plain = _greedy(LLM(folder, **engine_kwargs(device="cuda")), ps, 20)
+    llm = LLM(folder, **engine_kwargs(device="cuda", speculative_method="ngram",
+                                      num_speculative_tokens=4))
+    spec = llm.engine.spec
+    spec.proposer = Oracle({tuple(p["prompt_token_ids"]): t for p, t in zip(ps, plain)})
+    spec.mode = lambda *a, **k: "chain"
+    spec.k_for = lambda r, cap: max(0, min(cap, r.max_tokens - r.num_output_tokens - 1))
+    assert _greedy(llm, ps, 20) == plain
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens
+
+
+def test_qwen3_next_and_gemma4_on_gpu_equal_cpu(tmp_path):
+    """Qwen3-Next (regrouped DeltaNet projections, sparse and dense layers, a shared expert)
+    and Gemma 4 (per-layer inputs, KV sharing, global layers of another KV shape) on the GPU
+    kernels give the CPU path's greedy tokens, with chunked prefill."""
+    pytest.importorskip("transformers.models.qwen3_next")
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from conftest import QWEN3_NEXT, make_tiny_gemma4, save_tiny, spread_qwen35_norms
+    torch.manual_seed(8)
+    folders = [save_tiny(spread_qwen35_norms(
+        Qwen3NextForCausalLM(Qwen3NextConfig(**QWEN3_NEXT)).float()), str(tmp_path / "next"))]
+    pytest.importorskip("transformers.models.gemma4")
+    folders += [make_tiny_gemma4(str(tmp_path / name), name, seed=1)
+                for name in ("gqa_ple_shared", "global_wide_keqv")]
+    ps = prompts(4, seed=3)
+    for folder in folders:
+        cpu = _greedy(LLM(folder, **engine_kwargs()), ps)
+        gpu = _greedy(LLM(folder, **engine_kwargs(device="cuda", max_num_batched_tokens=32)), ps)
+        assert gpu == cpu, folder
