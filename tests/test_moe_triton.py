@@ -83,6 +83,40 @@ def test_fused_moe_matches_reference(gen, dtype, num_tokens, num_experts, top_k,
     check(out, ref, TOL[dtype], gen, f"fused_moe {dtype} T={num_tokens} E={num_experts} k={top_k}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renorm", [
+    (1, 6, 2, True), (3, 40, 8, True), (5, 7, 3, False)])
+def test_route_topk_kernel_matches_reference(gen, dtype, num_tokens, num_experts, top_k, renorm):
+    from luceio.kernels.moe_decode_triton import route_topk
+    logits = rnd(gen, num_tokens, num_experts, dtype=dtype, scale=2.0)
+    weights, ids = route_topk(logits, top_k, renorm)
+    ref_w, ref_ids = route_topk_ref(logits, top_k, renorm)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()), gen.seed_value
+    assert weights.dtype == dtype
+    check(weights, ref_w, TOL[dtype], gen, "routing weights")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 4, 2), (3, 6, 3), (8, 5, 5)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_decode_matches_reference(gen, dtype, num_tokens, num_experts, top_k, shared):
+    """The few-token path (one-row GEMVs per pair, hidden 200 / inter 150 across its K and
+    column tiles), with a shared expert's sum in its epilogue."""
+    from luceio.kernels.moe_decode_triton import moe_decode
+    hidden, inter = 200, 150
+    x = rnd(gen, num_tokens, hidden, dtype=dtype)
+    w_gate_up = rnd(gen, num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5)
+    w_down = rnd(gen, num_experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+    weights, expert_ids = _routing(gen, num_tokens, num_experts, top_k, dtype)
+    ref = fused_moe_ref(x, w_gate_up, w_down, weights, expert_ids)
+    extra = ()
+    if shared:
+        extra = (rnd(gen, num_tokens, hidden, dtype=dtype), rnd(gen, num_tokens, 1, dtype=dtype))
+        ref = ref + torch.sigmoid(extra[1]) * extra[0]
+    out = moe_decode(x, w_gate_up, w_down, weights, expert_ids, *extra)
+    check(out, ref, TOL[dtype], gen, f"moe_decode {dtype} T={num_tokens} k={top_k}")
+
+
 def test_greedy_on_triton_kernels_matches_torch_path(moe_models, monkeypatch):
     """A tiny Qwen3-MoE (4 experts, top-2) with LUCEIO_KERNELS=triton: the sparse blocks run
     the fused kernel, and prefill and decode give the torch path's greedy tokens."""
@@ -98,12 +132,17 @@ def test_greedy_on_triton_kernels_matches_torch_path(moe_models, monkeypatch):
     monkeypatch.setenv("LUCEIO_KERNELS", "torch")
     torch_outs = run()
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
-    row_counts, kernel = [], triton_ops.fused_moe
+    from luceio.kernels import moe_decode_triton
+    row_counts, decode_counts = [], []
+    kernel, decode = triton_ops.fused_moe, moe_decode_triton.moe_decode
     monkeypatch.setattr(triton_ops, "fused_moe",
                         lambda x, *a, **kw: row_counts.append(x.shape[0]) or kernel(x, *a, **kw))
+    monkeypatch.setattr(moe_decode_triton, "moe_decode",
+                        lambda x, *a, **kw: decode_counts.append(x.shape[0]) or decode(x, *a, **kw))
     triton_outs = run()
-    # the prefills and the last step, a decode of both requests, ran it
-    assert max(row_counts) > len(prompts) and row_counts[-1] == len(prompts)
+    # the prefills ran the grouped kernel, the decode steps of both requests the few-token path
+    assert min(row_counts) > moe_decode_triton.DECODE_MAX_TOKENS
+    assert decode_counts and decode_counts[-1] == len(prompts)
     for t, r in zip(triton_outs, torch_outs):
         assert t.token_ids == r.token_ids
         for step, (tok, lp) in enumerate(zip(t.token_ids, t.logprobs)):

@@ -88,7 +88,21 @@ class SparseMoeBlock(nn.Module):
         """No quantized one-row GEMV reads this block's input (see `MLP.int8_input`)."""
         return {}
 
-    def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
+    def decodes(self, x: torch.Tensor) -> bool:
+        """Whether `x` takes the few-token path (`kernels/moe_decode_triton.py`): resident
+        dense experts on the Triton kernels."""
+        from ..kernels.moe_decode_triton import DECODE_MAX_TOKENS
+        return (x.shape[0] <= DECODE_MAX_TOKENS and self.store is None
+                and self.q_experts is None and kernels.use_triton(x))
+
+    def forward(self, x: torch.Tensor, xqs: dict | None = None, shared=None) -> torch.Tensor:
+        """`shared`: (a shared expert's output, its gate logit) that the few-token path adds in
+        its last launch (the caller adds them otherwise)."""
+        if self.decodes(x):
+            from ..kernels.moe_decode_triton import moe_decode, route_topk
+            weights, expert_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+            return moe_decode(x, self.w_gate_up, self.w_down, weights, expert_ids,
+                              *(shared or ()))
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
         if self.q_experts is not None:
             from ..kernels.moe import per_expert_moe

@@ -1,0 +1,154 @@
+"""Mixture-of-experts at decode sizes (a few tokens): routing in one launch, the experts as
+one-row GEMVs, no grouping of pairs by expert.
+
+`moe_triton.fused_moe` groups the (token, expert) pairs by expert into tiles of at least 16 rows
+for `tl.dot`, which at one token per expert leaves 15 of 16 rows empty and costs ~15 small torch
+launches of sorting and aligning per layer. Here, for at most `DECODE_MAX_TOKENS` tokens:
+- `route_topk`: per token, the fp32 softmax over the experts, the top k by repeated maximum
+  (ties: the lowest expert id; best first), renormalised when asked, cast to the logits' dtype
+  (`moe.route_topk_ref`'s rules).
+- `moe_decode` launch 1, per (pair, BLOCK_N columns of inter): the pair's token against its
+  expert's gate and up rows, epilogue `silu_and_mul`'s (the reference's roundings).
+- Launch 2, per (token, BLOCK_N columns of hidden): for each of its k pairs in rank order, the
+  activations against the expert's down rows, rounded to the dtype and times the routing
+  weight, rounded again (as `fused_moe`'s per-pair rows), summed in fp32 and rounded once (as
+  `fused_moe`'s sum of a token's rows). With a shared expert (Qwen3.5-MoE, Qwen3-Next) the
+  epilogue also adds sigmoid(its gate logit) * its output, each rounded as the torch ops round.
+Each expert's weights are read once per pair that picked it: at a few tokens that is what the
+grouped path reads too. Nothing reads back to the host, so CUDA graphs capture it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .elementwise_triton import silu_mul
+
+DECODE_MAX_TOKENS = 8
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, s_l, E, TOP_K: tl.constexpr, KP: tl.constexpr,
+                  RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    em = es < E
+    logit = tl.load(logits_ptr + t * s_l + es, mask=em, other=-float("inf")).to(tl.float32)
+    e = tl.where(em, tl.exp(logit - tl.max(logit, 0)), 0.0)
+    p = tl.where(em, e / tl.sum(e, 0), -1.0)
+    ks = tl.arange(0, KP)
+    picked = tl.zeros([KP], tl.float32)
+    ids = tl.zeros([KP], tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, es, BLOCK_E), 0)
+        picked = tl.where(ks == j, best, picked)
+        ids = tl.where(ks == j, idx.to(tl.int64), ids)
+        p = tl.where(es == idx, -1.0, p)
+    if RENORM:
+        picked = picked / tl.sum(picked, 0)
+    km = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, picked.to(w_ptr.dtype.element_ty), mask=km)
+    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=km)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int,
+               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route_topk_ref` in one launch: (weights [n, top_k] in the logits' dtype, expert ids
+    [n, top_k] int64), best first."""
+    n, num_experts = router_logits.shape
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty((n, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)
+    if n:
+        _route_kernel[(n,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
+                            KP=triton.next_power_of_2(top_k), RENORM=renormalize,
+                            BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    return weights, ids
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, top_k, hidden, inter, s_x, s_we, s_wn,
+                    s_act, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    t = p // top_k
+    expert = tl.load(ids_ptr + p)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < inter
+    gate_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
+    up_ptrs = gate_ptrs + inter * s_wn
+    acc_gate = tl.zeros([BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < hidden
+        x = tl.load(x_ptr + t * s_x + ks, mask=km, other=0.0).to(tl.float32)
+        m = cm[:, None] & km[None, :]
+        gate = tl.load(gate_ptrs + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        up = tl.load(up_ptrs + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(gate * x[None, :], 1)
+        acc_up += tl.sum(up * x[None, :], 1)
+    dt = act_ptr.dtype.element_ty
+    act = silu_mul(acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), act_ptr)
+    tl.store(act_ptr + p * s_act + cols, act, mask=cm)
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, out_ptr, sh_ptr, sg_ptr, inter, hidden,
+                 s_act, s_we, s_wn, s_out, s_sh, s_sg, TOP_K: tl.constexpr,
+                 SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < hidden
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        expert = tl.load(ids_ptr + p)
+        w_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            km = ks < inter
+            a = tl.load(act_ptr + p * s_act + ks, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+        route = tl.load(route_ptr + p).to(tl.float32)
+        total += (acc.to(dt).to(tl.float32) * route).to(dt).to(tl.float32)
+    y = total.to(dt)
+    if SHARED:  # + sigmoid(gate) * shared, rounded as the torch ops round
+        g = tl.load(sg_ptr + t * s_sg).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        s = tl.load(sh_ptr + t * s_sh + cols, mask=cm, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + (gate * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + t * s_out + cols, y, mask=cm)
+
+
+def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+               weights: torch.Tensor, expert_ids: torch.Tensor,
+               shared: torch.Tensor | None = None,
+               shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """`moe.fused_moe_ref` for a few tokens (resident stacks, expert e at row e): x [n, hidden],
+    w_gate_up [E, 2 * inter, hidden], w_down [E, hidden, inter], weights / expert_ids [n, k].
+    With `shared` [n, hidden] and `shared_gate` [n, 1] (a shared expert's output and gate
+    logit) returns routed + sigmoid(shared_gate) * shared."""
+    n, hidden = x.shape
+    inter, top_k = w_down.shape[2], expert_ids.shape[1]
+    x, weights, ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
+    if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
+        raise ValueError("moe_decode needs the expert stacks' rows contiguous")
+    out = torch.empty_like(x)
+    if n == 0:
+        return out
+    act = torch.empty((n * top_k, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(n * top_k, triton.cdiv(inter, 32))](
+        x, w_gate_up, ids, act, top_k, hidden, inter, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), act.stride(0), BLOCK_N=32, BLOCK_K=128, num_warps=4)
+    sh = shared if shared is not None else out
+    sg = shared_gate if shared_gate is not None else out
+    _down_kernel[(n, triton.cdiv(hidden, 16))](
+        act, w_down, ids, weights, out, sh, sg, inter, hidden, act.stride(0), w_down.stride(0),
+        w_down.stride(1), out.stride(0), sh.stride(0), sg.stride(0), TOP_K=top_k,
+        SHARED=shared is not None, BLOCK_N=16, BLOCK_K=128, num_warps=4)
+    return out
