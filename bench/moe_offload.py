@@ -1,0 +1,176 @@
+"""Expert offload on the GPU: batch-1 decode of a Qwen3-30B-A3B-shaped MoE with every expert
+resident against `--expert-memory` of a fraction of them (LRU only; with a placement calibrated
+on prompts run through the same model; with a placement that ranks the experts backwards).
+
+    python bench/moe_offload.py [--layers 16] [--fraction 0.6] [--context 512] [--new 96]
+                                [--out bench/results/h200/moe_offload.json]
+
+The model is Qwen3-30B-A3B's shape (hidden 2048, 128 experts of width 768, top-8, 32 / 4
+heads of 128, vocab 151936) cut to `--layers` layers (every layer has the same shape, so a
+step's time scales with them and the offloaded / resident ratio does not depend on the count;
+the full 48 layers load the 61 GB of bf16 weights twice over). Random bf16 weights (windows of
+one random pool, the routers drawn on their own) stream through the engine's own load path (`build_model`, so `--expert-memory` pins and places the
+experts as for a real checkpoint), the same seed for every engine, so all see one model.
+Random routers route close to uniformly, with no locality from token to token: no placement
+can do much there, so the calibrated rows are what a model without routing skew gets, a lower
+bound for real models, whose routing is skewed per domain and local within a sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import env_info, write_json  # noqa: E402
+from gpu_bench import luceio_decode_tps  # noqa: E402
+
+import luceio.engine as engine_mod  # noqa: E402
+from luceio import LLMEngine, SamplingParams  # noqa: E402
+from luceio.config import EngineArgs  # noqa: E402
+from luceio.loader import Checkpoint  # noqa: E402
+from luceio.models.expert_offload import count_experts, placement  # noqa: E402
+
+NAME = "random-qwen3-30b-a3b"
+DEVICE = "cuda"
+
+
+def hf_config(layers: int, context: int) -> dict:
+    return {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": layers,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "max_position_embeddings": context, "tie_word_embeddings": False,
+            "hidden_act": "silu"}
+
+
+def random_weights(c: dict, seed: int = 0):
+    """(HF name, bf16 tensor) for every weight of the config, drawn from one CPU generator."""
+    g = torch.Generator().manual_seed(seed)
+    h, e, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    hd, nh, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    # big matrices are windows of one random pool (drawing 20 GB of normals per engine would
+    # take minutes); the routers are drawn on their own
+    pool = torch.empty(c["vocab_size"] * h + (1 << 20), dtype=torch.bfloat16).normal_(
+        0.0, 0.02, generator=g)
+    offsets = torch.randint(0, 1 << 20, (1 << 16,), generator=g).tolist()
+    turn = iter(range(1 << 62))
+
+    def rand(*shape, std=0.02):
+        n = shape[0] * shape[1]
+        if std != 0.02 or n > len(pool) - (1 << 20):
+            return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, std, generator=g)
+        start = offsets[next(turn) % len(offsets)]
+        return pool[start:start + n].view(shape)
+    yield "model.embed_tokens.weight", rand(c["vocab_size"], h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        for name, rows, cols in (("q_proj", nh * hd, h), ("k_proj", nkv * hd, h),
+                                 ("v_proj", nkv * hd, h), ("o_proj", h, nh * hd)):
+            yield p + f"self_attn.{name}.weight", rand(rows, cols)
+        yield p + "self_attn.q_norm.weight", torch.ones(hd, dtype=torch.bfloat16)
+        yield p + "self_attn.k_norm.weight", torch.ones(hd, dtype=torch.bfloat16)
+        yield p + "mlp.gate.weight", rand(e, h, std=0.05)
+        for x in range(e):
+            yield p + f"mlp.experts.{x}.gate_proj.weight", rand(inter, h)
+            yield p + f"mlp.experts.{x}.up_proj.weight", rand(inter, h)
+            yield p + f"mlp.experts.{x}.down_proj.weight", rand(h, inter)
+    yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
+    yield "lm_head.weight", rand(c["vocab_size"], h)
+
+
+def engine(c: dict, context: int, **kw) -> LLMEngine:
+    ckpt = Checkpoint(config=c, weights=lambda keep_quantized=False: random_weights(c),
+                      source=NAME)
+    engine_mod.load_checkpoint = lambda path: ckpt  # the bench's model, by name
+    engine_mod.model_path = lambda name: name
+    args = EngineArgs(model=NAME, dtype="bfloat16", device=DEVICE, max_model_len=context + 256,
+                      kv_cache_memory=2 << 30, max_num_seqs=4, max_num_batched_tokens=2048,
+                      **kw)
+    return LLMEngine(args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--fraction", type=float, default=0.6)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: checks the "
+                    "script, measures nothing")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
+                                                  "moe_offload.json"))
+    a = ap.parse_args()
+    c = hf_config(a.layers, a.context + 256)
+    if a.tiny:
+        global DEVICE
+        DEVICE = "cpu"
+        torch.cuda.synchronize = lambda *_: None
+        c.update(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_experts=16,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    res = {"env": env_info(), "shape": "Qwen3-30B-A3B, " + f"{a.layers} of 48 layers",
+           "fraction": a.fraction, "context": a.context, "rows": []}
+
+    def row(name: str, eng: LLMEngine, **extra):
+        t = time.perf_counter()
+        tps = luceio_decode_tps(eng, a.context, new=a.new)
+        r = {"config": name, "tok_s": round(tps, 2), "seconds": round(time.perf_counter() - t, 1),
+             "gib_allocated": round(torch.cuda.memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None, **extra}
+        st = eng.stats().experts
+        if st is not None:
+            r.update(hits=st.hits, misses=st.misses, gib_loaded=round(st.bytes_loaded / 2**30, 2),
+                     hit_rate=round(st.hits / max(st.hits + st.misses, 1), 3),
+                     slots_per_layer=st.num_slots)
+        print(r, flush=True)
+        res["rows"].append(r)
+        write_json(a.out, res)
+
+    resident = engine(c, a.context)
+    row("resident, CUDA graphs", resident)
+    del resident
+    torch.cuda.empty_cache()
+    eager = engine(c, a.context, enforce_eager=True)
+    row("resident, eager", eager)
+    # calibration: prompts of random tokens through the resident model, counted per layer
+    vocab = c["vocab_size"]
+    prompts = [{"prompt_token_ids": torch.randint(0, vocab, (256,)).tolist()} for _ in range(8)]
+    with count_experts(eager.runner.model) as counts:
+        for p in prompts:
+            eager.add_request(None, p["prompt_token_ids"],
+                              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        while eager.has_unfinished_requests():
+            eager.step()
+    del eager
+    torch.cuda.empty_cache()
+    folder = tempfile.mkdtemp()
+    good, bad = os.path.join(folder, "placement.json"), os.path.join(folder, "backwards.json")
+    with open(good, "w") as f:
+        json.dump(placement(counts, NAME), f)
+    with open(bad, "w") as f:
+        json.dump(placement({i: -c_ for i, c_ in counts.items()}, NAME), f)
+    top = sorted(counts[0].tolist(), reverse=True)
+    res["calibration"] = {"prompts": len(prompts), "layer0_top8_share": round(
+        sum(top[:8]) / max(sum(top), 1), 3), "uniform_top8_share": round(8 / c["num_experts"], 3)}
+    for name, place in (("LRU only", None), ("calibrated placement", good),
+                        ("backwards placement", bad)):
+        eng = engine(c, a.context, expert_memory=str(a.fraction), expert_placement=place)
+        row(f"{a.fraction:.0%} of experts, {name}", eng)
+        del eng
+        torch.cuda.empty_cache()
+    base = res["rows"][0]["tok_s"]
+    for r in res["rows"]:
+        r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)
+    write_json(a.out, res)
+    print(json.dumps(res["calibration"]))
+
+
+if __name__ == "__main__":
+    main()
