@@ -14,6 +14,9 @@ experts as for a real checkpoint), the same seed for every engine, so all see on
 Random routers route close to uniformly, with no locality from token to token: no placement
 can do much there, so the calibrated rows are what a model without routing skew gets, a lower
 bound for real models, whose routing is skewed per domain and local within a sequence.
+Each row first decodes 8 tokens of another request (Triton compiles, slots and allocator warm),
+then times `--new` tokens after a `--context`-token prompt; the expert counters (hits, misses,
+bytes loaded) cover both requests, prefills included.
 """
 from __future__ import annotations
 
@@ -120,6 +123,7 @@ def main() -> None:
            "fraction": a.fraction, "context": a.context, "rows": []}
 
     def row(name: str, eng: LLMEngine, **extra):
+        luceio_decode_tps(eng, 64, new=8)  # warm: Triton compiles, slots filled, allocator
         t = time.perf_counter()
         tps = luceio_decode_tps(eng, a.context, new=a.new)
         r = {"config": name, "tok_s": round(tps, 2), "seconds": round(time.perf_counter() - t, 1),

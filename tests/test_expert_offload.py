@@ -250,6 +250,36 @@ def test_triton_kernel_in_rounds_equals_resident(dtype):
     assert len(rounds) > 2 and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_decode_kernel_in_rounds_equals_resident(dtype, shared):
+    """The few-token kernels (`moe_decode_triton`, the path an offloaded model's decode steps
+    take) over 3 slots of 8 experts, in rounds, against one launch over all 8 resident: bit for
+    bit, a shared expert's sum included."""
+    pytest.importorskip("triton")
+    from test_kernels import INTERPRETED
+    if not INTERPRETED:
+        pytest.skip("CPU tensors on the Triton kernels need the interpreter")
+    from luceio.kernels.moe import route_topk_ref
+    from luceio.kernels.moe_decode_triton import moe_decode
+    torch.manual_seed(2)
+    num_tokens, hidden, inter, top_k = 5, 48, 40, 3
+    store = ExpertStore(NUM_EXPERTS, inter, hidden, ExpertCache(3, [4]), 3, dtype,
+                        torch.device("cpu"))
+    store.host_gate_up.copy_(torch.randn(store.host_gate_up.shape) * 0.3)
+    store.host_down.copy_(torch.randn(store.host_down.shape) * 0.3)
+    store.place_pinned()
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    weights, ids = route_topk_ref(torch.randn(num_tokens, NUM_EXPERTS).to(dtype), top_k, True)
+    extra = (torch.randn(num_tokens, hidden).to(dtype), torch.randn(num_tokens, 1).to(dtype)) \
+        if shared else ()
+    want = moe_decode(x, store.host_gate_up, store.host_down, weights, ids, *extra)
+    rounds = []
+    got = moe_decode(x, store.slot_gate_up, store.slot_down, weights, ids, *extra,
+                     rounds=(rounds.append(r) or r for r in store.rounds(ids)))
+    assert len(rounds) > 2 and torch.equal(got, want)
+
+
 def test_calibrate_refuses_a_model_without_experts(tiny_llama, tmp_path, capsys):
     from luceio.cli import main
     prompts = tmp_path / "prompts.txt"

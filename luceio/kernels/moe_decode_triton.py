@@ -15,9 +15,13 @@ launches of sorting and aligning per layer. Here, for at most `DECODE_MAX_TOKENS
   `fused_moe`'s sum of a token's rows). With a shared expert (Qwen3.5-MoE, Qwen3-Next) the
   epilogue also adds sigmoid(its gate logit) * its output, each rounded as the torch ops round.
 Each expert's weights are read once per pair that picked it: at a few tokens that is what the
-grouped path reads too. Nothing reads back to the host, so CUDA graphs capture it.
+grouped path reads too. Nothing reads back to the host, so CUDA graphs capture it. With expert
+offload's rounds the down launch writes each pair's row in its round and one more launch sums
+a token's rows after the last, in the same order: the same bits as resident experts.
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import triton
@@ -74,6 +78,8 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, top_k, hidden, inter, s_x, s
     p = tl.program_id(0).to(tl.int64)
     t = p // top_k
     expert = tl.load(ids_ptr + p)
+    if expert < 0:  # another round's pair
+        return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < inter
     gate_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
@@ -95,29 +101,29 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, top_k, hidden, inter, s_x, s
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, out_ptr, sh_ptr, sg_ptr, inter, hidden,
-                 s_act, s_we, s_wn, s_out, s_sh, s_sg, TOP_K: tl.constexpr,
-                 SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cm = cols < hidden
+def _pair_down(act_ptr, w_ptr, route_ptr, p, expert, cols, cm, inter, s_act, s_we, s_wn,
+               dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A pair's down projection for `cols`, rounded, times its routing weight, rounded (fp32
+    holding dtype values)."""
+    w_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < inter
+        a = tl.load(act_ptr + p * s_act + ks, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    route = tl.load(route_ptr + p).to(tl.float32)
+    return (acc.to(dt).to(tl.float32) * route).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _finish(total, t, cols, cm, out_ptr, sh_ptr, sg_ptr, s_out, s_sh, s_sg,
+            SHARED: tl.constexpr):
+    """A token's summed pairs rounded once, + sigmoid(gate) * shared rounded as torch rounds."""
     dt = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        p = t * TOP_K + j
-        expert = tl.load(ids_ptr + p)
-        w_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            km = ks < inter
-            a = tl.load(act_ptr + p * s_act + ks, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
-        route = tl.load(route_ptr + p).to(tl.float32)
-        total += (acc.to(dt).to(tl.float32) * route).to(dt).to(tl.float32)
     y = total.to(dt)
-    if SHARED:  # + sigmoid(gate) * shared, rounded as the torch ops round
+    if SHARED:
         g = tl.load(sg_ptr + t * s_sg).to(tl.float32)
         gate = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         s = tl.load(sh_ptr + t * s_sh + cols, mask=cm, other=0.0).to(tl.float32)
@@ -125,14 +131,62 @@ def _down_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, out_ptr, sh_ptr, sg_ptr, in
     tl.store(out_ptr + t * s_out + cols, y, mask=cm)
 
 
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, out_ptr, sh_ptr, sg_ptr, inter, hidden,
+                 s_act, s_we, s_wn, s_out, s_sh, s_sg, TOP_K: tl.constexpr,
+                 SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per (token, columns): its k pairs' down projections summed in rank order."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < hidden
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        total += _pair_down(act_ptr, w_ptr, route_ptr, p, tl.load(ids_ptr + p), cols, cm,
+                            inter, s_act, s_we, s_wn, out_ptr.dtype.element_ty, BLOCK_N,
+                            BLOCK_K)
+    _finish(total, t, cols, cm, out_ptr, sh_ptr, sg_ptr, s_out, s_sh, s_sg, SHARED)
+
+
+@triton.jit
+def _down_pairs_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, inter, hidden, s_act, s_we,
+                       s_wn, s_y, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rounds: per (pair of this round, columns), the pair's row into y [pairs, hidden]."""
+    p = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + p)
+    if expert < 0:  # another round's pair
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < hidden
+    y = _pair_down(act_ptr, w_ptr, route_ptr, p, expert, cols, cm, inter, s_act, s_we, s_wn,
+                   y_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    tl.store(y_ptr + p * s_y + cols, y.to(y_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _sum_pairs_kernel(y_ptr, out_ptr, sh_ptr, sg_ptr, hidden, s_y, s_out, s_sh, s_sg,
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rounds, after the last: a token's k rows summed in rank order, as `_down_kernel` does."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < hidden
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=cm, other=0.0).to(tl.float32)
+    _finish(total, t, cols, cm, out_ptr, sh_ptr, sg_ptr, s_out, s_sh, s_sg, SHARED)
+
+
 def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                weights: torch.Tensor, expert_ids: torch.Tensor,
-               shared: torch.Tensor | None = None,
-               shared_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """`moe.fused_moe_ref` for a few tokens (resident stacks, expert e at row e): x [n, hidden],
-    w_gate_up [E, 2 * inter, hidden], w_down [E, hidden, inter], weights / expert_ids [n, k].
-    With `shared` [n, hidden] and `shared_gate` [n, 1] (a shared expert's output and gate
-    logit) returns routed + sigmoid(shared_gate) * shared."""
+               shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+               rounds: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+    """`moe.fused_moe_ref` for a few tokens: x [n, hidden], w_gate_up [rows, 2 * inter,
+    hidden], w_down [rows, hidden, inter], weights / expert_ids [n, k]. With `shared` [n,
+    hidden] and `shared_gate` [n, 1] (a shared expert's output and gate logit) returns routed +
+    sigmoid(shared_gate) * shared. `rounds` (expert offload, `kernels/moe.py`'s rules): per
+    round the [num_experts] stack rows (-1: another round); each round's pairs are written to
+    their own rows and the tokens' sums taken after the last, in the order the one-round launch
+    adds them, so the output is the resident one's bit for bit."""
     n, hidden = x.shape
     inter, top_k = w_down.shape[2], expert_ids.shape[1]
     x, weights, ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
@@ -140,15 +194,35 @@ def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         raise ValueError("moe_decode needs the expert stacks' rows contiguous")
     out = torch.empty_like(x)
     if n == 0:
+        for _ in rounds or ():
+            pass
         return out
     act = torch.empty((n * top_k, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(n * top_k, triton.cdiv(inter, 32))](
-        x, w_gate_up, ids, act, top_k, hidden, inter, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), act.stride(0), BLOCK_N=32, BLOCK_K=128, num_warps=4)
     sh = shared if shared is not None else out
     sg = shared_gate if shared_gate is not None else out
-    _down_kernel[(n, triton.cdiv(hidden, 16))](
-        act, w_down, ids, weights, out, sh, sg, inter, hidden, act.stride(0), w_down.stride(0),
-        w_down.stride(1), out.stride(0), sh.stride(0), sg.stride(0), TOP_K=top_k,
-        SHARED=shared is not None, BLOCK_N=16, BLOCK_K=128, num_warps=4)
+    tail = (sh.stride(0), sg.stride(0))
+    if rounds is None:
+        _gate_up(x, w_gate_up, ids, act, top_k)
+        _down_kernel[(n, triton.cdiv(hidden, 16))](
+            act, w_down, ids, weights, out, sh, sg, inter, hidden, act.stride(0),
+            w_down.stride(0), w_down.stride(1), out.stride(0), *tail, TOP_K=top_k,
+            SHARED=shared is not None, BLOCK_N=16, BLOCK_K=128, num_warps=4)
+        return out
+    y = torch.empty((n * top_k, hidden), dtype=x.dtype, device=x.device)
+    for stack_rows in rounds:
+        rows = stack_rows.to(x.device)[ids]  # each pair's stack row this round, or -1
+        _gate_up(x, w_gate_up, rows, act, top_k)
+        _down_pairs_kernel[(n * top_k, triton.cdiv(hidden, 16))](
+            act, w_down, rows, weights, y, inter, hidden, act.stride(0), w_down.stride(0),
+            w_down.stride(1), y.stride(0), BLOCK_N=16, BLOCK_K=128, num_warps=4)
+    _sum_pairs_kernel[(n, triton.cdiv(hidden, 256))](
+        y, out, sh, sg, hidden, y.stride(0), out.stride(0), *tail, TOP_K=top_k,
+        SHARED=shared is not None, BLOCK_N=256, num_warps=4)
     return out
+
+
+def _gate_up(x, w_gate_up, ids, act, top_k):
+    inter = act.shape[1]
+    _gate_up_kernel[(ids.numel(), triton.cdiv(inter, 32))](
+        x, w_gate_up, ids, act, top_k, x.shape[1], inter, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), act.stride(0), BLOCK_N=32, BLOCK_K=128, num_warps=4)

@@ -89,11 +89,11 @@ class SparseMoeBlock(nn.Module):
         return {}
 
     def decodes(self, x: torch.Tensor) -> bool:
-        """Whether `x` takes the few-token path (`kernels/moe_decode_triton.py`): resident
-        dense experts on the Triton kernels."""
+        """Whether `x` takes the few-token path (`kernels/moe_decode_triton.py`): dense
+        experts (resident or offloaded) on the Triton kernels."""
         from ..kernels.moe_decode_triton import DECODE_MAX_TOKENS
-        return (x.shape[0] <= DECODE_MAX_TOKENS and self.store is None
-                and self.q_experts is None and kernels.use_triton(x))
+        return (x.shape[0] <= DECODE_MAX_TOKENS and self.q_experts is None
+                and kernels.use_triton(x))
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None, shared=None) -> torch.Tensor:
         """`shared`: (a shared expert's output, its gate logit) that the few-token path adds in
@@ -101,8 +101,9 @@ class SparseMoeBlock(nn.Module):
         if self.decodes(x):
             from ..kernels.moe_decode_triton import moe_decode, route_topk
             weights, expert_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+            rounds = self.store.rounds(expert_ids) if self.store is not None else None
             return moe_decode(x, self.w_gate_up, self.w_down, weights, expert_ids,
-                              *(shared or ()))
+                              *(shared or (None, None)), rounds=rounds)
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
         if self.q_experts is not None:
             from ..kernels.moe import per_expert_moe
