@@ -81,6 +81,15 @@ class KernelConfig:
     moe_block_k: int = 64
     moe_num_warps: int = 4
     moe_num_stages: int = 2
+    # MoE at decode sizes (moe_decode_triton.py): one-row GEMVs per (token, expert) pair; a
+    # gate/up program owns block_n columns of inter (gate and up rows), a down program block_n
+    # columns of hidden for a token's k pairs
+    moe_decode_gu_block_n: int = 32
+    moe_decode_gu_block_k: int = 128
+    moe_decode_gu_num_warps: int = 4
+    moe_decode_down_block_n: int = 16
+    moe_decode_down_block_k: int = 128
+    moe_decode_down_num_warps: int = 4
     # programmatic dependent launch (kernels/pdl.py, sm_90+): a step's kernels launch while the
     # one before finishes; grids of at most pdl_early_max_programs programs let the next kernel
     # launch from their start

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import get_config
 from .elementwise_triton import silu_mul
 
 DECODE_MAX_TOKENS = 8
@@ -201,28 +202,33 @@ def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     sh = shared if shared is not None else out
     sg = shared_gate if shared_gate is not None else out
     tail = (sh.stride(0), sg.stride(0))
+    cfg = get_config(x.device)
+    bn, down = cfg.moe_decode_down_block_n, dict(BLOCK_N=cfg.moe_decode_down_block_n,
+                                                 BLOCK_K=cfg.moe_decode_down_block_k,
+                                                 num_warps=cfg.moe_decode_down_num_warps)
     if rounds is None:
-        _gate_up(x, w_gate_up, ids, act, top_k)
-        _down_kernel[(n, triton.cdiv(hidden, 16))](
+        _gate_up(x, w_gate_up, ids, act, top_k, cfg)
+        _down_kernel[(n, triton.cdiv(hidden, bn))](
             act, w_down, ids, weights, out, sh, sg, inter, hidden, act.stride(0),
             w_down.stride(0), w_down.stride(1), out.stride(0), *tail, TOP_K=top_k,
-            SHARED=shared is not None, BLOCK_N=16, BLOCK_K=128, num_warps=4)
+            SHARED=shared is not None, **down)
         return out
     y = torch.empty((n * top_k, hidden), dtype=x.dtype, device=x.device)
     for stack_rows in rounds:
         rows = stack_rows.to(x.device)[ids]  # each pair's stack row this round, or -1
-        _gate_up(x, w_gate_up, rows, act, top_k)
-        _down_pairs_kernel[(n * top_k, triton.cdiv(hidden, 16))](
+        _gate_up(x, w_gate_up, rows, act, top_k, cfg)
+        _down_pairs_kernel[(n * top_k, triton.cdiv(hidden, bn))](
             act, w_down, rows, weights, y, inter, hidden, act.stride(0), w_down.stride(0),
-            w_down.stride(1), y.stride(0), BLOCK_N=16, BLOCK_K=128, num_warps=4)
+            w_down.stride(1), y.stride(0), **down)
     _sum_pairs_kernel[(n, triton.cdiv(hidden, 256))](
         y, out, sh, sg, hidden, y.stride(0), out.stride(0), *tail, TOP_K=top_k,
         SHARED=shared is not None, BLOCK_N=256, num_warps=4)
     return out
 
 
-def _gate_up(x, w_gate_up, ids, act, top_k):
-    inter = act.shape[1]
-    _gate_up_kernel[(ids.numel(), triton.cdiv(inter, 32))](
+def _gate_up(x, w_gate_up, ids, act, top_k, cfg):
+    inter, bn = act.shape[1], cfg.moe_decode_gu_block_n
+    _gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
         x, w_gate_up, ids, act, top_k, x.shape[1], inter, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), act.stride(0), BLOCK_N=32, BLOCK_K=128, num_warps=4)
+        w_gate_up.stride(1), act.stride(0), BLOCK_N=bn, BLOCK_K=cfg.moe_decode_gu_block_k,
+        num_warps=cfg.moe_decode_gu_num_warps)
