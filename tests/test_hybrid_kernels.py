@@ -85,3 +85,37 @@ def test_gated_rms_norm(gen, dtype, heads, v):
     w = rnd(gen, v, dtype=dtype, scale=0.5) + 1
     check(gated_rms_norm(o, z, w, 1e-6), delta_rule.gated_rms_norm(o, z, w, 1e-6), TOL[dtype],
           gen, "gated norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim", [(4, 2, 16, 4), (3, 3, 24, 12),
+                                                                    (2, 1, 16, 16)])
+def test_gated_qkv_rope_cache(gen, dtype, heads, kv_heads, head_dim, rotary_dim):
+    """Qwen3.5's attention input stage in one launch against its torch sequence: (1 + w) q/k
+    norms, partial RoPE, k and v written at their slots (-1: skipped), other slots untouched."""
+    from luceio.kernels import write_kv_ref
+    from luceio.kernels.gated_qkv_triton import gated_qkv_rope_cache
+    from luceio.kernels.norm import gemma_rms_norm_ref as norm
+    from luceio.kernels.rotary import build_cos_sin_cache
+    from luceio.models.qwen3_5 import partial_rope
+    n, page, blocks = 5, 4, 3
+    qkv = rnd(gen, n, heads * 2 * head_dim + 2 * kv_heads * head_dim, dtype=dtype)
+    qn, kn = rnd(gen, head_dim, scale=0.3), rnd(gen, head_dim, scale=0.3)
+    cos_sin = build_cos_sin_cache(rotary_dim, 64, 10000.0).to(DEVICE)
+    positions = torch.tensor([3, 9, 0, 40, 17], device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 11, 2], device=DEVICE)
+    k_cache = rnd(gen, blocks, page, kv_heads, head_dim, dtype=dtype)
+    v_cache = rnd(gen, blocks, page, kv_heads, head_dim, dtype=dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    qg, k, v = qkv.split([heads * 2 * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    qg = qg.reshape(n, heads, 2 * head_dim)
+    cs = cos_sin.index_select(0, positions)
+    want_q = partial_rope(norm(qg[..., :head_dim], qn, 1e-6), cs, rotary_dim)
+    want_k = partial_rope(norm(k.reshape(n, kv_heads, head_dim), kn, 1e-6), cs, rotary_dim)
+    write_kv_ref(want_k.contiguous(), v.reshape(n, kv_heads, head_dim).contiguous(), ref_k,
+                 ref_v, slots)
+    q = gated_qkv_rope_cache(qkv, positions, cos_sin, k_cache, v_cache, slots, heads, kv_heads,
+                             rotary_dim, qn, kn, 1e-6)
+    check(q, want_q, TOL[dtype], gen, "q")
+    check(k_cache, ref_k, TOL[dtype], gen, "k cache")
+    assert torch.equal(v_cache.cpu(), ref_v.cpu())

@@ -153,18 +153,27 @@ class GatedAttention(nn.Module):
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin):
         n, hd = x.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
-        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.reshape(n, self.num_heads, 2 * hd)
-        gate = qg[..., hd:].reshape(n, self.q_size)
-        cs = cos_sin.index_select(0, positions)
-        q = partial_rope(self.q_norm(qg[..., :hd]), cs, self.rotary_dim)
-        k = partial_rope(self.k_norm(k.reshape(n, self.num_kv_heads, hd)), cs, self.rotary_dim)
-        kernels.write_kv(k.contiguous(), v.reshape(n, self.num_kv_heads, hd).contiguous(),
-                         k_cache, v_cache, meta.slot_mapping)
-        o = kernels.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                    meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                                    meta.max_seq_len, hd ** -0.5)
-        return self.o_proj(o.reshape(n, self.q_size) * torch.sigmoid(gate))
+        if kernels.use_triton(x):  # norms, rotary and the KV write: one launch
+            from ..kernels.gated_qkv_triton import gated_qkv_rope_cache
+            q = gated_qkv_rope_cache(qkv, positions, cos_sin, k_cache, v_cache,
+                                     meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                     self.rotary_dim, self.q_norm.weight, self.k_norm.weight,
+                                     self.q_norm.eps)
+        else:
+            cs = cos_sin.index_select(0, positions)
+            q = partial_rope(self.q_norm(qg[..., :hd]), cs, self.rotary_dim).contiguous()
+            k = partial_rope(self.k_norm(k.reshape(n, self.num_kv_heads, hd)), cs,
+                             self.rotary_dim)
+            kernels.write_kv(k.contiguous(), v.reshape(n, self.num_kv_heads, hd).contiguous(),
+                             k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
+                                    hd ** -0.5)
+        gated = o.reshape(n, self.num_heads, hd) * torch.sigmoid(qg[..., hd:])
+        return self.o_proj(gated.reshape(n, self.q_size))
 
 
 class _Conv(nn.Module):
