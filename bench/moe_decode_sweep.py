@@ -5,9 +5,10 @@ down launch at the table's), then the down launch's with the best gate/up.
     python bench/moe_decode_sweep.py [--out bench/results/h200/moe_decode_sweep.json]
                                      [--write-user-config]
 
-Each config is timed over 200 calls that rotate through 64 routings of distinct experts, so the
-experts' weights come from HBM rather than L2 (a layer's stacks are 0.8-1.2 GB); the bytes
-moved per call are the k experts' gate/up and down weights. `--write-user-config` stores the
+Each config is timed as 64 calls captured in one CUDA graph (as decode steps run them: no host
+launch cost in the time), each call with another of 64 routings, so the experts' weights come
+from HBM rather than L2 (a layer's stacks are 0.8-1.2 GB), the graph replayed 5 times; the
+bytes moved per call are the k experts' gate/up and down weights. `--write-user-config` stores the
 best fields in `$LUCEIO_CACHE/kernel_configs/<arch>.json` (`kernels/configs.py`), which later
 engines in the same environment read.
 """
@@ -34,17 +35,28 @@ DOWN = [dict(moe_decode_down_block_n=n, moe_decode_down_block_k=k, moe_decode_do
         for n in (4, 8, 16) for k in (256, 512) for w in (1, 2, 4)]
 
 
-def time_call(fn, calls: int = 200) -> float:
+def time_call(fn, calls: int = 64, replays: int = 5) -> float:
+    """GPU microseconds per call: `calls` calls captured in one CUDA graph (as the engine's
+    decode steps run them: no host launch cost), the graph replayed `replays` times."""
     for i in range(3):
         fn(i)
     torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(0)  # allocations of the call made outside the capture first
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i)
+    torch.cuda.synchronize()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for i in range(calls):
-        fn(i)
+    for _ in range(replays):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls  # microseconds
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> None:
@@ -66,8 +78,8 @@ def main() -> None:
         w_d = torch.randn(experts, hidden, inter, device=dev, dtype=torch.bfloat16,
                           generator=g) * 0.02
         x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16, generator=g)
-        routes = [route_topk(torch.randn(1, experts, device=dev, generator=g), k, True)
-                  for _ in range(64)]
+        routes = [route_topk(torch.randn(1, experts, device=dev, generator=g,
+                                         dtype=torch.bfloat16), k, True) for _ in range(64)]
         nbytes = k * 3 * inter * hidden * 2
         setups.append((name, x, w_gu, w_d, routes, nbytes))
 
@@ -77,7 +89,7 @@ def main() -> None:
             for name, x, w_gu, w_d, routes, nbytes in setups:
                 def call(i, x=x, w_gu=w_gu, w_d=w_d, routes=routes):
                     w, ids = routes[i % len(routes)]
-                    moe_decode(x, w_gu, w_d, w.to(x.dtype), ids)
+                    moe_decode(x, w_gu, w_d, w, ids)
                 us = time_call(call)
                 row[name] = {"us": round(us, 2), "copy_fraction": round(nbytes / us / 1e3 / (bw / 1e9), 3)}
         row["geomean_copy_fraction"] = round(float(torch.tensor(

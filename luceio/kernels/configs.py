@@ -82,8 +82,8 @@ class KernelConfig:
     moe_num_warps: int = 4
     moe_num_stages: int = 2
     # MoE at decode sizes (moe_decode_triton.py): one-row GEMVs per (token, expert) pair; a
-    # gate/up program owns block_n columns of inter (gate and up rows), a down program block_n
-    # columns of hidden for a token's k pairs
+    # gate/up program owns block_n columns of inter (gate and up rows) of a pair, a down
+    # program block_n columns of hidden of a pair
     moe_decode_gu_block_n: int = 32
     moe_decode_gu_block_k: int = 128
     moe_decode_gu_num_warps: int = 4

@@ -9,15 +9,19 @@ launches of sorting and aligning per layer. Here, for at most `DECODE_MAX_TOKENS
   (`moe.route_topk_ref`'s rules).
 - `moe_decode` launch 1, per (pair, BLOCK_N columns of inter): the pair's token against its
   expert's gate and up rows, epilogue `silu_and_mul`'s (the reference's roundings).
-- Launch 2, per (token, BLOCK_N columns of hidden): for each of its k pairs in rank order, the
-  activations against the expert's down rows, rounded to the dtype and times the routing
-  weight, rounded again (as `fused_moe`'s per-pair rows), summed in fp32 and rounded once (as
-  `fused_moe`'s sum of a token's rows). With a shared expert (Qwen3.5-MoE, Qwen3-Next) the
-  epilogue also adds sigmoid(its gate logit) * its output, each rounded as the torch ops round.
+- Launch 2, per (pair, BLOCK_N columns of hidden): the activations against the expert's down
+  rows, rounded to the dtype, times the routing weight, rounded again, into the pair's own row
+  (as `fused_moe`'s per-pair rows).
+- Launch 3, per token: its k rows summed in rank order in fp32 and rounded once (as `fused_moe`
+  sums them). With a shared expert (Qwen3.5-MoE, Qwen3-Next) it also adds sigmoid(its gate
+  logit) * its output, each rounded as the torch ops round. Summing in a launch of its own
+  rather than inside launch 2 keeps expert offload's rounds (below) bit for bit equal to
+  resident experts: inside one kernel the compiler may fuse an fp32 product into the sum (FMA),
+  which a product stored and summed later cannot reproduce.
 Each expert's weights are read once per pair that picked it: at a few tokens that is what the
 grouped path reads too. Nothing reads back to the host, so CUDA graphs capture it. With expert
-offload's rounds the down launch writes each pair's row in its round and one more launch sums
-a token's rows after the last, in the same order: the same bits as resident experts.
+offload's rounds, launches 1 and 2 run once per round over that round's pairs and launch 3
+after the last: the same kernels, the same bits as resident experts.
 """
 from __future__ import annotations
 
@@ -133,26 +137,10 @@ def _finish(total, t, cols, cm, out_ptr, sh_ptr, sg_ptr, s_out, s_sh, s_sg,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, out_ptr, sh_ptr, sg_ptr, inter, hidden,
-                 s_act, s_we, s_wn, s_out, s_sh, s_sg, TOP_K: tl.constexpr,
-                 SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per (token, columns): its k pairs' down projections summed in rank order."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cm = cols < hidden
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        p = t * TOP_K + j
-        total += _pair_down(act_ptr, w_ptr, route_ptr, p, tl.load(ids_ptr + p), cols, cm,
-                            inter, s_act, s_we, s_wn, out_ptr.dtype.element_ty, BLOCK_N,
-                            BLOCK_K)
-    _finish(total, t, cols, cm, out_ptr, sh_ptr, sg_ptr, s_out, s_sh, s_sg, SHARED)
-
-
-@triton.jit
 def _down_pairs_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, inter, hidden, s_act, s_we,
                        s_wn, s_y, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rounds: per (pair of this round, columns), the pair's row into y [pairs, hidden]."""
+    """Per (pair, columns): the pair's row into y [pairs, hidden] (pairs of another round of
+    expert offload skip)."""
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p)
     if expert < 0:  # another round's pair
@@ -167,7 +155,7 @@ def _down_pairs_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, inter, hidden,
 @triton.jit
 def _sum_pairs_kernel(y_ptr, out_ptr, sh_ptr, sg_ptr, hidden, s_y, s_out, s_sh, s_sg,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rounds, after the last: a token's k rows summed in rank order, as `_down_kernel` does."""
+    """After the last round: a token's k rows summed in rank order."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < hidden
@@ -203,23 +191,16 @@ def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     sg = shared_gate if shared_gate is not None else out
     tail = (sh.stride(0), sg.stride(0))
     cfg = get_config(x.device)
-    bn, down = cfg.moe_decode_down_block_n, dict(BLOCK_N=cfg.moe_decode_down_block_n,
-                                                 BLOCK_K=cfg.moe_decode_down_block_k,
-                                                 num_warps=cfg.moe_decode_down_num_warps)
-    if rounds is None:
-        _gate_up(x, w_gate_up, ids, act, top_k, cfg)
-        _down_kernel[(n, triton.cdiv(hidden, bn))](
-            act, w_down, ids, weights, out, sh, sg, inter, hidden, act.stride(0),
-            w_down.stride(0), w_down.stride(1), out.stride(0), *tail, TOP_K=top_k,
-            SHARED=shared is not None, **down)
-        return out
     y = torch.empty((n * top_k, hidden), dtype=x.dtype, device=x.device)
-    for stack_rows in rounds:
-        rows = stack_rows.to(x.device)[ids]  # each pair's stack row this round, or -1
+    bn = cfg.moe_decode_down_block_n
+    for stack_rows in [None] if rounds is None else rounds:
+        # each pair's stack row this round, or -1
+        rows = ids if stack_rows is None else stack_rows.to(x.device)[ids]
         _gate_up(x, w_gate_up, rows, act, top_k, cfg)
         _down_pairs_kernel[(n * top_k, triton.cdiv(hidden, bn))](
             act, w_down, rows, weights, y, inter, hidden, act.stride(0), w_down.stride(0),
-            w_down.stride(1), y.stride(0), **down)
+            w_down.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_K=cfg.moe_decode_down_block_k,
+            num_warps=cfg.moe_decode_down_num_warps)
     _sum_pairs_kernel[(n, triton.cdiv(hidden, 256))](
         y, out, sh, sg, hidden, y.stride(0), out.stride(0), *tail, TOP_K=top_k,
         SHARED=shared is not None, BLOCK_N=256, num_warps=4)
