@@ -90,8 +90,8 @@ def test_batched_and_chunked_prefill_equal_alone(gemma4_models):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-      "moe_intermediate_size": 32}, "enable_moe_block"),
+    # MoE layers run (tests/test_gemma4_moe.py), but not without their expert counts
+    ({"enable_moe_block": True}, "enable_moe_block needs num_experts"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"hidden_activation": "silu"}, "hidden_activation"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0},

@@ -63,6 +63,9 @@ def check_engine_support(args, ckpt: Checkpoint | None, model) -> None:
         if cfg.kv_layer_shapes is not None and args.preemption_mode == "swap":
             raise ValueError("--preemption-mode swap is not supported for Gemma 4 models whose "
                              "global layers have another KV shape (global_head_dim)")
+        if cfg.num_experts and args.expert_memory is not None:
+            raise ValueError("--expert-memory (expert offload) is not supported for Gemma 4 "
+                             "mixture-of-experts models")
     elif isinstance(model, Gemma3ForCausalLM) or arch in gemma.ARCHITECTURES:
         gemma.check_engine_support(args)
     elif isinstance(model, Qwen3_5ForCausalLM) or arch in _HYBRID:

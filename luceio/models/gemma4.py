@@ -22,10 +22,13 @@ layer is always global), final logit soft-capping. Where Gemma 4 differs:
   and, with keys as values, another KV head count (`num_global_key_value_heads`); the engine
   then keeps one KV cache tensor per layer in that layer's shape (`kv_layer_shapes`), all
   indexed by the same block ids.
-Refused (ValueError): mixture-of-experts layers (`enable_moe_block`), rope types other than
-default, linear and proportional, and what Gemma 3 refuses (`Gemma3Config.from_hf`). The
-engine features Gemma 3 refuses (`gemma.check_engine_support`) are refused here too, and with
-per-layer KV shapes swap preemption (its host copies assume one shape).
+- Mixture-of-experts layers (`enable_moe_block`: every layer) add a routed block beside the
+  dense MLP: `gemma4_moe.py`.
+Refused (ValueError): rope types other than default, linear and proportional, and what Gemma 3
+refuses (`Gemma3Config.from_hf`). The engine features Gemma 3 refuses
+(`gemma.check_engine_support`) are refused here too, with per-layer KV shapes swap preemption
+(its host copies assume one shape), and with mixture-of-experts layers `--quantization
+int8|int4` and expert offload (`--expert-memory`).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from torch import nn
 
 from .. import kernels
 from .gemma import Gemma3Config, Gemma3ForCausalLM, GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
+from .gemma4_moe import Gemma4MoeBlock, block_name, moe_fields
 from .linear import Linear
 from .llama import AttnMetadata
 
@@ -55,6 +59,9 @@ class Gemma4Config(Gemma3Config):
     per_layer_vocab_size: int
     layer_head_dim: tuple[int, ...] = ()  # per layer: head size (global layers' may differ)
     layer_kv_heads: tuple[int, ...] = ()  # per layer: KV heads
+    num_experts: int = 0  # > 0: every layer has a mixture-of-experts block (`gemma4_moe.py`)
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def kv_layer_shapes(self) -> tuple[tuple[int, int], ...] | None:
@@ -70,9 +77,6 @@ class Gemma4Config(Gemma3Config):
 
     @classmethod
     def from_hf(cls, c: dict, family: str = "Gemma 4") -> "Gemma4Config":
-        if c.get("enable_moe_block"):
-            raise ValueError("Gemma 4 with enable_moe_block (mixture-of-experts layers) is not "
-                             "supported")
         num_layers = c["num_hidden_layers"]
         types = list(c.get("layer_types") or [
             "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)])
@@ -110,7 +114,7 @@ class Gemma4Config(Gemma3Config):
             per_layer_input_size=c.get("hidden_size_per_layer_input", 256) or 0,
             per_layer_vocab_size=c.get("vocab_size_per_layer_input", 262_144),
             layer_head_dim=tuple(d for _, d in per_layer),
-            layer_kv_heads=tuple(h for h, _ in per_layer)))
+            layer_kv_heads=tuple(h for h, _ in per_layer), **moe_fields(c)))
 
 
 def _attention_shape(c: dict, types: list[str]) -> tuple[int, int, list[tuple[int, int]]]:
@@ -203,12 +207,14 @@ class Gemma4Attention(nn.Module):
 
 
 class Gemma4DecoderLayer(GemmaDecoderLayer):
-    """Gemma 3's layer on Gemma 4's attention and norms, then the per-layer input (when the
-    model has them) and the layer's scalar."""
+    """Gemma 3's layer on Gemma 4's attention and norms, the MLP's output joined by the
+    mixture-of-experts block's (when the model has them) before the post-feedforward norm,
+    then the per-layer input (when the model has them) and the layer's scalar."""
 
     def __init__(self, cfg: Gemma4Config, layer: int):
         super().__init__(cfg, Gemma4Attention(cfg, layer),
                          GemmaMLP(cfg, cfg.layer_intermediate[layer]), unit_offset=False)
+        self.moe = Gemma4MoeBlock(cfg) if cfg.num_experts else None
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         if cfg.per_layer_input_size:
             self.per_layer_input_gate = Linear(cfg.hidden_size, cfg.per_layer_input_size)
@@ -217,7 +223,12 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
                                                           unit_offset=False)
 
     def forward(self, positions, x, kv_cache, meta, cos_sin, per_layer_input=None):
-        x = super().forward(positions, x, kv_cache, meta, cos_sin)
+        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, cos_sin)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is not None:
+            h = self.moe(x, h)
+        x = x + self.post_feedforward_layernorm(h)
         if per_layer_input is not None:
             h = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
@@ -226,7 +237,8 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
 
 class Gemma4ForCausalLM(Gemma3ForCausalLM):
     """Gemma 3's model (loading, embedding scale, local RoPE, logits) on Gemma 4's layers, the
-    global layers' RoPE from `global_rope` (set by `build_model`), and the per-layer inputs."""
+    global layers' RoPE from `global_rope` (set by `build_model`), the per-layer inputs, and
+    the mixture-of-experts blocks' weights under the checkpoint's names."""
 
     family = "Gemma 4"
     norm_unit_offset = False
@@ -244,6 +256,21 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
     def _make_layers(self, cfg: Gemma4Config) -> nn.ModuleList:
         return nn.ModuleList(Gemma4DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+
+    def _route_weights(self, weights, dtype: torch.dtype, device: torch.device):
+        """The checkpoint's MoE weights renamed into the layers' `moe` blocks (`block_name`)."""
+        return ((block_name(name), tensor)
+                for name, tensor in super()._route_weights(weights, dtype, device))
+
+    def load_weights(self, weights, dtype: torch.dtype | None = None,
+                     device: torch.device | str = "cpu", quantize: str | None = None,
+                     **kwargs) -> None:
+        """`Gemma3ForCausalLM.load_weights`; refuses `quantize` (int8|int4) for a model with
+        mixture-of-experts blocks, whose experts and router load dense only."""
+        if quantize and self.cfg.num_experts:
+            raise ValueError(f"--quantization {quantize}: Gemma 4 mixture-of-experts models "
+                             "load dense for now")
+        super().load_weights(weights, dtype, device, quantize, **kwargs)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttnMetadata,
                 layer_range: tuple[int, int] | None = None, hidden=None, probe=None):

@@ -262,6 +262,8 @@ def quantized_expert_bytes(model) -> int:
 
 
 def routes_on_host(model) -> bool:
-    """Whether a forward of `model` reads expert routing on the host (quantized experts)."""
-    return any(isinstance(m, SparseMoeBlock) and m.q_experts is not None
-               for m in model.modules())
+    """Whether a forward of `model` reads expert routing on the host (quantized experts, or a
+    block that says so, `host_routing`: Gemma 4's torch experts); such models run without
+    CUDA graphs."""
+    return any((isinstance(m, SparseMoeBlock) and m.q_experts is not None)
+               or getattr(m, "host_routing", False) for m in model.modules())
