@@ -227,15 +227,11 @@ def test_serve_flags():
     assert (config.memory, config.placement) == (12 << 30, "p.json")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kernel_in_rounds_equals_resident(dtype):
-    """The fused Triton kernel (under TRITON_INTERPRET=1 on the CPU) over 3 slots of 8 experts,
-    in rounds, against itself over all 8 resident: the same tiles, so bit for bit."""
-    pytest.importorskip("triton")
-    from luceio.kernels import triton_ops
+def _store_and_routing(dtype, seed: int, num_tokens: int, hidden: int, inter: int, top_k: int):
+    """A CPU `ExpertStore` of NUM_EXPERTS random experts in 3 slots (expert 4 pinned), inputs
+    x and their routing; `store.rounds` then refills the slots in several rounds."""
     from luceio.kernels.moe import route_topk_ref
-    torch.manual_seed(1)
-    num_tokens, hidden, inter, top_k = 24, 32, 16, 2
+    torch.manual_seed(seed)
     store = ExpertStore(NUM_EXPERTS, inter, hidden, ExpertCache(3, [4]), 3, dtype,
                         torch.device("cpu"))
     store.host_gate_up.copy_(torch.randn(store.host_gate_up.shape) * 0.3)
@@ -243,6 +239,17 @@ def test_triton_kernel_in_rounds_equals_resident(dtype):
     store.place_pinned()
     x = torch.randn(num_tokens, hidden).to(dtype)
     weights, ids = route_topk_ref(torch.randn(num_tokens, NUM_EXPERTS).to(dtype), top_k, True)
+    return store, x, weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernel_in_rounds_equals_resident(dtype):
+    """The fused Triton kernel (under TRITON_INTERPRET=1 on the CPU) over 3 slots of 8 experts,
+    in rounds, against itself over all 8 resident: the same tiles, so bit for bit."""
+    pytest.importorskip("triton")
+    from luceio.kernels import triton_ops
+    store, x, weights, ids = _store_and_routing(dtype, 1, num_tokens=24, hidden=32, inter=16,
+                                                top_k=2)
     want = triton_ops.fused_moe(x, store.host_gate_up, store.host_down, weights, ids)
     rounds = []
     got = triton_ops.fused_moe(x, store.slot_gate_up, store.slot_down, weights, ids,
@@ -260,17 +267,9 @@ def test_decode_kernel_in_rounds_equals_resident(dtype, shared):
     from test_kernels import INTERPRETED
     if not INTERPRETED:
         pytest.skip("CPU tensors on the Triton kernels need the interpreter")
-    from luceio.kernels.moe import route_topk_ref
     from luceio.kernels.moe_decode_triton import moe_decode
-    torch.manual_seed(2)
-    num_tokens, hidden, inter, top_k = 5, 48, 40, 3
-    store = ExpertStore(NUM_EXPERTS, inter, hidden, ExpertCache(3, [4]), 3, dtype,
-                        torch.device("cpu"))
-    store.host_gate_up.copy_(torch.randn(store.host_gate_up.shape) * 0.3)
-    store.host_down.copy_(torch.randn(store.host_down.shape) * 0.3)
-    store.place_pinned()
-    x = torch.randn(num_tokens, hidden).to(dtype)
-    weights, ids = route_topk_ref(torch.randn(num_tokens, NUM_EXPERTS).to(dtype), top_k, True)
+    num_tokens, hidden = 5, 48
+    store, x, weights, ids = _store_and_routing(dtype, 2, num_tokens, hidden, inter=40, top_k=3)
     extra = (torch.randn(num_tokens, hidden).to(dtype), torch.randn(num_tokens, 1).to(dtype)) \
         if shared else ()
     want = moe_decode(x, store.host_gate_up, store.host_down, weights, ids, *extra)

@@ -102,6 +102,11 @@ class StageGroup:
         """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device."""
         if self.broken:
             raise StageError(self.broken)
+        if any(p.exitcode is not None for p in self.procs):
+            # a stage that died since the last step: sending to it may block in Gloo rather
+            # than fail (seen once in the CPU suite), so it is not tried
+            self.broken = self._failure(RuntimeError("a stage process exited"))
+            raise StageError(self.broken)
         # the ints reach the host before the layers are queued, so the next stage gets them
         # (and, on NCCL, queues its own layers) while this device still computes
         header, ints = pack_step(positions, meta, prefill)
