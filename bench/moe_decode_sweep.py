@@ -91,7 +91,8 @@ def main() -> None:
                     w, ids = routes[i % len(routes)]
                     moe_decode(x, w_gu, w_d, w, ids)
                 us = time_call(call)
-                row[name] = {"us": round(us, 2), "copy_fraction": round(nbytes / us / 1e3 / (bw / 1e9), 3)}
+                row[name] = {"us": round(us, 2),
+                             "copy_fraction": round(nbytes / us / 1e3 / (bw / 1e9), 3)}
         row["geomean_copy_fraction"] = round(float(torch.tensor(
             [row[s[0]]["copy_fraction"] for s in setups]).log().mean().exp()), 4)
         print(row, flush=True)

@@ -154,10 +154,10 @@ class ModelRunner:
             from . import kernels
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
+                verify = 0 if self.stateful else max_spec_tokens  # hybrid: eager verify steps
                 self.graphs = StepGraphs(self.model, self.kv_caches, max_num_seqs,
                                          self.max_model_len, self.block_size, device,
-                                         # hybrid models verify eagerly (hybrid_verify)
-                                         0 if self.stateful else max_spec_tokens, self.staging, capture_queries=bool(
+                                         verify, self.staging, capture_queries=bool(
                                              cache_config.resident_tokens) and
                                          cache_config.resident_policy == "keys",
                                          tree_rows=tree_rows,

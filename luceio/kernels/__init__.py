@@ -17,8 +17,8 @@ from .norm import gemma_rms_norm_ref, rms_norm_ref
 from .qkv_rope import qkv_rope_cache_ref
 from .rotary import build_cos_sin_cache, rotary_ref
 
-__all__ = ["rms_norm", "gemma_rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
-           "fused_moe", "build_cos_sin_cache", "use_triton"]
+__all__ = ["rms_norm", "gemma_rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention",
+           "qkv_rope_cache", "fused_moe", "build_cos_sin_cache", "use_triton"]
 
 
 def _triton_available() -> bool:
