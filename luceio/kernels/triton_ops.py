@@ -13,5 +13,5 @@ from .elementwise_triton import gemma_rms_norm, rms_norm, rotary, silu_and_mul
 from .moe_triton import fused_moe
 from .qkv_rope_triton import qkv_rope_cache
 
-__all__ = ["rms_norm", "gemma_rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention", "qkv_rope_cache",
-           "fused_moe"]
+__all__ = ["rms_norm", "gemma_rms_norm", "silu_and_mul", "rotary", "write_kv", "paged_attention",
+           "qkv_rope_cache", "fused_moe"]
