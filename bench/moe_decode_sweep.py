@@ -69,7 +69,6 @@ def main() -> None:
     dev = torch.device("cuda")
     base = configs.get_config(dev)
     res = {"env": env_info(), "copy_bandwidth_GB_s": round(bw / 1e9, 1), "shapes": {}}
-    scores: dict[str, list[float]] = {}  # config key -> fraction of copy per shape
     setups = []
     for name, (hidden, inter, experts, k) in SHAPES.items():
         g = torch.Generator(device=dev).manual_seed(0)

@@ -25,10 +25,11 @@ What the engine does not run for this family (refused at startup, `check_engine_
 draft trees (a state per branch), speculative prefill, swap preemption and bounded KV residency
 (they move KV only, not the state), pipeline stages. Prefix caching is off for these models:
 a cached prefix's KV would come without the state after it (state snapshots per block are not
-built). On GPUs the DeltaNet's decode step is
-a Triton kernel (`kernels/delta_rule_triton.py`), its prefill the torch reference (chunked,
-per sequence); decode steps replay CUDA graphs, prefill and verify steps run eagerly; the
-other layers take the usual kernels.
+built). On GPUs the DeltaNet's decode step is three Triton launches
+(`kernels/delta_rule_triton.py`: conv + gates, the delta rule, the gated norm), its prefill the
+torch reference (chunked, per sequence); a full-attention layer's norms, partial RoPE and KV
+write are one launch (`kernels/gated_qkv_triton.py`), every (1 + w) norm one launch with the
+residual add before it; decode steps replay CUDA graphs, prefill and verify steps run eagerly.
 """
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ class GatedDeltaNet(nn.Module):
         if meta.max_query_len == 1:
             return self.output(self.recurrent_step(mixed, b, a, state, conv_state,
                                                    meta.state_slots), z)
-        n, slots = x.shape[0], meta.state_slots
+        slots = meta.state_slots
         mixed = delta_rule.causal_conv1d_varlen(mixed, conv_state, self.conv1d.weight[:, 0],
                                                 meta.query_start_loc, slots)
         q, k, v = self._heads(mixed)
