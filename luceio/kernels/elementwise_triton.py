@@ -23,7 +23,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s
                      xq0, xs0, xsum0, xq1, xs1, xsum1,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
                      XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
-                     PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+                     GEMMA: tl.constexpr = False, OFFSET: tl.constexpr = 0.0,
+                     HAS_W: tl.constexpr = True):
     pdl_enter(PDL, PDL_EARLY)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -35,9 +37,15 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s
         tl.store(res_out_ptr + t * s_ro + offs, x, mask=mask)
     h = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps)
-    y = (h * rstd).to(x.dtype).to(tl.float32)          # HF: normalise in fp32, cast back, scale
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    o = (w * y).to(out_ptr.dtype.element_ty)
+    if GEMMA:  # HF Gemma: scaled by (offset + w) in fp32, then cast
+        o = h * rstd
+        if HAS_W:
+            o = o * (OFFSET + tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        o = o.to(out_ptr.dtype.element_ty)
+    else:  # HF Llama: normalise in fp32, cast back, scale
+        y = (h * rstd).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        o = (w * y).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * s_o + offs, o, mask=mask)
     emit_xq(o.to(tl.float32), 0, N // 32, N // 32, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK,
             XQ_PLANES, XQ_GROUPS)
@@ -48,7 +56,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """Same contract as `rms_norm_ref`: `out`, or `(out, x + residual)` with a residual.
     Inputs are not modified. `xqs` (from `xq_layouts`, one row only): filled with `out`
     quantized for the GEMV that reads it, in the same launch."""
-    xqs = xqs or {}
+    return _norm(x, weight, eps, residual, xqs or {})
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   offset: float = 1.0, residual: torch.Tensor | None = None):
+    """Same contract as `norm.gemma_rms_norm_ref`; inputs are not modified. The same kernel
+    as `rms_norm`, in its Gemma mode."""
+    return _norm(x, weight, eps, residual, {}, gemma_offset=offset)
+
+
+def _norm(x, weight, eps, residual, xqs: dict, gemma_offset: float | None = None):
     shape = x.shape
     n = shape[-1]
     x2 = x.reshape(-1, n)
@@ -63,59 +81,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         r2 = res_out = x2
         res_dtype = x.dtype
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
+    gemma = gemma_offset is not None
+    # Llama's norm multiplies by the weight in its dtype; Gemma's casts its fp32 result
+    out_dtype = res_dtype if gemma else torch.promote_types(weight.dtype, res_dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), out, res_out, float(eps),
+        w = weight.contiguous() if weight is not None else x2
+        mode = dict(GEMMA=True, OFFSET=float(gemma_offset), HAS_W=weight is not None) \
+            if gemma else {}
+        _rms_norm_kernel[(rows,)](x2, r2, w, out, res_out, float(eps),
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
                                   *xq_args(xqs, out), N=n, BLOCK=block,
                                   HAS_RES=residual is not None, num_warps=_warps(block),
-                                  **xq_flags(xqs),
+                                  **xq_flags(xqs), **mode,
                                   **pdl_kwargs(x.device, get_config(x.device), rows))
-    out = out.view(shape)
-    return out if residual is None else (out, res_out.view(shape))
-
-
-@triton.jit
-def _gemma_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
-                       OFFSET: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_RES: tl.constexpr, HAS_W: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptr + t * s_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + t * s_ro + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * (1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps))
-    if HAS_W:  # Gemma: scaled by (offset + w) in fp32, then cast
-        h = h * (OFFSET + tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-    tl.store(out_ptr + t * s_o + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                   offset: float = 1.0, residual: torch.Tensor | None = None):
-    """Same contract as `norm.gemma_rms_norm_ref`; inputs are not modified."""
-    shape, n = x.shape, x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    r2 = res_out = x2
-    if residual is not None:
-        r2 = residual.reshape(-1, n).contiguous()
-        res_out = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
-    out = torch.empty(x2.shape, dtype=res_out.dtype, device=x.device)
-    if x2.shape[0]:
-        block = triton.next_power_of_2(n)
-        w = weight.contiguous() if weight is not None else x2
-        _gemma_norm_kernel[(x2.shape[0],)](x2, r2, w, out, res_out, float(eps), x2.stride(0),
-                                           r2.stride(0), out.stride(0), res_out.stride(0),
-                                           OFFSET=float(offset), N=n, BLOCK=block,
-                                           HAS_RES=residual is not None,
-                                           HAS_W=weight is not None, num_warps=_warps(block))
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))
 
