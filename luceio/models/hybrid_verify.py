@@ -36,6 +36,7 @@ class KeptStates:
     slots: torch.Tensor | None = None  # their state rows, set by the first layer
     state: list[torch.Tensor] = field(default_factory=list)  # [n, T, v heads, k dim, v dim]
     conv: list[torch.Tensor] = field(default_factory=list)  # [n, T, conv dim, kernel - 1]
+    plan: "_Plan | None" = None  # the step's index tensors, built by the first layer
 
     @classmethod
     def of(cls, scheduled) -> "KeptStates | None":
@@ -47,45 +48,64 @@ class KeptStates:
                    [1 + len(scheduled[i].spec_token_ids) for i in seqs])
 
 
+@dataclass
+class _Plan:
+    """What every linear layer of the step indexes with (built once a step): the verifying
+    tokens' rows, and per position t the rows of the sequences that have a token t and their
+    lanes; the other sequences' rows and their metadata (None: every sequence verifies)."""
+    rows: torch.Tensor
+    steps: list[tuple[torch.Tensor, torch.Tensor]]
+    other_rows: torch.Tensor | None
+    other_meta: object
+
+
+def _plan(kept: KeptStates, meta, device) -> _Plan:
+    starts = meta.query_start_loc.tolist()
+    verifying = set(kept.seqs)
+    others = [i for i in range(len(starts) - 1) if i not in verifying]
+    kept.slots = meta.state_slots[torch.tensor(kept.seqs, device=device)]
+    offsets = np.concatenate([[0], np.cumsum(kept.lengths)[:-1]])
+    steps = []
+    for t in range(max(kept.lengths)):
+        lanes = [i for i, n in enumerate(kept.lengths) if n > t]
+        steps.append((torch.tensor(offsets[lanes] + t, device=device),
+                      torch.tensor(lanes, device=device)))
+    other_rows = other_meta = None
+    if others:
+        lens = [starts[i + 1] - starts[i] for i in others]
+        other_rows = _rows(starts, others, device)
+        other_meta = dataclasses.replace(
+            meta, kept=None, max_query_len=max(lens),
+            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(lens)]),
+                                         dtype=meta.query_start_loc.dtype, device=device),
+            state_slots=meta.state_slots[torch.tensor(others, device=device)])
+    return _Plan(_rows(starts, kept.seqs, device), steps, other_rows, other_meta)
+
+
 def forward_keeping(gdn, x: torch.Tensor, meta, state: torch.Tensor,
                     conv_state: torch.Tensor) -> torch.Tensor:
     """`GatedDeltaNet.forward` of a step with verifying sequences (`meta.kept`): those token by
     token, keeping each position's states; the other sequences through the usual path."""
     kept = meta.kept
-    starts = meta.query_start_loc.tolist()
-    verifying = set(kept.seqs)
-    others = [i for i in range(len(starts) - 1) if i not in verifying]
+    if kept.plan is None:
+        kept.plan = _plan(kept, meta, x.device)
+    plan = kept.plan
     out = x.new_empty(x.shape)
-    if others:
-        rows = _rows(starts, others, x.device)
-        lens = [starts[i + 1] - starts[i] for i in others]
-        sub = dataclasses.replace(
-            meta, kept=None, max_query_len=max(lens),
-            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(lens)]),
-                                         dtype=meta.query_start_loc.dtype, device=x.device),
-            state_slots=meta.state_slots[torch.tensor(others, device=x.device)])
-        out[rows] = gdn(x[rows], sub, state, conv_state)
-    rows = _rows(starts, kept.seqs, x.device)
-    slots = meta.state_slots[torch.tensor(kept.seqs, device=x.device)]
-    if kept.slots is None:
-        kept.slots = slots
-    mixed, z, b, a = gdn.in_proj(x[rows]).split(gdn.sizes, dim=-1)
-    n, T = len(kept.seqs), max(kept.lengths)
-    s_work, c_work = state[slots].clone(), conv_state[slots].clone()
+    if plan.other_rows is not None:
+        out[plan.other_rows] = gdn(x[plan.other_rows], plan.other_meta, state, conv_state)
+    mixed, z, b, a = gdn.in_proj(x[plan.rows]).split(gdn.sizes, dim=-1)
+    n, T = len(kept.seqs), len(plan.steps)
+    s_work, c_work = state[kept.slots].clone(), conv_state[kept.slots].clone()
     s_kept = state.new_empty((n, T, *state.shape[1:]))
     c_kept = conv_state.new_empty((n, T, *conv_state.shape[1:]))
-    o = mixed.new_empty((len(rows), gdn.v_heads, gdn.v_dim))
-    offsets = np.concatenate([[0], np.cumsum(kept.lengths)[:-1]])
-    for t in range(T):
-        lanes = [i for i in range(n) if kept.lengths[i] > t]
-        idx = torch.tensor(offsets[lanes] + t, device=x.device)
-        lane = torch.tensor(lanes, device=x.device)
+    o = mixed.new_empty((len(plan.rows), gdn.v_heads, gdn.v_dim))
+    for t, (idx, lane) in enumerate(plan.steps):
         o[idx] = gdn.recurrent_step(mixed[idx], b[idx], a[idx], s_work, c_work, lane)
         s_kept[lane, t] = s_work[lane]
         c_kept[lane, t] = c_work[lane]
     kept.state.append(s_kept)
     kept.conv.append(c_kept)
-    out[rows] = gdn.output(o, z)
+    out[plan.rows] = gdn.output(o, z)
     return out
 
 
