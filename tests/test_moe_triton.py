@@ -23,7 +23,7 @@ from conftest import engine_kwargs  # noqa: E402
 from luceio import LLM, SamplingParams  # noqa: E402
 from luceio.kernels import configs, triton_ops  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
-from luceio.kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
+from luceio.kernels.moe import DECODE_MAX_TOKENS, fused_moe_ref, route_topk_ref  # noqa: E402
 from luceio.kernels.moe_triton import align_pairs  # noqa: E402
 from test_kernels import check, gen, rnd  # noqa: E402,F401  (gen: the seeded fixture)
 from test_moe import _prompts, moe_models  # noqa: E402,F401  (moe_models: a fixture)
@@ -144,7 +144,7 @@ def test_greedy_on_triton_kernels_matches_torch_path(moe_models, monkeypatch):
                         lambda x, *a, **kw: decode_counts.append(x.shape[0]) or decode(x, *a, **kw))
     triton_outs = run()
     # the prefills ran the grouped kernel, the decode steps of both requests the few-token path
-    assert min(row_counts) > moe_decode_triton.DECODE_MAX_TOKENS
+    assert min(row_counts) > DECODE_MAX_TOKENS
     assert decode_counts and decode_counts[-1] == len(prompts)
     for t, r in zip(triton_outs, torch_outs):
         assert t.token_ids == r.token_ids

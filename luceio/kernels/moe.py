@@ -28,6 +28,9 @@ import torch.nn.functional as F
 
 from .activation import silu_and_mul_ref
 
+# steps of at most this many tokens take the few-token GPU path (`moe_decode_triton.py`)
+DECODE_MAX_TOKENS = 8
+
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@ one-row GEMVs, no grouping of pairs by expert.
 
 `moe_triton.fused_moe` groups the (token, expert) pairs by expert into tiles of at least 16 rows
 for `tl.dot`, which at one token per expert leaves 15 of 16 rows empty and costs ~15 small torch
-launches of sorting and aligning per layer. Here, for at most `DECODE_MAX_TOKENS` tokens:
+launches of sorting and aligning per layer. Here, for at most `moe.DECODE_MAX_TOKENS` tokens:
 - `route_topk`: per token, the fp32 softmax over the experts, the top k by repeated maximum
   (ties: the lowest expert id; best first), renormalised when asked, cast to the logits' dtype
   (`moe.route_topk_ref`'s rules).
@@ -33,8 +33,6 @@ import triton.language as tl
 
 from .configs import get_config
 from .elementwise_triton import silu_mul
-
-DECODE_MAX_TOKENS = 8
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..kernels.moe import route_topk_ref
+from ..kernels.moe import DECODE_MAX_TOKENS, route_topk_ref
 from .linear import Linear
 from .llama import LlamaConfig, LlamaForCausalLM
 
@@ -91,26 +91,30 @@ class SparseMoeBlock(nn.Module):
     def decodes(self, x: torch.Tensor) -> bool:
         """Whether `x` takes the few-token path (`kernels/moe_decode_triton.py`): dense
         experts (resident or offloaded) on the Triton kernels."""
-        from ..kernels.moe_decode_triton import DECODE_MAX_TOKENS
         return (x.shape[0] <= DECODE_MAX_TOKENS and self.q_experts is None
                 and kernels.use_triton(x))
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None, shared=None) -> torch.Tensor:
-        """`shared`: (a shared expert's output, its gate logit) that the few-token path adds in
-        its last launch (the caller adds them otherwise)."""
+        """`shared`: (a shared expert's output, its gate logit), added as
+        sigmoid(gate) * output (by the few-token path in its last launch)."""
+        rounds = None
         if self.decodes(x):
             from ..kernels.moe_decode_triton import moe_decode, route_topk
             weights, expert_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
-            rounds = self.store.rounds(expert_ids) if self.store is not None else None
+            if self.store is not None:
+                rounds = self.store.rounds(expert_ids)
             return moe_decode(x, self.w_gate_up, self.w_down, weights, expert_ids,
                               *(shared or (None, None)), rounds=rounds)
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
         if self.q_experts is not None:
             from ..kernels.moe import per_expert_moe
-            return per_expert_moe(x, self.q_experts, weights, expert_ids, kernels.linear)
-        rounds = self.store.rounds(expert_ids) if self.store is not None else None
-        return kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids,
-                                 rounds=rounds)
+            routed = per_expert_moe(x, self.q_experts, weights, expert_ids, kernels.linear)
+        else:
+            if self.store is not None:
+                rounds = self.store.rounds(expert_ids)
+            routed = kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids,
+                                       rounds=rounds)
+        return routed if shared is None else routed + torch.sigmoid(shared[1]) * shared[0]
 
     def load_expert(self, expert: int, proj: str, tensor, dtype: torch.dtype,
                     device: torch.device) -> None:

@@ -50,10 +50,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = Linear(hidden_size, 1)
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
-        shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
-        if self.decodes(x):  # the sum rides in the routed experts' last launch
-            return super().forward(x, shared=(shared, gate))
-        return super().forward(x) + torch.sigmoid(gate) * shared
+        return super().forward(x, shared=(self.shared_expert(x), self.shared_expert_gate(x)))
 
 
 class Qwen3_5MoeForCausalLM(ExpertLoading, Qwen3_5ForCausalLM):
