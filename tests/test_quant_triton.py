@@ -41,7 +41,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 # small tiles so the small shapes cross row, K-tile, 256-block and split boundaries
 SMALL = KernelConfig(qgemm_block_n=16, qgemm_block_k=64, gemv_block_n=16, gemv_block_k=64,
-                     dense_gemv_block_n=16, dense_gemv_block_k=64,
+                     skinny_row_block_n=16, skinny_row_block_k=64,
                      qgemm_split_k_min_programs=0,
                      qgemm_max_split_k=4, qgemm_min_tiles_per_split=1, gemv_split_min_programs=0,
                      gemv_min_tiles_per_split=1, dequant_block_n=8, dequant_block_k=64,

@@ -86,6 +86,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     """y = x @ W^T + bias for a dense weight, a QuantWeight or a CPU-packed weight. `xqs`: x
     already quantized for the one-row GEMV (`gemv_input_buffers`), filled by x's producer."""
     if isinstance(w, torch.Tensor):
+        if use_triton(x):
+            from .dense_gemv import applies, dense_gemv
+            if applies(x, w):  # a decode step's few rows: one launch, PDL (dense_gemv.py)
+                return dense_gemv(x, w, bias)
         return torch.nn.functional.linear(x, w, bias)
     from .quant import QuantWeight, quant_linear_ref
     if isinstance(w, QuantWeight):
@@ -95,6 +99,17 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
         return quant_linear_ref(x, w, bias)
     from .quant_cpu import cpu_quant_linear
     return cpu_quant_linear(x, w, bias)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, w, bias: torch.Tensor | None = None):
+    """linear(silu_and_mul(gate_up), w, bias): an MLP's down projection of its gate/up
+    output. Where the dense GEMV runs (a few rows, a dense weight, Triton) the SiLU is done in
+    its loads, one launch instead of two (`dense_gemv.py`, GLU)."""
+    if isinstance(w, torch.Tensor) and use_triton(gate_up):
+        from .dense_gemv import applies, dense_gemv
+        if applies(gate_up, w):
+            return dense_gemv(gate_up, w, bias, glu=True)
+    return linear(silu_and_mul(gate_up), w, bias)
 
 
 def linear_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,

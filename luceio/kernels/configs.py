@@ -62,9 +62,18 @@ class KernelConfig:
     gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
     gemv_rows_block_n: int = 0           # block_n of launches of several rows (each row adds
     # registers; K is split as for one row, so each row's sums stay those of one row); 0: gemv_block_n
-    dense_gemv_block_n: int = 64         # 1 row of a dense weight (dense_matmul_skinny)
-    dense_gemv_block_k: int = 256
+    skinny_row_block_n: int = 64         # 1 row in quant_triton's skinny kernel (dense_matmul_skinny)
+    skinny_row_block_k: int = 256
+    skinny_row_num_warps: int = 4
+    # the decode step's dense (bf16 / fp16) projections (dense_gemv.py): up to dense_gemv_max_m
+    # rows of x (0: cuBLAS); a program owns block_n output features over a K-split, K split
+    # while N alone gives fewer than dense_gemv_split_min_programs programs
+    dense_gemv_max_m: int = 0
+    dense_gemv_block_n: int = 8
+    dense_gemv_block_k: int = 512
     dense_gemv_num_warps: int = 4
+    dense_gemv_split_min_programs: int = 264
+    dense_gemv_min_tiles_per_split: int = 2
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16
@@ -117,7 +126,7 @@ TABLE: dict[str, KernelConfig] = {
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
-                          pdl=True,
+                          pdl=True, dense_gemv_max_m=1,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "

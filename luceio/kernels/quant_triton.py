@@ -257,13 +257,17 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
 # launchers
 
 def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int,
-                   gemv: bool = False) -> tuple[int, int]:
+                   gemv: bool = False, dense: bool = False) -> tuple[int, int]:
     """(split_k, k tiles per split) for `n_programs` programs along N over `k_tiles` K tiles.
     Split only when N alone leaves fewer than `qgemm_split_k_min_programs` programs
-    (`gemv_split_min_programs` for the one-row GEMV), and never into splits of fewer than
-    `qgemm_min_tiles_per_split` (`gemv_min_tiles_per_split`) tiles; no split is left empty."""
-    min_programs = cfg.gemv_split_min_programs if gemv else cfg.qgemm_split_k_min_programs
-    min_tiles = cfg.gemv_min_tiles_per_split if gemv else cfg.qgemm_min_tiles_per_split
+    (`gemv_split_min_programs` for the one-row GEMV, `dense_gemv_split_min_programs` for the
+    dense one), and never into splits of fewer than `qgemm_min_tiles_per_split`
+    (`gemv_` / `dense_gemv_min_tiles_per_split`) tiles; no split is left empty."""
+    prefix = "gemv" if gemv else "dense_gemv" if dense else None
+    min_programs = getattr(cfg, f"{prefix}_split_min_programs") if prefix \
+        else cfg.qgemm_split_k_min_programs
+    min_tiles = getattr(cfg, f"{prefix}_min_tiles_per_split") if prefix \
+        else cfg.qgemm_min_tiles_per_split
     split = 1
     if n_programs < min_programs:
         split = triton.cdiv(min_programs, n_programs)
@@ -302,8 +306,8 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         block_m, block_n, num_warps = 16, max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
         block_k = max(cfg.qgemm_block_k, 32 if interp else 64)
     else:
-        block_m, block_n, num_warps = 1, cfg.dense_gemv_block_n, cfg.dense_gemv_num_warps
-        block_k = cfg.dense_gemv_block_k
+        block_m, block_n, num_warps = 1, cfg.skinny_row_block_n, cfg.skinny_row_num_warps
+        block_k = cfg.skinny_row_block_k
     if gemv_rows:
         from .quant_gemv import gemv
         qs, *rest = weights

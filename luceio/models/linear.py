@@ -103,6 +103,13 @@ class Linear(nn.Module):
             return kernels.linear(x, self.parts[0], self.bias, xqs=xqs)
         return kernels.linear_parts(x, self.parts, self.bias, xqs=xqs)
 
+    def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)) for gate_up [..., 2 * in_features] as [gate | up]: one
+        launch where the dense GEMV runs (`kernels.silu_and_mul_linear`)."""
+        if not self.parts:
+            return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
+        return self(kernels.silu_and_mul(gate_up))
+
     def int8_input(self, rows: int, device: torch.device) -> dict:
         """Buffers for the int8 forms of a [rows, in_features] input that this layer's one-row
         quantized GEMV reads, for the kernel producing that input to fill; {} when no such

@@ -144,7 +144,7 @@ class MLP(nn.Module):
         down_xqs = self.down_proj.int8_input(x.shape[0], x.device)
         if down_xqs:  # the activation also written in int8 for the down GEMV
             return self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs)
-        return self.down_proj(kernels.silu_and_mul(gate_up))
+        return self.down_proj.silu_and_mul_forward(gate_up)
 
 
 class DecoderLayer(nn.Module):

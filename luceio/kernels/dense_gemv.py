@@ -1,0 +1,155 @@
+"""The GEMV of a decode step's dense (bf16 / fp16) projections: y = x @ W^T (+ bias) for a
+few rows of x [M, K] (M <= `dense_gemv_max_m`) and a row-major W [N, K], in one launch, with
+SiLU-and-mul optionally done on the way in.
+
+Why not cuBLAS: at one row a projection of a small model is a few microseconds, mostly launch
+and ramp; cuBLAS's GEMV cannot start while the kernel before it finishes (programmatic
+dependent launch, `pdl.py`) and cannot take its input from two halves. Here:
+
+* `GLU`: x is the gate/up projection's output [M, 2K] laid out [gate | up], and the input
+  the weight multiplies is silu(gate) * up, computed per tile as `elementwise_triton.silu_mul`
+  computes it (rounded to x's dtype where `silu_and_mul_ref` rounds), so the SiLU launch of
+  the MLP goes away and the product equals the unfused one's input bit for bit.
+* Each program owns BLOCK_N output features of every row of x and one K-split. It loads
+  [BLOCK_N, BLOCK_K] weight tiles (contiguous along K), multiplies them with every row's
+  [BLOCK_K] slice in fp32 and accumulates elementwise; the sum over K is taken once at the
+  end. Every row is computed exactly as it would be alone (the same products and sums in the
+  same order), so a verify step's rows equal the decode steps they replace.
+* K is split (`skinny_split_k` with the dense_gemv_* fields) while N alone gives too few
+  programs; the splits write fp32 partials and the last split of a row block to arrive (an
+  acq_rel counter, `quant_gemv.split_counters`) sums them in split order (deterministic) and
+  adds the bias, in the same launch.
+
+Torch reference: `dense_gemv_ref` (F.linear of the same input, in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .configs import get_config
+from .elementwise_triton import silu_mul
+from .pdl import pdl_enter, pdl_kwargs
+
+
+@triton.jit
+def _x_tile(x_ptr, mi, M, s_xm, k, kmask, K, out_ptr, GLU: tl.constexpr):
+    """[BM, 1, BK] fp32: x rows mi at columns k, or silu(gate) * up of them with GLU."""
+    ptr = x_ptr + mi[:, None].to(tl.int64) * s_xm + k[None, :]
+    mask = (mi < M)[:, None] & kmask[None, :]
+    if GLU:
+        g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
+        v = silu_mul(g, u, out_ptr).to(tl.float32)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return v[:, None, :]
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
+                       k_per_split, s_xm, s_wn, s_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GLU: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    pdl_enter(PDL, PDL_EARLY)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rows < N
+    mi = tl.arange(0, BLOCK_M)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * s_wn
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = _x_tile(x_ptr, mi, M, s_xm, k, kmask, K, out_ptr, GLU)
+        acc += w.to(tl.float32)[None, :, :] * x
+    y = tl.sum(acc, 2)                                                   # [BM, BN]
+    omask = (mi < M)[:, None] & nmask[None, :]
+    cols = rows[None, :]
+    if SPLIT:
+        # every split writes its partial; the last to arrive sums them in split order
+        tl.store(part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + cols, y, mask=omask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == nsplit - 1:
+            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, nsplit):
+                y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + cols,
+                             mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+            tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+                     mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+                 mask=omask)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `dense_gemv` is the kernel for x @ weight^T here: a dense float weight and at
+    most `dense_gemv_max_m` rows of x in its dtype (0 turns it off: cuBLAS)."""
+    if weight.dim() != 2 or x.dtype != weight.dtype or \
+            x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 0 < rows <= get_config(x.device).dense_gemv_max_m
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               glu: bool = False) -> torch.Tensor:
+    """x [..., K] (glu: [..., 2K] as [gate | up]) @ weight [N, K]^T + bias -> [..., N] in x's
+    dtype, for at most `dense_gemv_max_m` rows; one launch (see the module docstring)."""
+    from .quant_gemv import split_counters
+    from .quant_triton import skinny_split_k
+    n, k = weight.shape
+    if x.shape[-1] != (2 * k if glu else k):
+        raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]"
+                         + (" (glu: x is [gate | up], 2K)" if glu else ""))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    num_m = x2.shape[0]
+    out = torch.empty((num_m, n), dtype=x.dtype, device=x.device)
+    if num_m == 0 or n == 0:
+        return out.view(*lead, n)
+    cfg = get_config(x.device)
+    block_n, block_k = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k
+    programs = triton.cdiv(n, block_n)
+    split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
+    part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
+        if split > 1 else out
+    counters = split_counters(x.device, programs) if split > 1 else out
+    has_bias = bias is not None
+    _dense_gemv_kernel[(programs, split)](
+        x2, w, bias.contiguous() if has_bias else out, out, part, counters, num_m, n, k,
+        tiles * block_k, x2.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
+        SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=cfg.dense_gemv_num_warps,
+        **pdl_kwargs(x.device, cfg, programs * split))
+    return out.view(*lead, n)
+
+
+def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   glu: bool = False) -> torch.Tensor:
+    """The reference: F.linear in fp32 of x (or of `silu_and_mul_ref(x)` with glu, in x's
+    dtype as the unfused MLP has it), rounded to x's dtype."""
+    if glu:
+        from .activation import silu_and_mul_ref
+        x = silu_and_mul_ref(x)
+    y = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    return y.to(x.dtype)
+
+
+__all__ = ["applies", "dense_gemv", "dense_gemv_ref"]

@@ -1,0 +1,133 @@
+"""The dense GEMV of decode steps (kernels/dense_gemv.py) against its torch reference, on CPU
+under TRITON_INTERPRET=1 (natively on a GPU when there is one): split and unsplit K, bias, the
+SiLU-and-mul input, rows computed as alone, and its dispatch from `kernels.linear` and the MLP.
+Inputs are random each run; messages carry the seed (LUCEIO_TEST_SEED replays one)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+pytest.importorskip("triton")
+
+from luceio import kernels  # noqa: E402
+from luceio.kernels import configs, dense_gemv as dg  # noqa: E402
+from luceio.kernels.configs import KernelConfig  # noqa: E402
+
+INTERPRETED = type(dg._dense_gemv_kernel).__name__ == "InterpretedFunction"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set and there is no GPU",
+                allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+# tiles small enough that the shapes below cross row blocks, K tiles and splits
+SMALL = KernelConfig(dense_gemv_max_m=8, dense_gemv_block_n=4, dense_gemv_block_k=32,
+                     dense_gemv_num_warps=1, dense_gemv_split_min_programs=0,
+                     dense_gemv_min_tiles_per_split=1, source="test")
+SPLIT = dataclasses.replace(SMALL, dense_gemv_split_min_programs=1000)
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture
+def seed():
+    value = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+    torch.manual_seed(value)
+    return value
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("glu", [False, True])
+def test_matches_reference(seed, dtype, glu):
+    for n, k, m, split, bias in [(13, 70, 1, False, True), (33, 96, 3, True, False),
+                                 (9, 160, 2, True, True), (40, 32, 1, False, False)]:
+        x = rand(m, 2 * k if glu else k, dtype=dtype)
+        w = rand(n, k, dtype=dtype) / k ** 0.5
+        b = rand(n, dtype=dtype) if bias else None
+        with configs.use_config(SPLIT if split else SMALL):
+            out = dg.dense_gemv(x, w, b, glu=glu)
+        ref = dg.dense_gemv_ref(x, w, b, glu=glu)
+        assert out.shape == (m, n) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype],
+                                   msg=lambda e: f"seed {seed} n={n} k={k} m={m} split={split}: {e}")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_equal_each_row_alone(seed, split):
+    """A verify step's rows give the bits of the decode steps they replace."""
+    x = rand(5, 2 * 96, dtype=torch.float16)
+    w = rand(21, 96, dtype=torch.float16)
+    b = rand(21, dtype=torch.float16)
+    with configs.use_config(SPLIT if split else SMALL):
+        for glu in (False, True):
+            together = dg.dense_gemv(x if glu else x[:, :96], w, b, glu=glu)
+            for i in range(5):
+                alone = dg.dense_gemv(x[i:i + 1] if glu else x[i:i + 1, :96], w, b, glu=glu)
+                assert torch.equal(together[i:i + 1], alone), f"seed {seed} row {i} glu={glu}"
+
+
+def test_glu_input_is_the_silu_kernels_output(seed, monkeypatch):
+    """The SiLU done in the GEMV's loads rounds as the SiLU kernel does: the fused down
+    projection equals the GEMV of `kernels.silu_and_mul`'s output bit for bit."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    gate_up = rand(2, 2 * 64, dtype=torch.bfloat16) * 3
+    w = rand(24, 64, dtype=torch.bfloat16)
+    with configs.use_config(SMALL):
+        fused = dg.dense_gemv(gate_up, w, glu=True)
+        unfused = dg.dense_gemv(kernels.silu_and_mul(gate_up), w)
+    assert torch.equal(fused, unfused), f"seed {seed}"
+
+
+def test_dispatch(seed, monkeypatch):
+    """`kernels.linear` and `silu_and_mul_linear` take the GEMV up to `dense_gemv_max_m` rows
+    of a dense weight, and torch's linear otherwise (more rows, the GEMV off)."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    calls = []
+    real = dg.dense_gemv
+    monkeypatch.setattr(dg, "dense_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    w = rand(16, 64, dtype=torch.float32)
+    few, many = rand(2, 64, dtype=torch.float32), rand(9, 64, dtype=torch.float32)
+    with configs.use_config(SMALL):
+        kernels.linear(few, w)
+        assert len(calls) == 1
+        kernels.linear(many, w)
+        assert len(calls) == 1
+        out = kernels.silu_and_mul_linear(torch.cat([few, few], -1), w)
+        assert calls[-1] == {"glu": True}
+        torch.testing.assert_close(out, dg.dense_gemv_ref(torch.cat([few, few], -1), w, glu=True),
+                                   **TOL[torch.float32], msg=lambda e: f"seed {seed}: {e}")
+    with configs.use_config(dataclasses.replace(SMALL, dense_gemv_max_m=0)):
+        kernels.linear(few, w)
+        kernels.silu_and_mul_linear(torch.cat([few, few], -1), w)
+    assert len(calls) == 2
+
+
+def test_engine_with_the_dense_gemv_equals_reference(tiny_models, monkeypatch):
+    """A whole engine whose decode steps' projections (and fused down projections) run on the
+    dense GEMV gives the torch path's greedy tokens."""
+    if not INTERPRETED:
+        pytest.skip("a CPU engine on the Triton kernels needs the interpreter")
+    from conftest import engine_kwargs
+    from luceio import LLM, SamplingParams
+    calls = []
+    real = dg.dense_gemv
+    monkeypatch.setattr(dg, "dense_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    prompts = [{"prompt_token_ids": [5 + i, 9, 33, 70 + i] * (2 + i)} for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kw = engine_kwargs(max_num_batched_tokens=16)
+    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    with configs.use_config(dataclasses.replace(SMALL, dense_gemv_max_m=2)):
+        got = [o.outputs[0].token_ids
+               for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
+    assert got == ref
+    assert {"glu": True} in calls and {} in calls  # both kinds ran
