@@ -41,7 +41,8 @@ MODELS = {
                      "gate_up": (28672, 4096, False, False), "down": (4096, 14336, False, True)},
 }
 GRID = dict(dense_gemv_block_n=[4, 8, 16], dense_gemv_block_k=[256, 512, 1024],
-            dense_gemv_num_warps=[2, 4, 8], dense_gemv_split_min_programs=[132, 264, 528, 1056])
+            dense_gemv_num_warps=[2, 4, 8], dense_gemv_split_min_programs=[132, 528, 2112])
+MAX_ACC_PER_THREAD = 64  # fp32 accumulators a thread holds (BLOCK_N * BLOCK_K / threads)
 QUICK = dict(dense_gemv_block_n=[4, 8], dense_gemv_block_k=[512], dense_gemv_num_warps=[4],
              dense_gemv_split_min_programs=[264])
 
@@ -65,7 +66,9 @@ def main() -> None:
     dev = torch.device("cuda")
     base = dataclasses.replace(configs.get_config(dev), dense_gemv_max_m=max(8, a.rows))
     grid = QUICK if a.quick else GRID
-    variants = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    variants = [v for v in (dict(zip(grid, values)) for values in itertools.product(*grid.values()))
+                if v["dense_gemv_block_n"] * v["dense_gemv_block_k"]
+                <= MAX_ACC_PER_THREAD * 32 * v["dense_gemv_num_warps"]]
     rows_out, times = [], {i: [] for i in range(len(variants))}
     for model, name, x, w, b, glu in matrices(a.rows, dev):
         copies = weight_copies(w, w.numel() * 2)
