@@ -40,6 +40,8 @@ MODELS = {
     "llama-3.1-8b": {"qkv": (6144, 4096, False, False), "o": (4096, 4096, False, False),
                      "gate_up": (28672, 4096, False, False), "down": (4096, 14336, False, True)},
 }
+HEADS = {"qwen2.5-0.5b": (151936, 896, False, False)}  # the LM head: timed with the table's
+# config only (a 272 MB matrix in every variant would take most of the sweep)
 GRID = dict(dense_gemv_block_n=[4, 8, 16], dense_gemv_block_k=[256, 512, 1024],
             dense_gemv_num_warps=[2, 4, 8], dense_gemv_split_min_programs=[132, 528, 2112])
 MAX_ACC_PER_THREAD = 64  # fp32 accumulators a thread holds (BLOCK_N * BLOCK_K / threads)
@@ -64,7 +66,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     a = ap.parse_args()
     dev = torch.device("cuda")
-    base = dataclasses.replace(configs.get_config(dev), dense_gemv_max_m=max(8, a.rows))
+    table = dataclasses.replace(configs.get_config(dev), dense_gemv_max_m=max(8, a.rows))
+    base = dataclasses.replace(table, dense_gemv_wide_min_n=0)  # variants: one tile for all
     grid = QUICK if a.quick else GRID
     variants = [v for v in (dict(zip(grid, values)) for values in itertools.product(*grid.values()))
                 if v["dense_gemv_block_n"] * v["dense_gemv_block_k"]
@@ -83,6 +86,9 @@ def main() -> None:
                                                             a.repeats) * 1e6, 2),
                "configs": []}
         ref = dense_gemv_ref(x, w, b, glu=glu).float()
+        with configs.use_config(table):  # the config table as it stands (its wide tile too)
+            row["table_us"] = round(time_per_call(
+                [lambda c=c: dense_gemv(x, c, b, glu=glu) for c in copies], a.repeats) * 1e6, 2)
         for i, fields in enumerate(variants):
             with configs.use_config(dataclasses.replace(base, **fields)):
                 out = dense_gemv(x, w, b, glu=glu).float()
@@ -94,11 +100,21 @@ def main() -> None:
         best = min(row["configs"], key=lambda c: c["us"])
         row["best"] = best
         row["speedup_best_vs_cublas"] = round(row["cublas_us"] / best["us"], 3)
-        print(json.dumps({k: row[k] for k in ("model", "matrix", "M", "cublas_us")}),
+        print(json.dumps({k: row[k] for k in ("model", "matrix", "M", "cublas_us", "table_us")}),
               "best", json.dumps(best), flush=True)
         rows_out.append(row)
         del copies
         torch.cuda.empty_cache()
+    heads = []
+    for model, (n, k, bias, glu) in HEADS.items():
+        w = (torch.randn(n, k, device=dev) * k ** -0.5).to(torch.bfloat16)
+        x = torch.randn(a.rows, k, device=dev).to(torch.bfloat16)
+        with configs.use_config(table):
+            us = time_per_call([lambda: dense_gemv(x, w)], a.repeats) * 1e6
+        heads.append({"model": model, "matrix": "lm_head", "N": n, "K": k,
+                      "cublas_us": round(time_per_call([lambda: F.linear(x, w)], a.repeats) * 1e6, 2),
+                      "table_us": round(us, 2)})
+        print(json.dumps(heads[-1]), flush=True)
     geo = {i: math.exp(sum(map(math.log, t)) / len(t)) for i, t in times.items()}
     order = sorted(geo, key=geo.get)
     top = variants[order[0]]
@@ -109,7 +125,7 @@ def main() -> None:
     summary = {"env": env_info(), "rows_of_x": a.rows, "chosen": top,
                "chosen_geomean_us": round(geo[order[0]], 2), "cublas_geomean_us": round(cublas_geo, 2),
                "ranking": [{**variants[i], "geomean_us": round(geo[i], 2)} for i in order[:10]],
-               "rows": rows_out}
+               "rows": rows_out, "lm_heads": heads}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"dense_gemv_sweep_m{a.rows}.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -120,7 +136,8 @@ def main() -> None:
           summary["cublas_geomean_us"], "us")
     for r in rows_out:
         print(f"  {r['model']:14s} {r['matrix']:8s} cuBLAS {r['cublas_us']:8.2f} us  chosen "
-              f"{r['chosen']['us']:8.2f} us  {r['speedup_chosen_vs_cublas']:.2f}x")
+              f"{r['chosen']['us']:8.2f} us  {r['speedup_chosen_vs_cublas']:.2f}x  table "
+              f"{r['table_us']:8.2f} us  {r['cublas_us'] / r['table_us']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ SMALL = KernelConfig(dense_gemv_max_m=8, dense_gemv_block_n=4, dense_gemv_block_
                      dense_gemv_num_warps=1, dense_gemv_split_min_programs=0,
                      dense_gemv_min_tiles_per_split=1, source="test")
 SPLIT = dataclasses.replace(SMALL, dense_gemv_split_min_programs=1000)
+# matrices of N >= 16 and K <= 96 take the wide tile (others the small one)
+WIDE = dataclasses.replace(SPLIT, dense_gemv_wide_min_n=16, dense_gemv_wide_max_k=96,
+                           dense_gemv_wide_block_n=2, dense_gemv_wide_block_k=64,
+                           dense_gemv_wide_num_warps=2)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -47,17 +51,18 @@ def rand(*shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("glu", [False, True])
 def test_matches_reference(seed, dtype, glu):
-    for n, k, m, split, bias in [(13, 70, 1, False, True), (33, 96, 3, True, False),
-                                 (9, 160, 2, True, True), (40, 32, 1, False, False)]:
+    for n, k, m, cfg, bias in [(13, 70, 1, SMALL, True), (33, 96, 3, SPLIT, False),
+                               (9, 160, 2, SPLIT, True), (40, 32, 1, SMALL, False),
+                               (33, 96, 2, WIDE, True), (40, 70, 1, WIDE, False)]:
         x = rand(m, 2 * k if glu else k, dtype=dtype)
         w = rand(n, k, dtype=dtype) / k ** 0.5
         b = rand(n, dtype=dtype) if bias else None
-        with configs.use_config(SPLIT if split else SMALL):
+        with configs.use_config(cfg):
             out = dg.dense_gemv(x, w, b, glu=glu)
         ref = dg.dense_gemv_ref(x, w, b, glu=glu)
         assert out.shape == (m, n) and out.dtype == dtype
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype],
-                                   msg=lambda e: f"seed {seed} n={n} k={k} m={m} split={split}: {e}")
+                                   msg=lambda e: f"seed {seed} n={n} k={k} m={m}: {e}")
 
 
 @pytest.mark.parametrize("split", [False, True])

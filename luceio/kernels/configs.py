@@ -74,6 +74,13 @@ class KernelConfig:
     dense_gemv_num_warps: int = 4
     dense_gemv_split_min_programs: int = 264
     dense_gemv_min_tiles_per_split: int = 2
+    # wide, short-K matrices (N >= dense_gemv_wide_min_n, K <= dense_gemv_wide_max_k: a small
+    # model's gate/up) take their own tile: many programs, each over a short K (0: off)
+    dense_gemv_wide_min_n: int = 0
+    dense_gemv_wide_max_k: int = 2048
+    dense_gemv_wide_block_n: int = 8
+    dense_gemv_wide_block_k: int = 256
+    dense_gemv_wide_num_warps: int = 2
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16
@@ -126,7 +133,11 @@ TABLE: dict[str, KernelConfig] = {
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
-                          pdl=True, dense_gemv_max_m=1,
+                          pdl=True, dense_gemv_max_m=1, dense_gemv_block_n=8,
+                          dense_gemv_block_k=1024, dense_gemv_num_warps=4,
+                          dense_gemv_split_min_programs=132, dense_gemv_wide_min_n=8192,
+                          dense_gemv_wide_block_n=8, dense_gemv_wide_block_k=256,
+                          dense_gemv_wide_num_warps=2,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "
@@ -140,7 +151,11 @@ TABLE: dict[str, KernelConfig] = {
                                  "GEMV time of a decode step 2082 -> 1934 us (7B Q4_K_M), "
                                  "458 -> 422 us (0.5B), results/h200/split_ab_gemv.json; "
                                  "pdl on: 7B Q4_K_M 410 -> 431 tok/s, GPU idle 9.6 -> 4.8% of a "
-                                 "step, 2026-12-02, results/h200/step_profile_pdl.json"),
+                                 "step, 2026-12-02, results/h200/step_profile_pdl.json; "
+                                 "dense_gemv_*: bench/dense_gemv_sweep.py (best geometric mean "
+                                 "over 12 bf16 projections of 3 models; the wide tile: best on "
+                                 "the gate/up matrices), results/h200/dense_gemv_sweep_m1*.json, "
+                                 "2026-12-02"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,

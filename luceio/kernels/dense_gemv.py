@@ -15,10 +15,14 @@ dependent launch, `pdl.py`) and cannot take its input from two halves. Here:
   [BLOCK_K] slice in fp32 and accumulates elementwise; the sum over K is taken once at the
   end. Every row is computed exactly as it would be alone (the same products and sums in the
   same order), so a verify step's rows equal the decode steps they replace.
-* K is split (`skinny_split_k` with the dense_gemv_* fields) while N alone gives too few
-  programs; the splits write fp32 partials and the last split of a row block to arrive (an
-  acq_rel counter, `quant_gemv.split_counters`) sums them in split order (deterministic) and
-  adds the bias, in the same launch.
+* Tiles come from the config table (`dense_gemv_*`; wide, short-K matrices such as a small
+  model's gate/up take the `dense_gemv_wide_*` tile). K is split (`skinny_split_k` with the
+  dense_gemv_* fields) while N alone gives too few programs; the splits write fp32 partials
+  and the last split of a row block to arrive (an acq_rel counter,
+  `quant_gemv.split_counters`) sums them in split order (deterministic) and adds the bias, in
+  the same launch.
+* One row only in the sm_90 entry (`dense_gemv_max_m` = 1): past one row each row adds its
+  own accumulators to the tile's registers; verify steps and batches go to cuBLAS.
 
 Torch reference: `dense_gemv_ref` (F.linear of the same input, in fp32).
 """
@@ -125,7 +129,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if num_m == 0 or n == 0:
         return out.view(*lead, n)
     cfg = get_config(x.device)
-    block_n, block_k = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k
+    block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
+        cfg.dense_gemv_num_warps
+    if 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
+        block_n, block_k, warps = cfg.dense_gemv_wide_block_n, cfg.dense_gemv_wide_block_k, \
+            cfg.dense_gemv_wide_num_warps
     programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
     part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
@@ -136,7 +144,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         x2, w, bias.contiguous() if has_bias else out, out, part, counters, num_m, n, k,
         tiles * block_k, x2.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
-        SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=cfg.dense_gemv_num_warps,
+        SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=warps,
         **pdl_kwargs(x.device, cfg, programs * split))
     return out.view(*lead, n)
 
