@@ -162,7 +162,11 @@ class StepGraphs:
         tok[2] = -1  # padding writes no KV
         tables = np.zeros((bs, self.max_blocks), dtype=np.int64)
         lens = np.full(bs, q, dtype=np.int64)
-        if n:
+        if n and q == 1 and len(ids) == n:  # one token a request (decode): no scatter
+            tok[:, :n, 0] = ids, pos, slots
+            tables[:n, :bt.shape[1]] = bt
+            lens[:n] = seq_lens
+        elif n:
             r = np.repeat(np.arange(n), q_lens)
             j = np.arange(len(ids)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
             first = (seq_lens - q_lens).astype(np.int64)  # position of each request's first query
@@ -190,8 +194,11 @@ class StepGraphs:
         bs, q, tree = key = self._bucket(h)
         q_lens = h.q_lens
         # token t of request r sits at row r * q + (t - query_start_loc[r]) after padding
-        r = np.repeat(np.arange(len(q_lens)), q_lens)
-        rows_of_tok = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], q_lens))
+        if q == 1 and len(h.input_ids) == len(q_lens):  # one token a request: token t is row t
+            rows_of_tok = np.arange(len(q_lens))
+        else:
+            r = np.repeat(np.arange(len(q_lens)), q_lens)
+            rows_of_tok = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], q_lens))
         extra = [rows_of_tok[h.logits_indices]]
         if tree:  # every row's mask word; padding rows attend causally
             words = np.full(bs * q, -1, dtype=np.int64)

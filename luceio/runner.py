@@ -10,6 +10,7 @@ holds (logged), down to `MIN_FITTED_CONTEXT` tokens."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -50,8 +51,8 @@ class HostBatch:
     state_slots: np.ndarray | None = None
     fresh_slots: np.ndarray | None = None
 
-    @property
-    def q_lens(self) -> np.ndarray:
+    @functools.cached_property
+    def q_lens(self) -> np.ndarray:  # read several times a step (query_start_loc is not rebound)
         return np.diff(self.query_start_loc)
 
 

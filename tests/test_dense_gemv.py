@@ -112,7 +112,12 @@ def test_dispatch(seed, monkeypatch):
     with configs.use_config(dataclasses.replace(SMALL, dense_gemv_max_m=0)):
         kernels.linear(few, w)
         kernels.silu_and_mul_linear(torch.cat([few, few], -1), w)
+    with configs.use_config(dataclasses.replace(SMALL, dense_gemv_max_n=15)):  # N = 16: cuBLAS
+        kernels.linear(few, w)
     assert len(calls) == 2
+    with configs.use_config(dataclasses.replace(SMALL, dense_gemv_max_n=16)):
+        kernels.linear(few, w)
+    assert len(calls) == 3
 
 
 def test_engine_with_the_dense_gemv_equals_reference(tiny_models, monkeypatch):

@@ -114,3 +114,23 @@ def test_padded_tree_batch_gives_the_same_hidden_states(tiny_llama):
                                                          "max_seq_len")))
     out_causal = model(t(tok[0]), t(tok[1]), runner.kv_caches, plain)
     assert not torch.allclose(out_causal[t(rows)], ref, atol=1e-3)  # the masks mattered
+
+
+def test_decode_padding_is_the_general_padding():
+    """One token a request takes a shortcut in `_pad`: the same arrays as the general path
+    (padding requests at position 0, slot -1, length q = 1)."""
+    from types import SimpleNamespace
+    ids, pos, slots = np.array([5, 6, 7]), np.array([9, 30, 2]), np.array([41, 87, 18])
+    bt = np.array([[2, 0], [3, 5], [1, 0]], dtype=np.int32)
+    seq_lens, q_lens = np.array([10, 31, 3], dtype=np.int32), np.ones(3, dtype=np.int32)
+    tok, tables, lens = StepGraphs._pad(SimpleNamespace(max_blocks=4), ids, pos, slots, bt,
+                                        seq_lens, q_lens, 4, 1)
+    assert tok.tolist() == [[5, 6, 7, 0], [9, 30, 2, 0], [41, 87, 18, -1]]
+    assert tables.tolist() == [[2, 0, 0, 0], [3, 5, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    assert lens.tolist() == [10, 31, 3, 1]
+    # the general path (two tokens for one request) pads the same way around its rows
+    ids2, pos2, slots2 = np.array([5, 6, 6, 7]), np.array([9, 29, 30, 2]), np.array([41, 86, 87, 18])
+    tok2, _, lens2 = StepGraphs._pad(SimpleNamespace(max_blocks=4), ids2, pos2, slots2, bt,
+                                     seq_lens, np.array([1, 2, 1], dtype=np.int32), 4, 2)
+    assert tok2[:, [0, 2, 3, 4]].tolist() == [[5, 6, 6, 7], [9, 29, 30, 2], [41, 86, 87, 18]]
+    assert lens2.tolist() == [11, 31, 4, 2]

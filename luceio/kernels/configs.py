@@ -69,6 +69,7 @@ class KernelConfig:
     # rows of x (0: cuBLAS); a program owns block_n output features over a K-split, K split
     # while N alone gives fewer than dense_gemv_split_min_programs programs
     dense_gemv_max_m: int = 0
+    dense_gemv_max_n: int = 0            # larger N (an LM head) -> cuBLAS; 0: no bound
     dense_gemv_block_n: int = 8
     dense_gemv_block_k: int = 512
     dense_gemv_num_warps: int = 4
@@ -133,7 +134,8 @@ TABLE: dict[str, KernelConfig] = {
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
-                          pdl=True, dense_gemv_max_m=1, dense_gemv_block_n=8,
+                          pdl=True, dense_gemv_max_m=1, dense_gemv_max_n=65536,
+                          dense_gemv_block_n=8,
                           dense_gemv_block_k=1024, dense_gemv_num_warps=4,
                           dense_gemv_split_min_programs=132, dense_gemv_wide_min_n=8192,
                           dense_gemv_wide_block_n=8, dense_gemv_wide_block_k=256,
@@ -154,7 +156,8 @@ TABLE: dict[str, KernelConfig] = {
                                  "step, 2026-12-02, results/h200/step_profile_pdl.json; "
                                  "dense_gemv_*: bench/dense_gemv_sweep.py (best geometric mean "
                                  "over 12 bf16 projections of 3 models; the wide tile: best on "
-                                 "the gate/up matrices), results/h200/dense_gemv_sweep_m1*.json, "
+                                 "the gate/up matrices; the 0.5B's LM head took 76 us against "
+                                 "cuBLAS's 66, hence max_n), results/h200/dense_gemv_sweep_m1*.json, "
                                  "2026-12-02"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)

@@ -101,13 +101,16 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `dense_gemv` is the kernel for x @ weight^T here: a dense float weight and at
-    most `dense_gemv_max_m` rows of x in its dtype (0 turns it off: cuBLAS)."""
+    """Whether `dense_gemv` is the kernel for x @ weight^T here: a dense float weight of at most
+    `dense_gemv_max_n` rows (when set) and at most `dense_gemv_max_m` rows of x in its dtype
+    (0 turns it off: cuBLAS)."""
     if weight.dim() != 2 or x.dtype != weight.dtype or \
             x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return 0 < rows <= get_config(x.device).dense_gemv_max_m
+    cfg = get_config(x.device)
+    return 0 < rows <= cfg.dense_gemv_max_m and \
+        (cfg.dense_gemv_max_n <= 0 or weight.shape[0] <= cfg.dense_gemv_max_n)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
