@@ -14,7 +14,8 @@ dependent launch, `pdl.py`) and cannot take its input from two halves. Here:
   [BLOCK_N, BLOCK_K] weight tiles (contiguous along K), multiplies them with every row's
   [BLOCK_K] slice in fp32 and accumulates elementwise; the sum over K is taken once at the
   end. Every row is computed exactly as it would be alone (the same products and sums in the
-  same order), so a verify step's rows equal the decode steps they replace.
+  same order), so where the table lets several rows through, a verify step's rows equal the
+  decode steps they replace.
 * Tiles come from the config table (`dense_gemv_*`; wide, short-K matrices such as a small
   model's gate/up take the `dense_gemv_wide_*` tile). K is split (`skinny_split_k` with the
   dense_gemv_* fields) while N alone gives too few programs; the splits write fp32 partials
