@@ -263,11 +263,9 @@ def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int,
     (`gemv_split_min_programs` for the one-row GEMV, `dense_gemv_split_min_programs` for the
     dense one), and never into splits of fewer than `qgemm_min_tiles_per_split`
     (`gemv_` / `dense_gemv_min_tiles_per_split`) tiles; no split is left empty."""
-    prefix = "gemv" if gemv else "dense_gemv" if dense else None
-    min_programs = getattr(cfg, f"{prefix}_split_min_programs") if prefix \
-        else cfg.qgemm_split_k_min_programs
-    min_tiles = getattr(cfg, f"{prefix}_min_tiles_per_split") if prefix \
-        else cfg.qgemm_min_tiles_per_split
+    p = "gemv" if gemv else "dense_gemv" if dense else None
+    min_programs = getattr(cfg, f"{p}_split_min_programs") if p else cfg.qgemm_split_k_min_programs
+    min_tiles = getattr(cfg, f"{p}_min_tiles_per_split") if p else cfg.qgemm_min_tiles_per_split
     split = 1
     if n_programs < min_programs:
         split = triton.cdiv(min_programs, n_programs)
