@@ -79,6 +79,67 @@ def test_rows_equal_each_row_alone(seed, split):
                 assert torch.equal(together[i:i + 1], alone), f"seed {seed} row {i} glu={glu}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_matches_reference(seed, dtype, with_residual, monkeypatch):
+    """The RMSNorm done in the GEMV's loads (`norm=`): y as linear(rms_norm_ref(...)), and the
+    residual handed on exactly the norm kernel's (x + residual, or x itself; the interpreter
+    rounds to bf16 by truncation, so the kernel's, not torch's, on the CPU)."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    for n, k, m, cfg, bias in [(13, 70, 1, SMALL, True), (33, 96, 3, SPLIT, False),
+                               (9, 160, 2, SPLIT, True), (33, 96, 2, WIDE, True)]:
+        x = rand(m, k, dtype=dtype) * 2
+        res = rand(m, k, dtype=dtype) if with_residual else None
+        nw = rand(k, dtype=dtype)
+        w = rand(n, k, dtype=dtype) / k ** 0.5
+        b = rand(n, dtype=dtype) if bias else None
+        with configs.use_config(cfg):
+            y, r = dg.dense_gemv(x, w, b, norm=(nw, 1e-6, res))
+        ref_y, ref_r = dg.dense_gemv_ref(x, w, b, norm=(nw, 1e-6, res))
+        assert y.shape == (m, n) and y.dtype == dtype and r.shape == x.shape
+        kernel_r = kernels.rms_norm(x, nw, 1e-6, res)[1] if res is not None else x
+        assert torch.equal(r, kernel_r), f"seed {seed} n={n} k={k} m={m}"
+        torch.testing.assert_close(r, ref_r, **TOL[dtype])
+        torch.testing.assert_close(y.float(), ref_y.float(), **TOL[dtype],
+                                   msg=lambda e: f"seed {seed} n={n} k={k} m={m}: {e}")
+        if res is not None:  # inputs untouched
+            assert not torch.equal(r, x)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_norm_rows_equal_each_row_alone(seed, split):
+    x, res = rand(4, 96, dtype=torch.bfloat16), rand(4, 96, dtype=torch.bfloat16)
+    nw, w = rand(96, dtype=torch.bfloat16), rand(21, 96, dtype=torch.bfloat16)
+    with configs.use_config(SPLIT if split else SMALL):
+        together, _ = dg.dense_gemv(x, w, norm=(nw, 1e-5, res))
+        for i in range(4):
+            alone, _ = dg.dense_gemv(x[i:i + 1], w, norm=(nw, 1e-5, res[i:i + 1]))
+            assert torch.equal(together[i:i + 1], alone), f"seed {seed} row {i}"
+
+
+def test_rms_norm_linear_dispatch(seed, monkeypatch):
+    """`kernels.rms_norm_linear` fuses where the dense GEMV runs and `dense_gemv_norm` is on,
+    and is the norm then the linear otherwise, with the same residual either way."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    calls = []
+    real = dg.dense_gemv
+    monkeypatch.setattr(dg, "dense_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    x, res = rand(2, 64, dtype=torch.bfloat16), rand(2, 64, dtype=torch.bfloat16)
+    nw, w = rand(64, dtype=torch.bfloat16), rand(16, 64, dtype=torch.bfloat16) / 8
+    outs = []
+    for cfg in (SMALL, dataclasses.replace(SMALL, dense_gemv_norm=False),
+                dataclasses.replace(SMALL, dense_gemv_max_m=0)):
+        with configs.use_config(cfg):
+            outs.append(kernels.rms_norm_linear(x, nw, 1e-6, res, w))
+            y0, r0 = kernels.rms_norm_linear(x, nw, 1e-6, None, w)
+            assert r0 is x
+    assert [("norm" in c) for c in calls] == [True, True, False, False]  # norm off: plain GEMV
+    for y, r in outs[1:]:
+        assert torch.equal(r, outs[0][1])
+        torch.testing.assert_close(y.float(), outs[0][0].float(), **TOL[torch.bfloat16],
+                                   msg=lambda e: f"seed {seed}: {e}")
+
+
 def test_glu_input_is_the_silu_kernels_output(seed, monkeypatch):
     """The SiLU done in the GEMV's loads rounds as the SiLU kernel does: the fused down
     projection equals the GEMV of `kernels.silu_and_mul`'s output bit for bit."""
@@ -140,4 +201,5 @@ def test_engine_with_the_dense_gemv_equals_reference(tiny_models, monkeypatch):
         got = [o.outputs[0].token_ids
                for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
     assert got == ref
-    assert {"glu": True} in calls and {} in calls  # both kinds ran
+    assert {"glu": True} in calls and {} in calls  # all three kinds ran
+    assert any("norm" in c for c in calls)

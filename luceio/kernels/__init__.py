@@ -112,6 +112,25 @@ def silu_and_mul_linear(gate_up: torch.Tensor, w, bias: torch.Tensor | None = No
     return linear(silu_and_mul(gate_up), w, bias)
 
 
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None, w, bias: torch.Tensor | None = None):
+    """(linear(rms_norm(x, norm_weight, eps, residual), w, bias), the residual after the norm)
+    for a dense weight: the residual is x + residual (x itself without one), as `rms_norm`
+    returns it. Where the dense GEMV runs and `dense_gemv_norm` is on, the norm is done in the
+    GEMV's loads: one launch instead of two, the normed input never stored
+    (`dense_gemv.py`)."""
+    if isinstance(w, torch.Tensor) and use_triton(x) and norm_weight.dtype == x.dtype and \
+            (residual is None or residual.dtype == x.dtype):
+        from .configs import get_config
+        from .dense_gemv import applies, dense_gemv
+        if applies(x, w) and get_config(x.device).dense_gemv_norm:
+            return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual))
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), w, bias), x
+    h, residual = rms_norm(x, norm_weight, eps, residual)
+    return linear(h, w, bias), residual
+
+
 def linear_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
                  xqs: dict | None = None) -> torch.Tensor:
     """y = x @ [W_0; W_1; ...]^T + bias for a projection stored as several row segments: on

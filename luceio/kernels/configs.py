@@ -82,6 +82,10 @@ class KernelConfig:
     dense_gemv_wide_block_n: int = 8
     dense_gemv_wide_block_k: int = 256
     dense_gemv_wide_num_warps: int = 2
+    # the first weight tile is loaded before the PDL wait (weights are never written in a step)
+    dense_gemv_prefetch: bool = True
+    # an RMSNorm before a dense projection is done in the projection's GEMV (`rms_norm_linear`)
+    dense_gemv_norm: bool = True
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16

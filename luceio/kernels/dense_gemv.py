@@ -40,26 +40,46 @@ from .pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
-def _x_tile(x_ptr, mi, M, s_xm, k, kmask, K, out_ptr, GLU: tl.constexpr):
-    """[BM, 1, BK] fp32: x rows mi at columns k, or silu(gate) * up of them with GLU."""
-    ptr = x_ptr + mi[:, None].to(tl.int64) * s_xm + k[None, :]
+def _src(x_ptr, r_ptr, mi, M, s_xm, s_rm, k, kmask, HAS_RES: tl.constexpr):
+    """[BM, BK] x rows mi at columns k in x's dtype; HAS_RES: x + residual, rounded to x's
+    dtype as `rms_norm`'s add rounds it."""
     mask = (mi < M)[:, None] & kmask[None, :]
+    v = tl.load(x_ptr + mi[:, None].to(tl.int64) * s_xm + k[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + mi[:, None].to(tl.int64) * s_rm + k[None, :], mask=mask, other=0.0)
+        v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
+    return v
+
+
+@triton.jit
+def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr,
+            GLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """[BM, 1, BK] fp32: x rows mi at columns k; with GLU silu(gate) * up of them; with NORM
+    their RMSNorm (of x + residual with HAS_RES) as `rms_norm` computes it, given rstd [BM]."""
     if GLU:
+        ptr = x_ptr + mi[:, None].to(tl.int64) * s_xm + k[None, :]
+        mask = (mi < M)[:, None] & kmask[None, :]
         g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
         v = silu_mul(g, u, out_ptr).to(tl.float32)
+    elif NORM:  # HF Llama: normalise in fp32, round, scale by the weight, round
+        h = _src(x_ptr, r_ptr, mi, M, s_xm, s_rm, k, kmask, HAS_RES)
+        y = (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
+        nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        v = (nw[None, :] * y).to(h.dtype).to(tl.float32)
     else:
-        v = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        v = _src(x_ptr, r_ptr, mi, M, s_xm, s_rm, k, kmask, False).to(tl.float32)
     return v[:, None, :]
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
-                       k_per_split, s_xm, s_wn, s_om,
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr,
+                       res_out_ptr, eps, M, N, K, k_per_split, s_xm, s_wn, s_om, s_rm, s_rom,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GLU: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = False,
                        PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
-    pdl_enter(PDL, PDL_EARLY)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -68,13 +88,40 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
     mi = tl.arange(0, BLOCK_M)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * s_wn
-    for k0 in range(k_start, k_end, BLOCK_K):
+    k = k_start + tl.arange(0, BLOCK_K)
+    kmask = k < k_end
+    if PREFETCH:  # no kernel writes weights: the first tile loads while the one before runs
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    pdl_enter(PDL, PDL_EARLY)
+    if not PREFETCH:
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        # every program takes the row's sum of squares itself (the row is a few KB, read from
+        # L2); the first program also writes x + residual, the next residual
+        first = (pid_n == 0) & (split == 0)
+        ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        for c0 in range(0, K, BLOCK_K):
+            c = c0 + tl.arange(0, BLOCK_K)
+            cmask = c < K
+            h = _src(x_ptr, r_ptr, mi, M, s_xm, s_rm, c, cmask, HAS_RES)
+            if HAS_RES:
+                if first:
+                    tl.store(res_out_ptr + mi[:, None].to(tl.int64) * s_rom + c[None, :], h,
+                             mask=(mi < M)[:, None] & cmask[None, :])
+            h = h.to(tl.float32)
+            ss += h * h
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)
+    x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr, GLU,
+                NORM, HAS_RES)
+    acc = w.to(tl.float32)[None, :, :] * x
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        x = _x_tile(x_ptr, mi, M, s_xm, k, kmask, K, out_ptr, GLU)
+        x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr, GLU,
+                    NORM, HAS_RES)
         acc += w.to(tl.float32)[None, :, :] * x
     y = tl.sum(acc, 2)                                                   # [BM, BN]
     omask = (mi < M)[:, None] & nmask[None, :]
@@ -115,53 +162,81 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               glu: bool = False) -> torch.Tensor:
+               glu: bool = False, norm: tuple | None = None):
     """x [..., K] (glu: [..., 2K] as [gate | up]) @ weight [N, K]^T + bias -> [..., N] in x's
-    dtype, for at most `dense_gemv_max_m` rows; one launch (see the module docstring)."""
+    dtype, for at most `dense_gemv_max_m` rows; one launch (see the module docstring).
+
+    `norm` = (norm_weight [K], eps, residual [..., K] or None): the input is
+    `rms_norm(x, norm_weight, eps, residual)` instead of x, done in the same launch; returns
+    (y, x + residual) then (x itself without a residual), as `rms_norm` returns its residual."""
     from .quant_gemv import split_counters
     from .quant_triton import skinny_split_k
     n, k = weight.shape
     if x.shape[-1] != (2 * k if glu else k):
         raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]"
                          + (" (glu: x is [gate | up], 2K)" if glu else ""))
+    if glu and norm is not None:
+        raise ValueError("dense_gemv: glu and norm are exclusive")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     num_m = x2.shape[0]
     out = torch.empty((num_m, n), dtype=x.dtype, device=x.device)
-    if num_m == 0 or n == 0:
-        return out.view(*lead, n)
+    r2 = res_out = x2
+    nw, eps = x2, 0.0
+    if norm is not None:
+        nw, eps, residual = norm[0].contiguous(), float(norm[1]), norm[2]
+        if residual is not None:
+            r2 = residual.reshape(-1, k)
+            r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+            res_out = torch.empty_like(x2)
     cfg = get_config(x.device)
-    block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
-        cfg.dense_gemv_num_warps
-    if 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
-        block_n, block_k, warps = cfg.dense_gemv_wide_block_n, cfg.dense_gemv_wide_block_k, \
-            cfg.dense_gemv_wide_num_warps
-    programs = triton.cdiv(n, block_n)
-    split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
-    part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
-        if split > 1 else out
-    counters = split_counters(x.device, programs) if split > 1 else out
-    has_bias = bias is not None
-    _dense_gemv_kernel[(programs, split)](
-        x2, w, bias.contiguous() if has_bias else out, out, part, counters, num_m, n, k,
-        tiles * block_k, x2.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
-        SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=warps,
-        **pdl_kwargs(x.device, cfg, programs * split))
-    return out.view(*lead, n)
+    if num_m and n:
+        block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
+            cfg.dense_gemv_num_warps
+        if 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
+            block_n, block_k, warps = cfg.dense_gemv_wide_block_n, \
+                cfg.dense_gemv_wide_block_k, cfg.dense_gemv_wide_num_warps
+        programs = triton.cdiv(n, block_n)
+        split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
+        part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
+            if split > 1 else out
+        counters = split_counters(x.device, programs) if split > 1 else out
+        has_bias = bias is not None
+        _dense_gemv_kernel[(programs, split)](
+            x2, w, bias.contiguous() if has_bias else out, out, part, counters, r2, nw, res_out,
+            eps, num_m, n, k, tiles * block_k, x2.stride(0), w.stride(0), out.stride(0),
+            r2.stride(0), res_out.stride(0),
+            BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
+            SPLIT=split > 1, HAS_BIAS=has_bias, NORM=norm is not None,
+            HAS_RES=res_out is not x2, PREFETCH=cfg.dense_gemv_prefetch, num_warps=warps,
+            **pdl_kwargs(x.device, cfg, programs * split))
+    y = out.view(*lead, n)
+    if norm is None:
+        return y
+    return y, res_out.view(*lead, k) if res_out is not x2 else x
 
 
 def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   glu: bool = False) -> torch.Tensor:
-    """The reference: F.linear in fp32 of x (or of `silu_and_mul_ref(x)` with glu, in x's
-    dtype as the unfused MLP has it), rounded to x's dtype."""
+                   glu: bool = False, norm: tuple | None = None):
+    """The reference: F.linear in fp32 of x (or of `silu_and_mul_ref(x)` with glu, or of
+    `rms_norm_ref(x, *norm)` with norm, in x's dtype as the unfused layer has it), rounded
+    to x's dtype; with norm, (y, residual) as `dense_gemv` returns them."""
+    res = None
     if glu:
         from .activation import silu_and_mul_ref
         x = silu_and_mul_ref(x)
+    elif norm is not None:
+        from .norm import rms_norm_ref
+        nw, eps, residual = norm
+        if residual is None:
+            res, x = x, rms_norm_ref(x, nw, eps)
+        else:
+            x, res = rms_norm_ref(x, nw, eps, residual)
     y = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y if norm is None else (y, res)
 
 
 __all__ = ["applies", "dense_gemv", "dense_gemv_ref"]

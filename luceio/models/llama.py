@@ -109,17 +109,19 @@ class Attention(nn.Module):
                                        not cfg.head_dim & (cfg.head_dim - 1))
 
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None,
-                xqs: dict | None = None):
-        n = x.shape[0]
+                xqs: dict | None = None, qkv: torch.Tensor | None = None):
+        """`qkv`: x's projection, already made (the norm fused into it); x is then None."""
+        qkv = self.qkv_proj(x, xqs) if qkv is None else qkv
+        n = qkv.shape[0]
         k_cache, v_cache = kv_cache
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
             if self.q_norm is not None else ()
         # split into heads, q/k norm, RoPE, k and v into the cache: one launch on GPUs
-        q = kernels.qkv_rope_cache(self.qkv_proj(x, xqs), positions, cos_sin, k_cache, v_cache,
+        q = kernels.qkv_rope_cache(qkv, positions, cos_sin, k_cache, v_cache,
                                    meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
         if probe is not None:  # speculative prefill reads the attention of the last window
             probe(q, k_cache, meta, self.scale)
-        o_xqs = self.o_proj.int8_input(n, x.device) \
+        o_xqs = self.o_proj.int8_input(n, qkv.device) \
             if self.attn_quantizes_o_input and meta.max_query_len == 1 else {}
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
@@ -139,9 +141,10 @@ class MLP(nn.Module):
         before it to fill."""
         return self.gate_up_proj.int8_input(rows, device)
 
-    def forward(self, x, xqs: dict | None = None):
-        gate_up = self.gate_up_proj(x, xqs)
-        down_xqs = self.down_proj.int8_input(x.shape[0], x.device)
+    def forward(self, x, xqs: dict | None = None, gate_up: torch.Tensor | None = None):
+        """`gate_up`: x's projection, already made (the norm fused into it); x is then None."""
+        gate_up = self.gate_up_proj(x, xqs) if gate_up is None else gate_up
+        down_xqs = self.down_proj.int8_input(gate_up.shape[0], gate_up.device)
         if down_xqs:  # the activation also written in int8 for the down GEMV
             return self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs)
         return self.down_proj.silu_and_mul_forward(gate_up)
@@ -157,18 +160,32 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None):
         # at one row on quantized weights the norms also write their output in int8 for the
-        # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch
+        # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch; on dense
+        # weights each norm is done in the loads of the projection after it
+        # (kernels.rms_norm_linear: its own launch where the dense GEMV does not run)
         rows, device = x.shape[0], x.device
-        xqs = self.self_attn.qkv_proj.int8_input(rows, device)
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x, xqs=xqs)
+        attn, mlp = self.self_attn, self.mlp
+        if not attn.qkv_proj.quantized:
+            qkv, residual = kernels.rms_norm_linear(
+                x, self.input_layernorm.weight, self.input_layernorm.eps, residual,
+                attn.qkv_proj.weight, attn.qkv_proj.bias)
+            x = attn(positions, None, kv_cache, meta, cos_sin, probe, qkv=qkv)
         else:
-            x, residual = self.input_layernorm(x, residual, xqs=xqs)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin, probe, xqs)
-        xqs = self.mlp.int8_input(rows, device)
+            xqs = attn.qkv_proj.int8_input(rows, device)
+            if residual is None:
+                residual = x
+                x = self.input_layernorm(x, xqs=xqs)
+            else:
+                x, residual = self.input_layernorm(x, residual, xqs=xqs)
+            x = attn(positions, x, kv_cache, meta, cos_sin, probe, xqs)
+        if isinstance(mlp, MLP) and not mlp.gate_up_proj.quantized:
+            gate_up, residual = kernels.rms_norm_linear(
+                x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            return mlp(None, gate_up=gate_up), residual
+        xqs = mlp.int8_input(rows, device)
         x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
-        return self.mlp(x, xqs), residual
+        return mlp(x, xqs), residual
 
 
 class LlamaForCausalLM(nn.Module):
