@@ -140,6 +140,40 @@ def test_rms_norm_linear_dispatch(seed, monkeypatch):
                                    msg=lambda e: f"seed {seed}: {e}")
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rope_epilogue_equals_the_rope_kernel(seed, split, bias, monkeypatch):
+    """QKV projection + RoPE + KV write in one launch (`rope=`, with the input norm): q and
+    both caches bit for bit those of the GEMV followed by `qkv_rope_cache`'s kernel, a row
+    with slot -1 writing nothing; through `kernels.rms_norm_qkv_rope_cache` too."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    nq, nkv, hd, page, k, m = 4, 2, 16, 4, 48, 3
+    x, res = rand(m, k, dtype=torch.bfloat16), rand(m, k, dtype=torch.bfloat16)
+    nw = rand(k, dtype=torch.bfloat16)
+    w = rand((nq + 2 * nkv) * hd, k, dtype=torch.bfloat16) / k ** 0.5
+    b = rand(w.shape[0], dtype=torch.bfloat16) if bias else None
+    cos_sin = kernels.build_cos_sin_cache(hd, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([5, 17, 40], device=DEVICE)
+    slots = torch.tensor([2, -1, 9], device=DEVICE)
+    caches = [[torch.zeros(4, page, nkv, hd, dtype=torch.bfloat16, device=DEVICE)
+               for _ in range(2)] for _ in range(3)]
+    rope = (positions, cos_sin, *caches[0], slots, nq, nkv)
+    cfg = dataclasses.replace(SPLIT if split else SMALL, dense_gemv_block_n=8)
+    with configs.use_config(cfg):
+        assert dg.rope_fits(w, caches[0][0], nq, nkv)
+        q, r = dg.dense_gemv(x, w, b, norm=(nw, 1e-6, res), rope=rope)
+        qkv, r_ref = dg.dense_gemv(x, w, b, norm=(nw, 1e-6, res))
+        q_ref = kernels.qkv_rope_cache(qkv, positions, cos_sin, *caches[1], slots, nq, nkv)
+        q2, r2 = kernels.rms_norm_qkv_rope_cache(x, nw, 1e-6, res, w, b, positions, cos_sin,
+                                                 *caches[2], slots, nq, nkv)
+    assert q.shape == (m, nq, hd)
+    for got in ((q, r, *caches[0]), (q2, r2, *caches[2])):
+        for a, e in zip(got, (q_ref, r_ref, *caches[1])):
+            assert torch.equal(a, e), f"seed {seed}"
+    assert caches[0][0].abs().sum() > 0 and caches[0][1].abs().sum() > 0
+    assert caches[0][0].flatten(0, 1)[[0, 1, 3, 4, 5, 6, 7, 8]].abs().sum() == 0  # only 2, 9
+
+
 def test_glu_input_is_the_silu_kernels_output(seed, monkeypatch):
     """The SiLU done in the GEMV's loads rounds as the SiLU kernel does: the fused down
     projection equals the GEMV of `kernels.silu_and_mul`'s output bit for bit."""
@@ -202,4 +236,4 @@ def test_engine_with_the_dense_gemv_equals_reference(tiny_models, monkeypatch):
                for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
     assert got == ref
     assert {"glu": True} in calls and {} in calls  # all three kinds ran
-    assert any("norm" in c for c in calls)
+    assert any("norm" in c for c in calls) and any("rope" in c for c in calls)

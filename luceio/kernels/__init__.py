@@ -131,6 +131,30 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return linear(h, w, bias), residual
 
 
+def rms_norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None, w, bias: torch.Tensor | None,
+                            positions: torch.Tensor, cos_sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """(qkv_rope_cache(qkv, ...), residual) for (qkv, residual) = `rms_norm_linear(...)`: a
+    layer's input norm, QKV projection, RoPE and KV-cache write (no q/k norm). Where the dense
+    GEMV runs and `dense_gemv_rope` is on, all in the GEMV's launch (`dense_gemv.py`)."""
+    if isinstance(w, torch.Tensor) and use_triton(x) and norm_weight.dtype == x.dtype and \
+            (residual is None or residual.dtype == x.dtype):
+        from .configs import get_config
+        from .dense_gemv import applies, dense_gemv, rope_fits
+        cfg = get_config(x.device)
+        if applies(x, w) and cfg.dense_gemv_norm and cfg.dense_gemv_rope and \
+                rope_fits(w, k_cache, num_heads, num_kv_heads) and \
+                v_cache.stride(-1) == 1 and v_cache.stride(-2) == v_cache.shape[-1]:
+            return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual),
+                              rope=(positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                    num_heads, num_kv_heads))
+    qkv, residual = rms_norm_linear(x, norm_weight, eps, residual, w, bias)
+    return qkv_rope_cache(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
+                          num_kv_heads), residual
+
+
 def linear_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
                  xqs: dict | None = None) -> torch.Tensor:
     """y = x @ [W_0; W_1; ...]^T + bias for a projection stored as several row segments: on

@@ -86,6 +86,8 @@ class KernelConfig:
     dense_gemv_prefetch: bool = True
     # an RMSNorm before a dense projection is done in the projection's GEMV (`rms_norm_linear`)
     dense_gemv_norm: bool = True
+    # ... and a layer's RoPE and KV-cache write in its QKV GEMV's epilogue (no q/k norm)
+    dense_gemv_rope: bool = True
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16

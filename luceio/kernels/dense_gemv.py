@@ -73,17 +73,92 @@ def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr,
 
 
 @triton.jit
+def _rope_store(y, mi, M, pid_n, out_ptr, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr,
+                slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
+                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """ROPE's epilogue: y [BM, BN] holds features j and j + HEAD_DIM/2 of one head, interleaved
+    (`_rows`). Rounded to x's dtype as the stored projection would be, then as
+    `qkv_rope_triton` does it: q rotated into q, k rotated into the k cache, v into the v
+    cache, at each row's slot (-1: not written)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    HB: tl.constexpr = BLOCK_N // 2
+    head = pid_n // (HALF // HB)
+    j = (pid_n % (HALF // HB)) * HB + tl.arange(0, HB)
+    v = y.to(out_ptr.dtype.element_ty)
+    v1, v2 = tl.split(tl.reshape(v, [BLOCK_M, HB, 2]))
+    a = v1.to(tl.float32)
+    b = v2.to(tl.float32)
+    mmask = mi < M
+    rmask = mmask[:, None] & (j < HALF)[None, :]
+    pos = tl.load(pos_ptr + mi, mask=mmask, other=0).to(tl.int64)
+    cs = cs_ptr + pos[:, None] * s_cs + j[None, :]
+    cos = tl.load(cs, mask=rmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=rmask, other=0.0).to(tl.float32)
+    r1 = a * cos - b * sin
+    r2 = b * cos + a * sin
+    if head < NQ:
+        dst = q_ptr + mi[:, None].to(tl.int64) * s_q + head * HEAD_DIM + j[None, :]
+        tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=rmask)
+        tl.store(dst + HALF, r2.to(q_ptr.dtype.element_ty), mask=rmask)
+    else:
+        slot = tl.load(slot_ptr + mi, mask=mmask, other=-1).to(tl.int64)
+        smask = rmask & (slot >= 0)[:, None]
+        page = tl.where(slot >= 0, slot, 0) // PAGE_SIZE
+        off = tl.where(slot >= 0, slot, 0) % PAGE_SIZE
+        if head < NQ + NKV:  # rounded to x's dtype, then to the cache's, as the reference does
+            dst = kc_ptr + page[:, None] * s_kcb + off[:, None] * s_kcs + \
+                (head - NQ) * HEAD_DIM + j[None, :]
+            dt = kc_ptr.dtype.element_ty
+            tl.store(dst, r1.to(v.dtype).to(dt), mask=smask)
+            tl.store(dst + HALF, r2.to(v.dtype).to(dt), mask=smask)
+        else:
+            dst = vc_ptr + page[:, None] * s_vcb + off[:, None] * s_vcs + \
+                (head - NQ - NKV) * HEAD_DIM + j[None, :]
+            tl.store(dst, v1.to(vc_ptr.dtype.element_ty), mask=smask)
+            tl.store(dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, pos_ptr, cs_ptr, s_cs,
+              q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs,
+              HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
+              HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The finished sums y [BM, BN] of features `rows`: + bias, then stored (or ROPE's)."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows[None, :], mask=nmask[None, :], other=0.0).to(tl.float32)
+    if ROPE:
+        _rope_store(y, mi, M, pid_n, out_ptr, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr,
+                    slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs, BLOCK_M, BLOCK_N, NQ, NKV, HEAD_DIM,
+                    PAGE_SIZE)
+    else:
+        tl.store(out_ptr + mi[:, None] * s_om + rows[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=(mi < M)[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr,
                        res_out_ptr, eps, M, N, K, k_per_split, s_xm, s_wn, s_om, s_rm, s_rom,
+                       pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr,
+                       s_kcb, s_kcs, s_vcb, s_vcs,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GLU: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                        NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False,
+                       NQ: tl.constexpr = 0, NKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
+                       PAGE_SIZE: tl.constexpr = 1,
                        PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    if ROPE:  # features j and j + HEAD_DIM/2 of one head, interleaved, for the rotation
+        tiles: tl.constexpr = HEAD_DIM // BLOCK_N
+        rows = (pid_n // tiles) * HEAD_DIM + (pid_n % tiles) * (BLOCK_N // 2) + r // 2 + \
+            (r % 2) * (HEAD_DIM // 2)
+    else:
+        rows = pid_n * BLOCK_N + r
     nmask = rows < N
     mi = tl.arange(0, BLOCK_M)
     k_start = split * k_per_split
@@ -125,27 +200,25 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr
         acc += w.to(tl.float32)[None, :, :] * x
     y = tl.sum(acc, 2)                                                   # [BM, BN]
     omask = (mi < M)[:, None] & nmask[None, :]
-    cols = rows[None, :]
     if SPLIT:
         # every split writes its partial; the last to arrive sums them in split order
-        tl.store(part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + cols, y, mask=omask)
+        part = part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + rows[None, :]
+        tl.store(part, y, mask=omask)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == nsplit - 1:
             y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, nsplit):
-                y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + cols,
+                y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + rows[None, :],
                              mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
-            tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
-                     mask=omask)
+            _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, pos_ptr, cs_ptr,
+                      s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs,
+                      HAS_BIAS, ROPE, BLOCK_M, BLOCK_N, NQ, NKV, HEAD_DIM, PAGE_SIZE)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+        _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, pos_ptr, cs_ptr,
+                  s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs,
+                  HAS_BIAS, ROPE, BLOCK_M, BLOCK_N, NQ, NKV, HEAD_DIM, PAGE_SIZE)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -161,14 +234,30 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         (cfg.dense_gemv_max_n <= 0 or weight.shape[0] <= cfg.dense_gemv_max_n)
 
 
+def rope_fits(weight: torch.Tensor, k_cache: torch.Tensor, num_heads: int,
+              num_kv_heads: int) -> bool:
+    """Whether `dense_gemv(..., rope=)` takes this QKV projection: whole heads per tile (the
+    normal tile's block_n divides head_dim) and caches of contiguous [heads, head_dim]."""
+    from .configs import get_config
+    hd = k_cache.shape[-1]
+    bn = get_config(weight.device).dense_gemv_block_n
+    return weight.shape[0] == (num_heads + 2 * num_kv_heads) * hd and bn % 2 == 0 and \
+        hd % bn == 0 and k_cache.stride(-1) == 1 and k_cache.stride(-2) == hd
+
+
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               glu: bool = False, norm: tuple | None = None):
+               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None):
     """x [..., K] (glu: [..., 2K] as [gate | up]) @ weight [N, K]^T + bias -> [..., N] in x's
     dtype, for at most `dense_gemv_max_m` rows; one launch (see the module docstring).
 
     `norm` = (norm_weight [K], eps, residual [..., K] or None): the input is
     `rms_norm(x, norm_weight, eps, residual)` instead of x, done in the same launch; returns
-    (y, x + residual) then (x itself without a residual), as `rms_norm` returns its residual."""
+    (y, x + residual) then (x itself without a residual), as `rms_norm` returns its residual.
+
+    `rope` = (positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads),
+    for a fused QKV projection that `rope_fits`: y is not stored; what
+    `qkv_rope_cache(y, *rope)` does to it is done in the epilogue, and q [rows, num_heads,
+    head_dim] is returned in y's place (bit for bit that function's, no q/k norm)."""
     from .quant_gemv import split_counters
     from .quant_triton import skinny_split_k
     n, k = weight.shape
@@ -182,7 +271,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     num_m = x2.shape[0]
-    out = torch.empty((num_m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_m, 0 if rope is not None else n), dtype=x.dtype, device=x.device)
     r2 = res_out = x2
     nw, eps = x2, 0.0
     if norm is not None:
@@ -192,10 +281,25 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
             res_out = torch.empty_like(x2)
     cfg = get_config(x.device)
+    rope_kw, rope_args = {}, (out, out, 0, out, 0, out, out, out, 0, 0, 0, 0)
+    if rope is not None:
+        positions, cos_sin, k_cache, v_cache, slots, nq, nkv = rope
+        if glu or not rope_fits(weight, k_cache, nq, nkv) or v_cache.stride(-2) != \
+                k_cache.shape[-1] or v_cache.stride(-1) != 1:
+            raise ValueError("dense_gemv: this projection and cache do not fit rope= "
+                             "(see rope_fits)")
+        hd = k_cache.shape[-1]
+        q = torch.empty((num_m, nq, hd), dtype=x.dtype, device=x.device)
+        cs = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+        rope_args = (positions, cs, cs.stride(0), q, q.stride(0), k_cache, v_cache, slots,
+                     k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+        rope_kw = dict(ROPE=True, NQ=nq, NKV=nkv, HEAD_DIM=hd, PAGE_SIZE=k_cache.shape[1])
+        out = q.view(num_m, nq * hd)  # never written: its dtype rounds the projection
     if num_m and n:
         block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
             cfg.dense_gemv_num_warps
-        if 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
+        if 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k and \
+                rope is None:
             block_n, block_k, warps = cfg.dense_gemv_wide_block_n, \
                 cfg.dense_gemv_wide_block_k, cfg.dense_gemv_wide_num_warps
         programs = triton.cdiv(n, block_n)
@@ -207,12 +311,12 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         _dense_gemv_kernel[(programs, split)](
             x2, w, bias.contiguous() if has_bias else out, out, part, counters, r2, nw, res_out,
             eps, num_m, n, k, tiles * block_k, x2.stride(0), w.stride(0), out.stride(0),
-            r2.stride(0), res_out.stride(0),
+            r2.stride(0), res_out.stride(0), *rope_args,
             BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
             SPLIT=split > 1, HAS_BIAS=has_bias, NORM=norm is not None,
             HAS_RES=res_out is not x2, PREFETCH=cfg.dense_gemv_prefetch, num_warps=warps,
-            **pdl_kwargs(x.device, cfg, programs * split))
-    y = out.view(*lead, n)
+            **rope_kw, **pdl_kwargs(x.device, cfg, programs * split))
+    y = q if rope is not None else out.view(*lead, n)
     if norm is None:
         return y
     return y, res_out.view(*lead, k) if res_out is not x2 else x
@@ -239,4 +343,4 @@ def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y if norm is None else (y, res)
 
 
-__all__ = ["applies", "dense_gemv", "dense_gemv_ref"]
+__all__ = ["applies", "dense_gemv", "dense_gemv_ref", "rope_fits"]

@@ -109,19 +109,23 @@ class Attention(nn.Module):
                                        not cfg.head_dim & (cfg.head_dim - 1))
 
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None,
-                xqs: dict | None = None, qkv: torch.Tensor | None = None):
-        """`qkv`: x's projection, already made (the norm fused into it); x is then None."""
-        qkv = self.qkv_proj(x, xqs) if qkv is None else qkv
-        n = qkv.shape[0]
+                xqs: dict | None = None, qkv: torch.Tensor | None = None,
+                q: torch.Tensor | None = None):
+        """`qkv`: x's projection, made already (`kernels.rms_norm_linear`); `q`: made already
+        with k and v in the cache (`kernels.rms_norm_qkv_rope_cache`). x is then None."""
         k_cache, v_cache = kv_cache
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
-            if self.q_norm is not None else ()
-        # split into heads, q/k norm, RoPE, k and v into the cache: one launch on GPUs
-        q = kernels.qkv_rope_cache(qkv, positions, cos_sin, k_cache, v_cache,
-                                   meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
+        if q is None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
+                if self.q_norm is not None else ()
+            qkv = self.qkv_proj(x, xqs) if qkv is None else qkv
+            # split into heads, q/k norm, RoPE, k and v into the cache: one launch on GPUs
+            q = kernels.qkv_rope_cache(qkv, positions, cos_sin, k_cache,
+                                       v_cache, meta.slot_mapping, self.num_heads,
+                                       self.num_kv_heads, *norms)
+        n = q.shape[0]
         if probe is not None:  # speculative prefill reads the attention of the last window
             probe(q, k_cache, meta, self.scale)
-        o_xqs = self.o_proj.int8_input(n, qkv.device) \
+        o_xqs = self.o_proj.int8_input(n, q.device) \
             if self.attn_quantizes_o_input and meta.max_query_len == 1 else {}
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
@@ -161,11 +165,18 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None):
         # at one row on quantized weights the norms also write their output in int8 for the
         # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch; on dense
-        # weights each norm is done in the loads of the projection after it
-        # (kernels.rms_norm_linear: its own launch where the dense GEMV does not run)
+        # weights each norm is done in the loads of the projection after it, and RoPE and
+        # the KV write in the QKV projection's epilogue (kernels.rms_norm_linear,
+        # rms_norm_qkv_rope_cache: separate launches where the dense GEMV does not run)
         rows, device = x.shape[0], x.device
         attn, mlp = self.self_attn, self.mlp
-        if not attn.qkv_proj.quantized:
+        if not attn.qkv_proj.quantized and attn.q_norm is None:  # + RoPE, KV write
+            q, residual = kernels.rms_norm_qkv_rope_cache(
+                x, self.input_layernorm.weight, self.input_layernorm.eps, residual,
+                attn.qkv_proj.weight, attn.qkv_proj.bias, positions, cos_sin, kv_cache[0],
+                kv_cache[1], meta.slot_mapping, attn.num_heads, attn.num_kv_heads)
+            x = attn(positions, None, kv_cache, meta, cos_sin, probe, q=q)
+        elif not attn.qkv_proj.quantized:
             qkv, residual = kernels.rms_norm_linear(
                 x, self.input_layernorm.weight, self.input_layernorm.eps, residual,
                 attn.qkv_proj.weight, attn.qkv_proj.bias)
