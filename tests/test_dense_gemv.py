@@ -156,7 +156,7 @@ def test_rope_epilogue_equals_the_rope_kernel(seed, split, bias, monkeypatch):
     positions = torch.tensor([5, 17, 40], device=DEVICE)
     slots = torch.tensor([2, -1, 9], device=DEVICE)
     caches = [[torch.zeros(4, page, nkv, hd, dtype=torch.bfloat16, device=DEVICE)
-               for _ in range(2)] for _ in range(3)]
+               for _ in range(2)] for _ in range(4)]
     rope = (positions, cos_sin, *caches[0], slots, nq, nkv)
     cfg = dataclasses.replace(SPLIT if split else SMALL, dense_gemv_block_n=8)
     with configs.use_config(cfg):
@@ -166,6 +166,18 @@ def test_rope_epilogue_equals_the_rope_kernel(seed, split, bias, monkeypatch):
         q_ref = kernels.qkv_rope_cache(qkv, positions, cos_sin, *caches[1], slots, nq, nkv)
         q2, r2 = kernels.rms_norm_qkv_rope_cache(x, nw, 1e-6, res, w, b, positions, cos_sin,
                                                  *caches[2], slots, nq, nkv)
+    calls = []
+    real = dg.dense_gemv
+    monkeypatch.setattr(dg, "dense_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    with configs.use_config(dataclasses.replace(cfg, dense_gemv_norm_max_programs=0)):
+        # the norm its own launch, RoPE still in the GEMV
+        q3, r3 = kernels.rms_norm_qkv_rope_cache(x, nw, 1e-6, res, w, b, positions, cos_sin,
+                                                 *caches[3], slots, nq, nkv)
+    assert [sorted(c) for c in calls] == [["rope"]]
+    torch.testing.assert_close(q3, q_ref, **TOL[torch.bfloat16])
+    for a, e in zip(caches[3], caches[1]):  # the norm's sum taken in another order
+        torch.testing.assert_close(a, e, **TOL[torch.bfloat16])
+    assert torch.equal(r3, r_ref)
     assert q.shape == (m, nq, hd)
     for got in ((q, r, *caches[0]), (q2, r2, *caches[2])):
         for a, e in zip(got, (q_ref, r_ref, *caches[1])):

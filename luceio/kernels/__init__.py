@@ -116,14 +116,13 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None, w, bias: torch.Tensor | None = None):
     """(linear(rms_norm(x, norm_weight, eps, residual), w, bias), the residual after the norm)
     for a dense weight: the residual is x + residual (x itself without one), as `rms_norm`
-    returns it. Where the dense GEMV runs and `dense_gemv_norm` is on, the norm is done in the
+    returns it. Where the dense GEMV runs and `dense_gemv.norm_pays`, the norm is done in the
     GEMV's loads: one launch instead of two, the normed input never stored
     (`dense_gemv.py`)."""
     if isinstance(w, torch.Tensor) and use_triton(x) and norm_weight.dtype == x.dtype and \
             (residual is None or residual.dtype == x.dtype):
-        from .configs import get_config
-        from .dense_gemv import applies, dense_gemv
-        if applies(x, w) and get_config(x.device).dense_gemv_norm:
+        from .dense_gemv import applies, dense_gemv, norm_pays
+        if applies(x, w) and norm_pays(w):
             return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual))
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps), w, bias), x
@@ -138,18 +137,22 @@ def rms_norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, eps: flo
                             slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int):
     """(qkv_rope_cache(qkv, ...), residual) for (qkv, residual) = `rms_norm_linear(...)`: a
     layer's input norm, QKV projection, RoPE and KV-cache write (no q/k norm). Where the dense
-    GEMV runs and `dense_gemv_rope` is on, all in the GEMV's launch (`dense_gemv.py`)."""
+    GEMV runs and `dense_gemv_rope` is on, the RoPE and the cache write in the GEMV's epilogue,
+    and the norm in its loads where `dense_gemv.norm_pays` (`dense_gemv.py`)."""
     if isinstance(w, torch.Tensor) and use_triton(x) and norm_weight.dtype == x.dtype and \
             (residual is None or residual.dtype == x.dtype):
         from .configs import get_config
-        from .dense_gemv import applies, dense_gemv, rope_fits
-        cfg = get_config(x.device)
-        if applies(x, w) and cfg.dense_gemv_norm and cfg.dense_gemv_rope and \
+        from .dense_gemv import applies, dense_gemv, norm_pays, rope_fits
+        if applies(x, w) and get_config(x.device).dense_gemv_rope and \
                 rope_fits(w, k_cache, num_heads, num_kv_heads) and \
                 v_cache.stride(-1) == 1 and v_cache.stride(-2) == v_cache.shape[-1]:
-            return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual),
-                              rope=(positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                    num_heads, num_kv_heads))
+            rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+            if norm_pays(w, rope=True):
+                return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual), rope=rope)
+            if residual is None:
+                return dense_gemv(rms_norm(x, norm_weight, eps), w, bias, rope=rope), x
+            h, residual = rms_norm(x, norm_weight, eps, residual)
+            return dense_gemv(h, w, bias, rope=rope), residual
     qkv, residual = rms_norm_linear(x, norm_weight, eps, residual, w, bias)
     return qkv_rope_cache(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
                           num_kv_heads), residual

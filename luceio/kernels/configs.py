@@ -85,7 +85,10 @@ class KernelConfig:
     # the first weight tile is loaded before the PDL wait (weights are never written in a step)
     dense_gemv_prefetch: bool = True
     # an RMSNorm before a dense projection is done in the projection's GEMV (`rms_norm_linear`)
+    # where its launch has at most dense_gemv_norm_max_programs programs (each takes the row's
+    # sum of squares before its first product)
     dense_gemv_norm: bool = True
+    dense_gemv_norm_max_programs: int = 512
     # ... and a layer's RoPE and KV-cache write in its QKV GEMV's epilogue (no q/k norm)
     dense_gemv_rope: bool = True
     qgemm_num_stages: int = 2

@@ -234,6 +234,28 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         (cfg.dense_gemv_max_n <= 0 or weight.shape[0] <= cfg.dense_gemv_max_n)
 
 
+def _launch_shape(cfg, n: int, k: int, wide_ok: bool = True) -> tuple:
+    """(block_n, block_k, num_warps, programs, K splits, K tiles per split) of a launch."""
+    from .quant_triton import skinny_split_k
+    block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
+        cfg.dense_gemv_num_warps
+    if wide_ok and 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
+        block_n, block_k, warps = cfg.dense_gemv_wide_block_n, cfg.dense_gemv_wide_block_k, \
+            cfg.dense_gemv_wide_num_warps
+    programs = triton.cdiv(n, block_n)
+    split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
+    return block_n, block_k, warps, programs, split, tiles
+
+
+def norm_pays(weight: torch.Tensor, rope: bool = False) -> bool:
+    """Whether the norm before this projection is done in its GEMV (`norm=`): with
+    `dense_gemv_norm` on and a launch of at most `dense_gemv_norm_max_programs` programs, as
+    each program takes the row's sum of squares itself before its first product."""
+    cfg = get_config(weight.device)
+    programs, split = _launch_shape(cfg, *weight.shape, not rope)[3:5]
+    return cfg.dense_gemv_norm and programs * split <= cfg.dense_gemv_norm_max_programs
+
+
 def rope_fits(weight: torch.Tensor, k_cache: torch.Tensor, num_heads: int,
               num_kv_heads: int) -> bool:
     """Whether `dense_gemv(..., rope=)` takes this QKV projection: whole heads per tile (the
@@ -259,7 +281,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     `qkv_rope_cache(y, *rope)` does to it is done in the epilogue, and q [rows, num_heads,
     head_dim] is returned in y's place (bit for bit that function's, no q/k norm)."""
     from .quant_gemv import split_counters
-    from .quant_triton import skinny_split_k
     n, k = weight.shape
     if x.shape[-1] != (2 * k if glu else k):
         raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]"
@@ -296,14 +317,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         rope_kw = dict(ROPE=True, NQ=nq, NKV=nkv, HEAD_DIM=hd, PAGE_SIZE=k_cache.shape[1])
         out = q.view(num_m, nq * hd)  # never written: its dtype rounds the projection
     if num_m and n:
-        block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
-            cfg.dense_gemv_num_warps
-        if 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k and \
-                rope is None:
-            block_n, block_k, warps = cfg.dense_gemv_wide_block_n, \
-                cfg.dense_gemv_wide_block_k, cfg.dense_gemv_wide_num_warps
-        programs = triton.cdiv(n, block_n)
-        split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
+        block_n, block_k, warps, programs, split, tiles = _launch_shape(cfg, n, k, rope is None)
         part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
             if split > 1 else out
         counters = split_counters(x.device, programs) if split > 1 else out
@@ -343,4 +357,4 @@ def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y if norm is None else (y, res)
 
 
-__all__ = ["applies", "dense_gemv", "dense_gemv_ref", "rope_fits"]
+__all__ = ["applies", "dense_gemv", "dense_gemv_ref", "norm_pays", "rope_fits"]
