@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .memory import current_stream
 from .outputs import RequestOutput
 from .request import Request
 from .runner import DeviceTokenIds, StepInputs
@@ -67,7 +68,7 @@ class HostCopy:
             return
         self._host = [_map(item, _to_pinned) for item in items]
         self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(tensors[0].device))
+        self._event.record(current_stream(tensors[0].device))
 
     def wait(self) -> list:
         """The items on the host, once their copies are done."""

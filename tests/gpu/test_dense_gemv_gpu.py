@@ -55,3 +55,44 @@ def test_dense_gemv_native(seed, n, k, bias, glu):
                 f"seed {seed} [{n}, {k}] row {i} differs from the row alone"
         if glu:
             assert torch.equal(dense_gemv(silu_and_mul(x), w, b), out), f"seed {seed}"
+
+
+@pytest.mark.parametrize("nq,nkv,hd,k,bias", [(14, 2, 64, 896, True), (32, 8, 128, 4096, False)])
+def test_norm_and_rope_fused_native(seed, nq, nkv, hd, k, bias):
+    """Norm in the loads and RoPE + KV write in the epilogue, compiled at real shapes: q and
+    the caches bit for bit the GEMV's (with the same fused norm) followed by the RoPE kernel;
+    the fused norm's output as linear(rms_norm(...)) to rounding."""
+    from luceio.kernels import build_cos_sin_cache, qkv_rope_cache, rms_norm
+    n = (nq + 2 * nkv) * hd
+    w = (torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
+    b = (torch.randn(n, device=DEV) * 0.1).to(torch.bfloat16) if bias else None
+    x, res = (torch.randn(1, k, device=DEV).to(torch.bfloat16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, device=DEV)).to(torch.bfloat16)
+    cos_sin = build_cos_sin_cache(hd, 4096, 1e6, None).to(DEV)
+    pos, slots = torch.tensor([3000], device=DEV), torch.tensor([37], device=DEV)
+    caches = [[torch.zeros(8, 16, nkv, hd, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+              for _ in range(2)]
+    with configs.use_config(_cfg()):
+        q, r = dense_gemv(x, w, b, norm=(nw, 1e-6, res),
+                          rope=(pos, cos_sin, *caches[0], slots, nq, nkv))
+        qkv, r_ref = dense_gemv(x, w, b, norm=(nw, 1e-6, res))
+        q_ref = qkv_rope_cache(qkv, pos, cos_sin, *caches[1], slots, nq, nkv)
+        h, r2 = rms_norm(x, nw, 1e-6, res)
+        unfused = dense_gemv(h, w, b).float()
+    assert torch.equal(q, q_ref) and torch.equal(r, r_ref) and torch.equal(r, r2), f"seed {seed}"
+    for a, e in zip(caches[0], caches[1]):
+        assert torch.equal(a, e), f"seed {seed}"
+    assert caches[0][0][2, 5].abs().sum() > 0  # slot 37 = block 2, offset 5
+    torch.testing.assert_close(qkv.float(), unfused, rtol=2e-2,
+                               atol=2e-2 * unfused.abs().max().item(), msg=lambda e: f"seed {seed}: {e}")
+
+
+def test_current_stream_is_torchs():
+    """`memory.current_stream` answers what torch.cuda.current_stream does, in and out of a
+    stream context."""
+    from luceio.memory import current_stream
+    assert current_stream(DEV) == torch.cuda.current_stream(DEV)
+    side = torch.cuda.Stream(DEV)
+    with torch.cuda.stream(side):
+        assert current_stream(DEV) == side == torch.cuda.current_stream(DEV)
+    assert current_stream(torch.device("cuda", 0)) == torch.cuda.current_stream(0)
