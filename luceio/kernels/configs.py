@@ -53,6 +53,7 @@ class KernelConfig:
     gemv_block_k: int = 1024
     gemv_num_warps: int = 1
     gemv_prefetch: bool = True           # load the next tile's code words before computing this one
+    gemv_early_load: bool = True         # ... the first tile's before the PDL wait (one row)
     # split K while the rows alone give fewer programs (one warp each) than this, into splits
     # of at least gemv_min_tiles_per_split tiles: a short, long-K matrix (down: N = 4096,
     # K = 14336) is too few warps to keep enough loads in flight

@@ -127,8 +127,11 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                s_om, s_qs, s_qh, s_d, s_sc, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
                ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               PAIRED: tl.constexpr):
-    """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... ."""
+               PAIRED: tl.constexpr, PDL: tl.constexpr = False,
+               PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False):
+    """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... . `PDL`:
+    waits for the kernel before (`pdl_enter`) itself, after loading its first code words
+    with PREFETCH and EARLY_LOAD (no kernel of a step writes weights)."""
     # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
     # so every type's tile is [BN, G * H, 4] with one thread per (half-)group; the M rows of x
     # are a leading axis that every weight tile is broadcast over (loaded and decoded once)
@@ -146,7 +149,10 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
 
     acc = tl.zeros([BLOCK_M, BLOCK_N, GH], tl.float32)
     WG: tl.constexpr = 4 * H                                             # words per group
-    if PREFETCH:  # the next tile's code words load while this tile computes
+    if PREFETCH and EARLY_LOAD:  # the next tile's code words load while this tile computes
+        nxt = _row_tile(qs_ptr, row0, N, s_qs, g_start * WG, g_end * WG, BLOCK_N, G * WG)
+    pdl_enter(PDL, PDL_EARLY)
+    if PREFETCH and not EARLY_LOAD:
         nxt = _row_tile(qs_ptr, row0, N, s_qs, g_start * WG, g_end * WG, BLOCK_N, G * WG)
     for g0 in range(g_start, g_end, G):
         if PREFETCH:
@@ -274,12 +280,13 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
                  ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PAIRED: tl.constexpr,
+                 EARLY_LOAD: tl.constexpr = False,
                  PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
-    pdl_enter(PDL, PDL_EARLY)
     gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
-               QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED)
+               QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED, PDL,
+               PDL_EARLY, EARLY_LOAD)
 
 
 _COUNTERS: dict = {}
@@ -368,4 +375,5 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
             QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
             G=max(1, cfg.gemv_block_k // 32), PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,
-            num_warps=cfg.gemv_num_warps, **pdl_kwargs(x2.device, cfg, programs * split))
+            EARLY_LOAD=cfg.gemv_early_load, num_warps=cfg.gemv_num_warps,
+            **pdl_kwargs(x2.device, cfg, programs * split))
