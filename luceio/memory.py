@@ -84,7 +84,10 @@ def current_stream(device: torch.device):
     argument parsing (~35 us of host time a decode step in two calls, host_profile.py): the
     stream object is kept per (stream id, device) that torch reports current."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = torch._C._cuda_getCurrentStream(index)
+    lookup = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if lookup is None:  # a torch without it
+        return torch.cuda.current_stream(index)
+    key = lookup(index)
     stream = _STREAMS.get(key)
     if stream is None:
         stream = _STREAMS[key] = torch.cuda.current_stream(index)
