@@ -22,6 +22,15 @@ dependent launch, `pdl.py`) and cannot take its input from two halves. Here:
   and the last split of a row block to arrive (an acq_rel counter,
   `quant_gemv.split_counters`) sums them in split order (deterministic) and adds the bias, in
   the same launch.
+* `NORM` (`kernels.rms_norm_linear`): x is a layer's hidden state and the input the weight
+  multiplies is its RMSNorm (after the residual add), rounded as `rms_norm` rounds it; each
+  program takes the row's sum of squares itself, the first writes the next residual. It pays
+  only on launches of few programs (`dense_gemv_norm_max_programs`).
+* `ROPE` (`kernels.rms_norm_qkv_rope_cache`): a fused QKV projection whose programs own
+  features j and j + head_dim/2 of one head, so the epilogue rotates them (q into q, k into
+  the k cache) and writes v into the v cache, bit for bit as `qkv_rope_triton` would.
+* The first weight tile loads before the PDL wait (`dense_gemv_prefetch`): weights are never
+  written during a step, so it overlaps the kernel before.
 * One row only in the sm_90 entry (`dense_gemv_max_m` = 1): past one row each row adds its
   own accumulators to the tile's registers; verify steps and batches go to cuBLAS.
 
@@ -78,7 +87,7 @@ def _rope_store(y, mi, M, pid_n, out_ptr, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_
                 BLOCK_N: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
                 HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """ROPE's epilogue: y [BM, BN] holds features j and j + HEAD_DIM/2 of one head, interleaved
-    (`_rows`). Rounded to x's dtype as the stored projection would be, then as
+    (the kernel's ROPE row order). Rounded to x's dtype as the stored projection would be, then as
     `qkv_rope_triton` does it: q rotated into q, k rotated into the k cache, v into the v
     cache, at each row's slot (-1: not written)."""
     HALF: tl.constexpr = HEAD_DIM // 2
