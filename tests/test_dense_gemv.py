@@ -186,6 +186,71 @@ def test_rope_epilogue_equals_the_rope_kernel(seed, split, bias, monkeypatch):
     assert caches[0][0].flatten(0, 1)[[0, 1, 3, 4, 5, 6, 7, 8]].abs().sum() == 0  # only 2, 9
 
 
+@pytest.mark.parametrize("cfg", [SMALL, SPLIT, WIDE], ids=["small", "split", "wide"])
+@pytest.mark.parametrize("glu", [False, True])
+def test_add_epilogue_and_the_norm_after_it(seed, cfg, glu, monkeypatch):
+    """`add=`: the projection + residual as the norm kernel's add rounds it (bit for bit the
+    residual `rms_norm` hands on), with per-program sums of squares that add up to the row's;
+    the GEMV after it (`norm=, ss=`) equals the reference norm + projection of that sum, and
+    `kernels.linear_add` / `rms_norm_linear` / `rms_norm_qkv_rope_cache` chain them."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    m, k, n, n2 = 3, 48, 40, 24
+    dt = torch.bfloat16
+    x = rand(m, 2 * k if glu else k, dtype=dt)
+    w, res = rand(n, k, dtype=dt) / k ** 0.5, rand(m, n, dtype=dt)
+    nw, w2 = rand(n, dtype=dt), rand(n2, n, dtype=dt) / n ** 0.5
+    with configs.use_config(cfg):
+        h, ss = dg.dense_gemv(x, w, glu=glu, add=res)
+        y = dg.dense_gemv(x, w, glu=glu)
+        assert torch.equal(h, kernels.rms_norm(y, nw, 1e-6, res)[1]), f"seed {seed}"
+        assert ss.dtype == torch.float32 and ss.shape[0] == m and ss.shape[1] > 1
+        torch.testing.assert_close(ss.sum(-1), h.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+        z, r = dg.dense_gemv(h, w2, norm=(nw, 1e-6, None), ss=ss)
+        assert r is h
+        torch.testing.assert_close(z.float(), dg.dense_gemv_ref(h, w2, norm=(nw, 1e-6, None))[0]
+                                   .float(), **TOL[dt], msg=lambda e: f"seed {seed}: {e}")
+        # through the dispatch: linear_add -> Summed -> rms_norm_linear
+        summed, none = kernels.linear_add(x, w, None, res, glu=glu)
+        assert none is None and torch.equal(summed.h, h) and torch.equal(summed.ss, ss)
+        z2, r2 = kernels.rms_norm_linear(summed, nw, 1e-6, None, w2)
+        assert torch.equal(z2, z) and r2 is summed.h
+        with configs.use_config(dataclasses.replace(cfg, dense_gemv_sum_ahead=False)):
+            y3, r3 = kernels.linear_add(x, w, None, res, glu=glu)
+        assert torch.equal(y3, y) and r3 is res
+    # off the GEMV (torch): a Summed is normed as its h with no residual
+    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
+    z4, r4 = kernels.rms_norm_linear(summed, nw, 1e-6, None, w2)
+    assert r4 is summed.h
+    torch.testing.assert_close(z4.float(), z.float(), **TOL[dt])
+
+
+def test_presummed_norm_with_rope(seed, monkeypatch):
+    """A Summed into the fused QKV + RoPE launch: q and the caches as the reference norm,
+    projection and `qkv_rope_cache` make them (the norm's sum taken in another order)."""
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    nq, nkv, hd, page, k, m = 2, 1, 16, 4, 32, 2
+    dt = torch.bfloat16
+    x, res = rand(m, 24, dtype=dt), rand(m, k, dtype=dt)
+    w0 = rand(k, 24, dtype=dt) / 5
+    nw, w = rand(k, dtype=dt), rand((nq + 2 * nkv) * hd, k, dtype=dt) / k ** 0.5
+    cos_sin = kernels.build_cos_sin_cache(hd, 64, 10000.0, None).to(DEVICE)
+    positions, slots = torch.tensor([3, 9], device=DEVICE), torch.tensor([1, 6], device=DEVICE)
+    caches = [[torch.zeros(2, page, nkv, hd, dtype=dt, device=DEVICE) for _ in range(2)]
+              for _ in range(2)]
+    with configs.use_config(dataclasses.replace(SMALL, dense_gemv_block_n=8)):
+        summed, _ = kernels.linear_add(x, w0, None, res)
+        q, r = kernels.rms_norm_qkv_rope_cache(summed, nw, 1e-6, None, w, None, positions,
+                                               cos_sin, *caches[0], slots, nq, nkv)
+    assert r is summed.h
+    monkeypatch.setenv("LUCEIO_KERNELS", "torch")
+    normed, _ = kernels.rms_norm(x @ w0.T, nw, 1e-6, res)
+    q_ref = kernels.qkv_rope_cache(normed @ w.T, positions, cos_sin, *caches[1], slots, nq, nkv)
+    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dt], msg=lambda e: f"seed {seed}: {e}")
+    for a, e in zip(caches[0], caches[1]):
+        torch.testing.assert_close(a.float(), e.float(), **TOL[dt])
+    assert caches[0][0].abs().sum() > 0
+
+
 def test_glu_input_is_the_silu_kernels_output(seed, monkeypatch):
     """The SiLU done in the GEMV's loads rounds as the SiLU kernel does: the fused down
     projection equals the GEMV of `kernels.silu_and_mul`'s output bit for bit."""
@@ -243,9 +308,19 @@ def test_engine_with_the_dense_gemv_equals_reference(tiny_models, monkeypatch):
     monkeypatch.setenv("LUCEIO_KERNELS", "torch")
     ref = [o.outputs[0].token_ids for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
-    with configs.use_config(dataclasses.replace(SMALL, dense_gemv_max_m=2)):
-        got = [o.outputs[0].token_ids
-               for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
-    assert got == ref
-    assert {"glu": True} in calls and {} in calls  # all three kinds ran
-    assert any("norm" in c for c in calls) and any("rope" in c for c in calls)
+    for sum_ahead in (True, False):
+        calls.clear()
+        cfg = dataclasses.replace(SMALL, dense_gemv_max_m=2, dense_gemv_sum_ahead=sum_ahead)
+        with configs.use_config(cfg):
+            got = [o.outputs[0].token_ids
+                   for o in LLM(tiny_models["llama"], **kw).generate(prompts, params)]
+        assert got == ref, f"sum_ahead={sum_ahead}"
+        kinds = {frozenset(k for k, v in c.items() if v is not None and v is not False)
+                 for c in calls}
+        assert frozenset() in kinds and any("rope" in c for c in kinds)  # LM head; QKV + RoPE
+        if sum_ahead:  # o and down add the residual; the norms after them take the sums
+            assert {frozenset({"add"}), frozenset({"glu", "add"})} <= kinds
+            assert any("ss" in c for c in kinds) and frozenset({"glu"}) not in kinds
+        else:
+            assert frozenset({"glu"}) in kinds and any("norm" in c for c in kinds)
+            assert not any("add" in c or "ss" in c for c in kinds)

@@ -7,6 +7,7 @@ kernels even on CPU tensors (only meaningful under `TRITON_INTERPRET=1`, for tes
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -112,25 +113,69 @@ def silu_and_mul_linear(gate_up: torch.Tensor, w, bias: torch.Tensor | None = No
     return linear(silu_and_mul(gate_up), w, bias)
 
 
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+class Summed(NamedTuple):
+    """A residual stream already added by the projection before a norm (`linear_add`): h =
+    that projection's output + the residual, rounded as `rms_norm`'s add rounds it, and ss
+    [rows, P] fp32, partial sums of squares of h's rows (their sum is the row's). The norm
+    after it takes h as its input with no residual, and h is also the next residual."""
+    h: torch.Tensor
+    ss: torch.Tensor
+
+
+def linear_add(x: torch.Tensor, w, bias: torch.Tensor | None, residual: torch.Tensor | None,
+               glu: bool = False) -> tuple:
+    """(linear(x, w, bias), residual) for the projection before a norm (an attention's o, an
+    MLP's down; `glu`: x is the gate/up output, SiLU-and-mul done on the way in), or, where
+    the dense GEMV runs and `dense_gemv_sum_ahead` is on, (Summed, None): the residual add and
+    the norm's sums of squares done in the GEMV's epilogue, so the norm after it needs no
+    launch of its own (`dense_gemv_epilogue.py`)."""
+    if residual is not None and isinstance(w, torch.Tensor) and use_triton(x) and \
+            residual.dtype == x.dtype:
+        from .configs import get_config
+        from .dense_gemv import applies, dense_gemv
+        if get_config(x.device).dense_gemv_sum_ahead and applies(x, w):
+            return Summed(*dense_gemv(x, w, bias, glu=glu, add=residual)), None
+    if glu:
+        return silu_and_mul_linear(x, w, bias), residual
+    return linear(x, w, bias), residual
+
+
+def _gemv_norm_input(x, norm_weight, w, residual) -> bool:
+    """Whether the dense GEMV can take this norm's input in its loads (dense weight, Triton,
+    one dtype)."""
+    xt = x.h if isinstance(x, Summed) else x
+    return isinstance(w, torch.Tensor) and use_triton(xt) and norm_weight.dtype == xt.dtype \
+        and (residual is None or residual.dtype == xt.dtype)
+
+
+def _norm_kw(x, norm_weight, eps, residual) -> dict:
+    if isinstance(x, Summed):
+        return dict(norm=(norm_weight, eps, None), ss=x.ss)
+    return dict(norm=(norm_weight, eps, residual))
+
+
+def rms_norm_linear(x, norm_weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None, w, bias: torch.Tensor | None = None):
     """(linear(rms_norm(x, norm_weight, eps, residual), w, bias), the residual after the norm)
     for a dense weight: the residual is x + residual (x itself without one), as `rms_norm`
     returns it. Where the dense GEMV runs and `dense_gemv.norm_pays`, the norm is done in the
     GEMV's loads: one launch instead of two, the normed input never stored
-    (`dense_gemv.py`)."""
-    if isinstance(w, torch.Tensor) and use_triton(x) and norm_weight.dtype == x.dtype and \
-            (residual is None or residual.dtype == x.dtype):
+    (`dense_gemv.py`). x may be a `Summed` (residual None): its partial sums give the norm's
+    scale, so the GEMV always takes the norm."""
+    if _gemv_norm_input(x, norm_weight, w, residual):
         from .dense_gemv import applies, dense_gemv, norm_pays
-        if applies(x, w) and norm_pays(w):
-            return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual))
+        xt = x.h if isinstance(x, Summed) else x
+        if applies(xt, w) and (isinstance(x, Summed) or norm_pays(w)):
+            return dense_gemv(xt, w, bias, **_norm_kw(x, norm_weight, eps, residual))
+    if isinstance(x, Summed):
+        x, residual = x.h, None
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps), w, bias), x
     h, residual = rms_norm(x, norm_weight, eps, residual)
     return linear(h, w, bias), residual
 
 
-def rms_norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+def rms_norm_qkv_rope_cache(x, norm_weight: torch.Tensor, eps: float,
                             residual: torch.Tensor | None, w, bias: torch.Tensor | None,
                             positions: torch.Tensor, cos_sin: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -138,17 +183,19 @@ def rms_norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     """(qkv_rope_cache(qkv, ...), residual) for (qkv, residual) = `rms_norm_linear(...)`: a
     layer's input norm, QKV projection, RoPE and KV-cache write (no q/k norm). Where the dense
     GEMV runs and `dense_gemv_rope` is on, the RoPE and the cache write in the GEMV's epilogue,
-    and the norm in its loads where `dense_gemv.norm_pays` (`dense_gemv.py`)."""
-    if isinstance(w, torch.Tensor) and use_triton(x) and norm_weight.dtype == x.dtype and \
-            (residual is None or residual.dtype == x.dtype):
+    and the norm in its loads where `dense_gemv.norm_pays` or x is a `Summed`
+    (`dense_gemv.py`)."""
+    if _gemv_norm_input(x, norm_weight, w, residual):
         from .configs import get_config
         from .dense_gemv import applies, dense_gemv, norm_pays, rope_fits
-        if applies(x, w) and get_config(x.device).dense_gemv_rope and \
+        xt = x.h if isinstance(x, Summed) else x
+        if applies(xt, w) and get_config(xt.device).dense_gemv_rope and \
                 rope_fits(w, k_cache, num_heads, num_kv_heads) and \
                 v_cache.stride(-1) == 1 and v_cache.stride(-2) == v_cache.shape[-1]:
             rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-            if norm_pays(w, rope=True):
-                return dense_gemv(x, w, bias, norm=(norm_weight, eps, residual), rope=rope)
+            if isinstance(x, Summed) or norm_pays(w, rope=True):
+                return dense_gemv(xt, w, bias, rope=rope,
+                                  **_norm_kw(x, norm_weight, eps, residual))
             if residual is None:
                 return dense_gemv(rms_norm(x, norm_weight, eps), w, bias, rope=rope), x
             h, residual = rms_norm(x, norm_weight, eps, residual)

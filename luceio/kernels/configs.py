@@ -92,6 +92,10 @@ class KernelConfig:
     dense_gemv_norm_max_programs: int = 512
     # ... and a layer's RoPE and KV-cache write in its QKV GEMV's epilogue (no q/k norm)
     dense_gemv_rope: bool = True
+    # ... and the projection before a norm (o, down) adds the residual in its epilogue and
+    # writes the norm's partial sums of squares (`linear_add`), so the norm is done in the
+    # next projection's loads whatever its launch size, and has no launch of its own
+    dense_gemv_sum_ahead: bool = True
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .configs import get_config
+from .dense_gemv_epilogue import _epilogue, _row_rstd
 from .elementwise_triton import silu_mul
 from .pdl import pdl_enter, pdl_kwargs
 
@@ -82,73 +83,9 @@ def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr,
 
 
 @triton.jit
-def _rope_store(y, mi, M, pid_n, out_ptr, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr,
-                slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
-                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """ROPE's epilogue: y [BM, BN] holds features j and j + HEAD_DIM/2 of one head, interleaved
-    (the kernel's ROPE row order). Rounded to x's dtype as the stored projection would be, then as
-    `qkv_rope_triton` does it: q rotated into q, k rotated into the k cache, v into the v
-    cache, at each row's slot (-1: not written)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    HB: tl.constexpr = BLOCK_N // 2
-    head = pid_n // (HALF // HB)
-    j = (pid_n % (HALF // HB)) * HB + tl.arange(0, HB)
-    v = y.to(out_ptr.dtype.element_ty)
-    v1, v2 = tl.split(tl.reshape(v, [BLOCK_M, HB, 2]))
-    a = v1.to(tl.float32)
-    b = v2.to(tl.float32)
-    mmask = mi < M
-    rmask = mmask[:, None] & (j < HALF)[None, :]
-    pos = tl.load(pos_ptr + mi, mask=mmask, other=0).to(tl.int64)
-    cs = cs_ptr + pos[:, None] * s_cs + j[None, :]
-    cos = tl.load(cs, mask=rmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs + HALF, mask=rmask, other=0.0).to(tl.float32)
-    r1 = a * cos - b * sin
-    r2 = b * cos + a * sin
-    if head < NQ:
-        dst = q_ptr + mi[:, None].to(tl.int64) * s_q + head * HEAD_DIM + j[None, :]
-        tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=rmask)
-        tl.store(dst + HALF, r2.to(q_ptr.dtype.element_ty), mask=rmask)
-    else:
-        slot = tl.load(slot_ptr + mi, mask=mmask, other=-1).to(tl.int64)
-        smask = rmask & (slot >= 0)[:, None]
-        page = tl.where(slot >= 0, slot, 0) // PAGE_SIZE
-        off = tl.where(slot >= 0, slot, 0) % PAGE_SIZE
-        if head < NQ + NKV:  # rounded to x's dtype, then to the cache's, as the reference does
-            dst = kc_ptr + page[:, None] * s_kcb + off[:, None] * s_kcs + \
-                (head - NQ) * HEAD_DIM + j[None, :]
-            dt = kc_ptr.dtype.element_ty
-            tl.store(dst, r1.to(v.dtype).to(dt), mask=smask)
-            tl.store(dst + HALF, r2.to(v.dtype).to(dt), mask=smask)
-        else:
-            dst = vc_ptr + page[:, None] * s_vcb + off[:, None] * s_vcs + \
-                (head - NQ - NKV) * HEAD_DIM + j[None, :]
-            tl.store(dst, v1.to(vc_ptr.dtype.element_ty), mask=smask)
-            tl.store(dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=smask)
-
-
-@triton.jit
-def _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, pos_ptr, cs_ptr, s_cs,
-              q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs,
-              HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
-              HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """The finished sums y [BM, BN] of features `rows`: + bias, then stored (or ROPE's)."""
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows[None, :], mask=nmask[None, :], other=0.0).to(tl.float32)
-    if ROPE:
-        _rope_store(y, mi, M, pid_n, out_ptr, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr,
-                    slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs, BLOCK_M, BLOCK_N, NQ, NKV, HEAD_DIM,
-                    PAGE_SIZE)
-    else:
-        tl.store(out_ptr + mi[:, None] * s_om + rows[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=(mi < M)[:, None] & nmask[None, :])
-
-
-@triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr,
-                       res_out_ptr, eps, M, N, K, k_per_split, s_xm, s_wn, s_om, s_rm, s_rom,
+                       res_out_ptr, ss_ptr, n_ss, eps, M, N, K, k_per_split, s_xm, s_wn, s_om,
+                       s_rm, s_rom,
                        pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr,
                        s_kcb, s_kcs, s_vcb, s_vcs,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -156,7 +93,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr
                        NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
                        PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False,
                        NQ: tl.constexpr = 0, NKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
-                       PAGE_SIZE: tl.constexpr = 1,
+                       PAGE_SIZE: tl.constexpr = 1, ADD: tl.constexpr = False,
+                       PRE_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
                        PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -181,7 +119,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr
     if not PREFETCH:
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
     rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
+    if NORM and PRE_SS:  # the row's sum of squares from the ADD epilogue's partials
+        rstd = _row_rstd(ss_ptr, n_ss, mi, M, K, eps, BLOCK_M, BLOCK_SS)
+    elif NORM:
         # every program takes the row's sum of squares itself (the row is a few KB, read from
         # L2); the first program also writes x + residual, the next residual
         first = (pid_n == 0) & (split == 0)
@@ -220,14 +160,16 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr
             for s in range(0, nsplit):
                 y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + rows[None, :],
                              mask=omask, other=0.0, cache_modifier=".cg")
-            _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, pos_ptr, cs_ptr,
-                      s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs,
-                      HAS_BIAS, ROPE, BLOCK_M, BLOCK_N, NQ, NKV, HEAD_DIM, PAGE_SIZE)
+            _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, r_ptr, s_rm,
+                      ss_ptr, n_ss, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr,
+                      s_kcb, s_kcs, s_vcb, s_vcs, HAS_BIAS, ROPE, ADD, BLOCK_M, BLOCK_N, NQ, NKV,
+                      HEAD_DIM, PAGE_SIZE)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, pos_ptr, cs_ptr,
-                  s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr, s_kcb, s_kcs, s_vcb, s_vcs,
-                  HAS_BIAS, ROPE, BLOCK_M, BLOCK_N, NQ, NKV, HEAD_DIM, PAGE_SIZE)
+        _epilogue(y, mi, M, N, rows, nmask, pid_n, bias_ptr, out_ptr, s_om, r_ptr, s_rm,
+                  ss_ptr, n_ss, pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr,
+                  s_kcb, s_kcs, s_vcb, s_vcs, HAS_BIAS, ROPE, ADD, BLOCK_M, BLOCK_N, NQ, NKV,
+                  HEAD_DIM, PAGE_SIZE)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -277,13 +219,20 @@ def rope_fits(weight: torch.Tensor, k_cache: torch.Tensor, num_heads: int,
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None):
+               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
+               add: torch.Tensor | None = None, ss: torch.Tensor | None = None):
     """x [..., K] (glu: [..., 2K] as [gate | up]) @ weight [N, K]^T + bias -> [..., N] in x's
     dtype, for at most `dense_gemv_max_m` rows; one launch (see the module docstring).
 
     `norm` = (norm_weight [K], eps, residual [..., K] or None): the input is
     `rms_norm(x, norm_weight, eps, residual)` instead of x, done in the same launch; returns
     (y, x + residual) then (x itself without a residual), as `rms_norm` returns its residual.
+    `ss` (with `norm`, no residual): x is an `add=` launch's h and `ss` its partial sums of
+    squares, which give the norm's scale.
+
+    `add` = residual [..., N]: returns (h, ss): h = y + residual rounded as `rms_norm`'s add
+    ([..., N], x's dtype) and ss [rows, programs] fp32, each program's sum of squares of its
+    features of h (`dense_gemv_epilogue.py`), for a `norm=..., ss=` launch after it.
 
     `rope` = (positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads),
     for a fused QKV projection that `rope_fits`: y is not stored; what
@@ -294,8 +243,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.shape[-1] != (2 * k if glu else k):
         raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]"
                          + (" (glu: x is [gate | up], 2K)" if glu else ""))
-    if glu and norm is not None:
-        raise ValueError("dense_gemv: glu and norm are exclusive")
+    if glu and norm is not None or add is not None and (norm is not None or rope is not None):
+        raise ValueError("dense_gemv: glu and norm, and add and norm / rope, are exclusive")
+    if ss is not None and (norm is None or norm[2] is not None):
+        raise ValueError("dense_gemv: ss= goes with norm= and no residual")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -310,6 +261,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             r2 = residual.reshape(-1, k)
             r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
             res_out = torch.empty_like(x2)
+    if add is not None:
+        if add.shape[-1] != n or add.dtype != x.dtype:
+            raise ValueError(f"dense_gemv: add= needs [..., {n}] in {x.dtype}")
+        r2 = add.reshape(-1, n)
+        r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     cfg = get_config(x.device)
     rope_kw, rope_args = {}, (out, out, 0, out, 0, out, out, out, 0, 0, 0, 0)
     if rope is not None:
@@ -325,21 +281,32 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                      k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
         rope_kw = dict(ROPE=True, NQ=nq, NKV=nkv, HEAD_DIM=hd, PAGE_SIZE=k_cache.shape[1])
         out = q.view(num_m, nq * hd)  # never written: its dtype rounds the projection
+    block_n, block_k, warps, programs, split, tiles = _launch_shape(cfg, n, k, rope is None)
+    ss_out = torch.empty((num_m, programs), dtype=torch.float32, device=x.device) \
+        if add is not None else None
+    ss_buf = ss if ss is not None else ss_out if ss_out is not None else out
+    n_ss = ss_buf.shape[-1] if ss_buf is not out else 1
+    if ss is not None and (ss.dtype != torch.float32 or ss.shape[0] != num_m or
+                           ss.stride(-1) != 1):
+        raise ValueError("dense_gemv: ss is [rows, partials] fp32, contiguous rows")
     if num_m and n:
-        block_n, block_k, warps, programs, split, tiles = _launch_shape(cfg, n, k, rope is None)
         part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
             if split > 1 else out
         counters = split_counters(x.device, programs) if split > 1 else out
         has_bias = bias is not None
         _dense_gemv_kernel[(programs, split)](
             x2, w, bias.contiguous() if has_bias else out, out, part, counters, r2, nw, res_out,
-            eps, num_m, n, k, tiles * block_k, x2.stride(0), w.stride(0), out.stride(0),
-            r2.stride(0), res_out.stride(0), *rope_args,
+            ss_buf, n_ss, eps, num_m, n, k, tiles * block_k, x2.stride(0), w.stride(0),
+            out.stride(0), r2.stride(0), res_out.stride(0), *rope_args,
             BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
             SPLIT=split > 1, HAS_BIAS=has_bias, NORM=norm is not None,
             HAS_RES=res_out is not x2, PREFETCH=cfg.dense_gemv_prefetch, num_warps=warps,
+            ADD=add is not None, PRE_SS=ss is not None,
+            BLOCK_SS=triton.next_power_of_2(n_ss),
             **rope_kw, **pdl_kwargs(x.device, cfg, programs * split))
     y = q if rope is not None else out.view(*lead, n)
+    if add is not None:
+        return y, ss_out
     if norm is None:
         return y
     return y, res_out.view(*lead, k) if res_out is not x2 else x

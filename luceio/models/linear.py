@@ -110,6 +110,14 @@ class Linear(nn.Module):
             return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
         return self(kernels.silu_and_mul(gate_up))
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, glu: bool = False) -> tuple:
+        """(self(x), residual) (glu: of silu_and_mul(x)) for the projection before a norm, or
+        (kernels.Summed, None) where the dense GEMV adds the residual in its epilogue
+        (`kernels.linear_add`)."""
+        if not self.parts:
+            return kernels.linear_add(x, self.weight, self.bias, residual, glu)
+        return self(kernels.silu_and_mul(x)) if glu else self(x), residual
+
     def int8_input(self, rows: int, device: torch.device) -> dict:
         """Buffers for the int8 forms of a [rows, in_features] input that this layer's one-row
         quantized GEMV reads, for the kernel producing that input to fill; {} when no such

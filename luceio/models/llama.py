@@ -110,9 +110,11 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None,
                 xqs: dict | None = None, qkv: torch.Tensor | None = None,
-                q: torch.Tensor | None = None):
+                q: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         """`qkv`: x's projection, made already (`kernels.rms_norm_linear`); `q`: made already
-        with k and v in the cache (`kernels.rms_norm_qkv_rope_cache`). x is then None."""
+        with k and v in the cache (`kernels.rms_norm_qkv_rope_cache`). x is then None.
+        `residual`: returns (output, residual) from `Linear.add_forward` (the residual add
+        done in the o projection where it can be)."""
         k_cache, v_cache = kv_cache
         if q is None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
@@ -131,7 +133,10 @@ class Attention(nn.Module):
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
                                     self.scale, tree_mask=meta.tree_mask,
                                     **({"xqs": o_xqs} if o_xqs else {}))
-        return self.o_proj(o.reshape(n, self.q_size), o_xqs)
+        if residual is not None and not o_xqs:
+            return self.o_proj.add_forward(o.reshape(n, self.q_size), residual)
+        o = self.o_proj(o.reshape(n, self.q_size), o_xqs)
+        return o if residual is None else (o, residual)
 
 
 class MLP(nn.Module):
@@ -145,12 +150,17 @@ class MLP(nn.Module):
         before it to fill."""
         return self.gate_up_proj.int8_input(rows, device)
 
-    def forward(self, x, xqs: dict | None = None, gate_up: torch.Tensor | None = None):
-        """`gate_up`: x's projection, already made (the norm fused into it); x is then None."""
+    def forward(self, x, xqs: dict | None = None, gate_up: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        """`gate_up`: x's projection, already made (the norm fused into it); x is then None.
+        `residual`: returns (output, residual) from `Linear.add_forward`."""
         gate_up = self.gate_up_proj(x, xqs) if gate_up is None else gate_up
         down_xqs = self.down_proj.int8_input(gate_up.shape[0], gate_up.device)
         if down_xqs:  # the activation also written in int8 for the down GEMV
-            return self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs)
+            y = self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs)
+            return y if residual is None else (y, residual)
+        if residual is not None:
+            return self.down_proj.add_forward(gate_up, residual, glu=True)
         return self.down_proj.silu_and_mul_forward(gate_up)
 
 
@@ -167,21 +177,28 @@ class DecoderLayer(nn.Module):
         # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch; on dense
         # weights each norm is done in the loads of the projection after it, and RoPE and
         # the KV write in the QKV projection's epilogue (kernels.rms_norm_linear,
-        # rms_norm_qkv_rope_cache: separate launches where the dense GEMV does not run)
-        rows, device = x.shape[0], x.device
+        # rms_norm_qkv_rope_cache: separate launches where the dense GEMV does not run), and
+        # the residual add and the norm's sums of squares in the epilogue of the projection
+        # before each norm (o, down), whose output is then a kernels.Summed (residual None)
+        rows = (x.h if isinstance(x, kernels.Summed) else x).shape[0]
         attn, mlp = self.self_attn, self.mlp
         if not attn.qkv_proj.quantized and attn.q_norm is None:  # + RoPE, KV write
             q, residual = kernels.rms_norm_qkv_rope_cache(
                 x, self.input_layernorm.weight, self.input_layernorm.eps, residual,
                 attn.qkv_proj.weight, attn.qkv_proj.bias, positions, cos_sin, kv_cache[0],
                 kv_cache[1], meta.slot_mapping, attn.num_heads, attn.num_kv_heads)
-            x = attn(positions, None, kv_cache, meta, cos_sin, probe, q=q)
+            x, residual = attn(positions, None, kv_cache, meta, cos_sin, probe, q=q,
+                               residual=residual)
         elif not attn.qkv_proj.quantized:
             qkv, residual = kernels.rms_norm_linear(
                 x, self.input_layernorm.weight, self.input_layernorm.eps, residual,
                 attn.qkv_proj.weight, attn.qkv_proj.bias)
-            x = attn(positions, None, kv_cache, meta, cos_sin, probe, qkv=qkv)
+            x, residual = attn(positions, None, kv_cache, meta, cos_sin, probe, qkv=qkv,
+                               residual=residual)
         else:
+            if isinstance(x, kernels.Summed):  # the sum made already: a norm without residual
+                x, residual = x.h, None
+            device = x.device
             xqs = attn.qkv_proj.int8_input(rows, device)
             if residual is None:
                 residual = x
@@ -193,9 +210,14 @@ class DecoderLayer(nn.Module):
             gate_up, residual = kernels.rms_norm_linear(
                 x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                 residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-            return mlp(None, gate_up=gate_up), residual
-        xqs = mlp.int8_input(rows, device)
-        x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
+            return mlp(None, gate_up=gate_up, residual=residual)
+        if isinstance(x, kernels.Summed):
+            x, residual = x.h, None
+        xqs = mlp.int8_input(rows, x.device)
+        if residual is None:
+            residual, x = x, self.post_attention_layernorm(x, xqs=xqs)
+        else:
+            x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
         return mlp(x, xqs), residual
 
 
@@ -230,6 +252,10 @@ class LlamaForCausalLM(nn.Module):
         for i in range(start, end):
             x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, self.cos_sin,
                                          probe)
+        if isinstance(x, kernels.Summed):  # the last layer added the residual already
+            if end < len(self.layers):  # a stage hands on (x, residual): (h, 0) adds exactly
+                return x.h, torch.zeros_like(x.h)
+            return self.norm(x.h)
         if end < len(self.layers):
             return x, residual
         x, _ = self.norm(x, residual)

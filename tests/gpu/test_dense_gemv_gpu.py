@@ -87,6 +87,31 @@ def test_norm_and_rope_fused_native(seed, nq, nkv, hd, k, bias):
                                atol=2e-2 * unfused.abs().max().item(), msg=lambda e: f"seed {seed}: {e}")
 
 
+@pytest.mark.parametrize("k,n,glu", [(896, 896, False), (4864, 896, True), (4096, 4096, False),
+                                     (14336, 4096, True)])
+def test_add_epilogue_native(seed, k, n, glu):
+    """The residual add and sums of squares in the o / down GEMV's epilogue at real shapes
+    (0.5B and 8B), compiled: h bit for bit the residual the norm kernel hands on, the sums
+    the row's, and the norm + gate/up-sized GEMV after it (`ss=`) as the unfused norm and
+    GEMV to rounding."""
+    from luceio.kernels import rms_norm, silu_and_mul
+    x = torch.randn(1, 2 * k if glu else k, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
+    res = torch.randn(1, n, device=DEV).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(n, device=DEV)).to(torch.bfloat16)
+    w2 = (torch.randn(2048, n, device=DEV) * n ** -0.5).to(torch.bfloat16)
+    with configs.use_config(_cfg()):
+        h, ss = dense_gemv(x, w, add=res, glu=glu)
+        y = dense_gemv(silu_and_mul(x), w) if glu else dense_gemv(x, w)
+        normed, r = rms_norm(y, nw, 1e-6, res)
+        z, r2 = dense_gemv(h, w2, norm=(nw, 1e-6, None), ss=ss)
+        unfused = dense_gemv(normed, w2).float()
+    assert torch.equal(h, r) and r2 is h, f"seed {seed}"
+    torch.testing.assert_close(ss.sum(-1), h.float().pow(2).sum(-1), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(z.float(), unfused, rtol=2e-2, atol=2e-2 * unfused.abs().max().item(),
+                               msg=lambda e: f"seed {seed}: {e}")
+
+
 def test_current_stream_is_torchs():
     """`memory.current_stream` answers what torch.cuda.current_stream does, in and out of a
     stream context."""
