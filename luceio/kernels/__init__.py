@@ -7,12 +7,12 @@ kernels even on CPU tensors (only meaningful under `TRITON_INTERPRET=1`, for tes
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
 from .activation import silu_and_mul_ref
 from .attention import paged_attention_ref, write_kv_ref
-from .fused_types import AttnPartials, Summed
 from .moe import fused_moe_ref
 from .norm import gemma_rms_norm_ref, rms_norm_ref
 from .qkv_rope import qkv_rope_cache_ref
@@ -113,34 +113,22 @@ def silu_and_mul_linear(gate_up: torch.Tensor, w, bias: torch.Tensor | None = No
     return linear(silu_and_mul(gate_up), w, bias)
 
 
-def attention_for(o_weight, q: torch.Tensor, *args, **kw):
-    """`paged_attention(q, *args, **kw)`, or, for a decode step whose o projection (weight
-    `o_weight`) runs on the dense GEMV with `dense_gemv_attn` on, the split attention's
-    `AttnPartials`, which `linear_add` merges in that GEMV's loads (no reduce launch)."""
-    if isinstance(o_weight, torch.Tensor) and use_triton(q) and args[5] == 1 and \
-            kw.get("tree_mask") is None and not kw.get("xqs"):
-        from .configs import get_config
-        from .dense_gemv import applies
-        if get_config(q.device).dense_gemv_attn and applies(q.reshape(q.shape[0], -1), o_weight):
-            from .attention_triton import paged_attention as triton_attention
-            return triton_attention(q, *args, defer_reduce=True, **kw)
-    return paged_attention(q, *args, **kw)
+class Summed(NamedTuple):
+    """A residual stream already added by the projection before a norm (`linear_add`): h =
+    that projection's output + the residual, rounded as `rms_norm`'s add rounds it, and ss
+    [rows, P] fp32, partial sums of squares of h's rows (their sum is the row's). The norm
+    after it takes h as its input with no residual, and h is also the next residual."""
+    h: torch.Tensor
+    ss: torch.Tensor
 
 
-def linear_add(x, w, bias: torch.Tensor | None, residual: torch.Tensor | None,
+def linear_add(x: torch.Tensor, w, bias: torch.Tensor | None, residual: torch.Tensor | None,
                glu: bool = False) -> tuple:
     """(linear(x, w, bias), residual) for the projection before a norm (an attention's o, an
     MLP's down; `glu`: x is the gate/up output, SiLU-and-mul done on the way in), or, where
     the dense GEMV runs and `dense_gemv_sum_ahead` is on, (Summed, None): the residual add and
     the norm's sums of squares done in the GEMV's epilogue, so the norm after it needs no
-    launch of its own (`dense_gemv_fused.py`). x may be `attention_for`'s `AttnPartials`."""
-    if isinstance(x, AttnPartials):  # attention_for chose the dense GEMV
-        from .configs import get_config
-        from .dense_gemv import dense_gemv
-        add = residual if get_config(w.device).dense_gemv_sum_ahead and residual is not None \
-            and residual.dtype == w.dtype else None
-        y = dense_gemv(x.po, w, bias, add=add, attn=x.pl)
-        return (Summed(*y), None) if add is not None else (y, residual)
+    launch of its own (`dense_gemv_epilogue.py`)."""
     if residual is not None and isinstance(w, torch.Tensor) and use_triton(x) and \
             residual.dtype == x.dtype:
         from .configs import get_config

@@ -9,8 +9,9 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   (cut evenly, at least `decode_min_tokens_per_split` keys, whole BLOCK_N tiles: a CUDA graph
   captured for the model's whole context still spreads a short context over its splits) with
   an online softmax and writes its normalised partial output and log-sum-exp;
-  `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits, or the o GEMV does
-  in its loads (`defer_reduce`, `dense_gemv_fused.py`). One split: the output directly.
+  `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the
+  first kernel writes the output directly. (Merging the splits in the decode launch, by the
+  last split to finish, was slower on the H200: step_profile_session10_fused_merge.json.)
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
@@ -31,12 +32,15 @@ import triton
 import triton.language as tl
 
 from .configs import decode_splits, fit_shared, get_config, num_sms
-from .fused_types import AttnPartials
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import emit_xq, xq_args, xq_flags
 
 
 _LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -307,15 +311,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, tree_mask: torch.Tensor | None = None, window: int = 0,
-                    positions: torch.Tensor | None = None, xqs: dict | None = None,
-                    defer_reduce: bool = False):
+                    positions: torch.Tensor | None = None,
+                    xqs: dict | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
     `tree_mask`: int64 [num_tokens], per query token the bits of its request's query tokens it
-    sees (draft trees; see `attention.paged_attention_ref`). `window` (0: none) and
-    `positions` (int64 [num_tokens], read only with a tree_mask): the sliding window. `xqs`
-    (the o projection's `int8_input`; one decode token, head_dim a multiple of 32): filled
-    with the output quantized for that GEMV. `defer_reduce`: a split decode returns its
-    `AttnPartials` unmerged, for the o projection's GEMV to merge."""
+    sees (draft-tree verification; see `attention.paged_attention_ref`). `window` (0: none)
+    and `positions` (int64 [num_tokens], read only with a tree_mask): the sliding window. `xqs` (from the o
+    projection's `int8_input`; one decode token, head_dim a multiple of 32): also filled with
+    the output quantized for that GEMV, by the kernel that writes the output."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -337,7 +340,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache / v_cache need a contiguous last dim")
     cfg = get_config(q.device)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = _interpreting()
     dot_f32 = interp and q.dtype != torch.float32
     dot_ieee = interp or q.dtype == torch.float32
     elt = 4 if (dot_f32 or q.dtype == torch.float32) else 2
@@ -369,8 +372,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages,
             **xq_flags(xqs if direct else {}),
             **pdl_kwargs(q.device, cfg, num_seqs * num_kv_heads * splits))
-        if not direct and defer_reduce:
-            return AttnPartials(po, pl)
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),

@@ -96,10 +96,6 @@ class KernelConfig:
     # writes the norm's partial sums of squares (`linear_add`), so the norm is done in the
     # next projection's loads whatever its launch size, and has no launch of its own
     dense_gemv_sum_ahead: bool = True
-    # ... and the o projection's GEMV merges the decode attention's splits in its loads (K
-    # tiles of at most dense_gemv_attn_block_k features), so the reduce launch goes away
-    dense_gemv_attn: bool = True
-    dense_gemv_attn_block_k: int = 128
     qgemm_num_stages: int = 2
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .configs import get_config
-from .dense_gemv_fused import _attn_x, _epilogue, _row_rstd
+from .dense_gemv_epilogue import _epilogue, _row_rstd
 from .elementwise_triton import silu_mul
 from .pdl import pdl_enter, pdl_kwargs
 
@@ -62,15 +62,11 @@ def _src(x_ptr, r_ptr, mi, M, s_xm, s_rm, k, kmask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr, n_att,
-            GLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, ATTN: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_AS: tl.constexpr):
+def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr,
+            GLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """[BM, 1, BK] fp32: x rows mi at columns k; with GLU silu(gate) * up of them; with NORM
-    their RMSNorm (of x + residual with HAS_RES) as `rms_norm` computes it, given rstd [BM];
-    with ATTN the attention output merged from its n_att splits (x: partials, nw: lse)."""
-    if ATTN:
-        v = _attn_x(x_ptr, nw_ptr, mi, M, s_xm, k, kmask, n_att, out_ptr, HEAD_DIM, BLOCK_AS)
-    elif GLU:
+    their RMSNorm (of x + residual with HAS_RES) as `rms_norm` computes it, given rstd [BM]."""
+    if GLU:
         ptr = x_ptr + mi[:, None].to(tl.int64) * s_xm + k[None, :]
         mask = (mi < M)[:, None] & kmask[None, :]
         g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
@@ -88,8 +84,7 @@ def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr,
 
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr,
-                       res_out_ptr, ss_ptr, n_ss, n_att, eps, M, N, K, k_per_split, s_xm, s_wn,
-                       s_om,
+                       res_out_ptr, ss_ptr, n_ss, eps, M, N, K, k_per_split, s_xm, s_wn, s_om,
                        s_rm, s_rom,
                        pos_ptr, cs_ptr, s_cs, q_ptr, s_q, kc_ptr, vc_ptr, slot_ptr,
                        s_kcb, s_kcs, s_vcb, s_vcs,
@@ -100,7 +95,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr
                        NQ: tl.constexpr = 0, NKV: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2,
                        PAGE_SIZE: tl.constexpr = 1, ADD: tl.constexpr = False,
                        PRE_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
-                       ATTN: tl.constexpr = False, BLOCK_AS: tl.constexpr = 1,
                        PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -143,15 +137,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, r_ptr
             h = h.to(tl.float32)
             ss += h * h
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)
-    x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr, n_att,
-                GLU, NORM, HAS_RES, ATTN, HEAD_DIM, BLOCK_AS)
+    x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr, GLU,
+                NORM, HAS_RES)
     acc = w.to(tl.float32)[None, :, :] * x
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr,
-                    n_att, GLU, NORM, HAS_RES, ATTN, HEAD_DIM, BLOCK_AS)
+        x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, mi, M, s_xm, s_rm, k, kmask, K, out_ptr, GLU,
+                    NORM, HAS_RES)
         acc += w.to(tl.float32)[None, :, :] * x
     y = tl.sum(acc, 2)                                                   # [BM, BN]
     omask = (mi < M)[:, None] & nmask[None, :]
@@ -191,17 +185,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         (cfg.dense_gemv_max_n <= 0 or weight.shape[0] <= cfg.dense_gemv_max_n)
 
 
-def _launch_shape(cfg, n: int, k: int, wide_ok: bool = True, attn: bool = False) -> tuple:
-    """(block_n, block_k, num_warps, programs, K splits, K tiles per split) of a launch; `attn`:
-    K tiles of at most `dense_gemv_attn_block_k` (each feature merges its splits in 3-D)."""
+def _launch_shape(cfg, n: int, k: int, wide_ok: bool = True) -> tuple:
+    """(block_n, block_k, num_warps, programs, K splits, K tiles per split) of a launch."""
     from .quant_triton import skinny_split_k
     block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
         cfg.dense_gemv_num_warps
     if wide_ok and 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
         block_n, block_k, warps = cfg.dense_gemv_wide_block_n, cfg.dense_gemv_wide_block_k, \
             cfg.dense_gemv_wide_num_warps
-    if attn:
-        block_k = min(block_k, cfg.dense_gemv_attn_block_k)
     programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
     return block_n, block_k, warps, programs, split, tiles
@@ -229,8 +220,7 @@ def rope_fits(weight: torch.Tensor, k_cache: torch.Tensor, num_heads: int,
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
-               add: torch.Tensor | None = None, ss: torch.Tensor | None = None,
-               attn: torch.Tensor | None = None):
+               add: torch.Tensor | None = None, ss: torch.Tensor | None = None):
     """x [..., K] (glu: [..., 2K] as [gate | up]) @ weight [N, K]^T + bias -> [..., N] in x's
     dtype, for at most `dense_gemv_max_m` rows; one launch (see the module docstring).
 
@@ -242,12 +232,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     `add` = residual [..., N]: returns (h, ss): h = y + residual rounded as `rms_norm`'s add
     ([..., N], x's dtype) and ss [rows, programs] fp32, each program's sum of squares of its
-    features of h (`dense_gemv_fused.py`), for a `norm=..., ss=` launch after it.
-
-    `attn` = the decode attention's log2-sum-exps [rows, heads, splits] (fp32): x is then its
-    partial outputs [rows, heads, splits, head_dim] (fp32) and the input the weight multiplies
-    is their merge, as the reduce kernel makes it (`paged_attention(..., defer_reduce=True)`);
-    y is in the weight's dtype.
+    features of h (`dense_gemv_epilogue.py`), for a `norm=..., ss=` launch after it.
 
     `rope` = (positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads),
     for a fused QKV projection that `rope_fits`: y is not stored; what
@@ -255,23 +240,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     head_dim] is returned in y's place (bit for bit that function's, no q/k norm)."""
     from .quant_gemv import split_counters
     n, k = weight.shape
-    attn_kw = {}
-    if attn is not None:
-        if x.dim() != 4 or x.shape[:3] != attn.shape or x.shape[1] * x.shape[3] != k or \
-                x.dtype != torch.float32 or attn.dtype != torch.float32 or glu or \
-                norm is not None or rope is not None or not (x.is_contiguous() and
-                                                             attn.is_contiguous()):
-            raise ValueError(f"dense_gemv: attn= takes contiguous fp32 partials [rows, heads, "
-                             f"splits, head_dim] with heads * head_dim = {k}, and lse [rows, "
-                             f"heads, splits]; got {tuple(x.shape)} and {tuple(attn.shape)}")
-        attn_kw = dict(ATTN=True, HEAD_DIM=x.shape[3],
-                       BLOCK_AS=triton.next_power_of_2(x.shape[2]))
-        n_att = x.shape[2]
-        x = x.reshape(x.shape[0], -1)
-        x_dtype = weight.dtype
-    else:
-        n_att, x_dtype = 1, x.dtype
-    if x.shape[-1] != (2 * k if glu else k) and attn is None:
+    if x.shape[-1] != (2 * k if glu else k):
         raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]"
                          + (" (glu: x is [gate | up], 2K)" if glu else ""))
     if glu and norm is not None or add is not None and (norm is not None or rope is not None):
@@ -283,7 +252,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     num_m = x2.shape[0]
-    out = torch.empty((num_m, 0 if rope is not None else n), dtype=x_dtype, device=x.device)
+    out = torch.empty((num_m, 0 if rope is not None else n), dtype=x.dtype, device=x.device)
     r2 = res_out = x2
     nw, eps = x2, 0.0
     if norm is not None:
@@ -293,8 +262,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
             res_out = torch.empty_like(x2)
     if add is not None:
-        if add.shape[-1] != n or add.dtype != x_dtype:
-            raise ValueError(f"dense_gemv: add= needs [..., {n}] in {x_dtype}")
+        if add.shape[-1] != n or add.dtype != x.dtype:
+            raise ValueError(f"dense_gemv: add= needs [..., {n}] in {x.dtype}")
         r2 = add.reshape(-1, n)
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     cfg = get_config(x.device)
@@ -312,8 +281,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                      k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
         rope_kw = dict(ROPE=True, NQ=nq, NKV=nkv, HEAD_DIM=hd, PAGE_SIZE=k_cache.shape[1])
         out = q.view(num_m, nq * hd)  # never written: its dtype rounds the projection
-    shape = _launch_shape(cfg, n, k, rope is None, attn is not None)
-    block_n, block_k, warps, programs, split, tiles = shape
+    block_n, block_k, warps, programs, split, tiles = _launch_shape(cfg, n, k, rope is None)
     ss_out = torch.empty((num_m, programs), dtype=torch.float32, device=x.device) \
         if add is not None else None
     ss_buf = ss if ss is not None else ss_out if ss_out is not None else out
@@ -327,16 +295,15 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         counters = split_counters(x.device, programs) if split > 1 else out
         has_bias = bias is not None
         _dense_gemv_kernel[(programs, split)](
-            x2, w, bias.contiguous() if has_bias else out, out, part, counters, r2,
-            attn if attn is not None else nw, res_out, ss_buf, n_ss, n_att, eps, num_m, n, k,
-            tiles * block_k, x2.stride(0), w.stride(0), out.stride(0), r2.stride(0),
-            res_out.stride(0), *rope_args,
+            x2, w, bias.contiguous() if has_bias else out, out, part, counters, r2, nw, res_out,
+            ss_buf, n_ss, eps, num_m, n, k, tiles * block_k, x2.stride(0), w.stride(0),
+            out.stride(0), r2.stride(0), res_out.stride(0), *rope_args,
             BLOCK_M=triton.next_power_of_2(num_m), BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu,
             SPLIT=split > 1, HAS_BIAS=has_bias, NORM=norm is not None,
             HAS_RES=res_out is not x2, PREFETCH=cfg.dense_gemv_prefetch, num_warps=warps,
             ADD=add is not None, PRE_SS=ss is not None,
             BLOCK_SS=triton.next_power_of_2(n_ss),
-            **rope_kw, **attn_kw, **pdl_kwargs(x.device, cfg, programs * split))
+            **rope_kw, **pdl_kwargs(x.device, cfg, programs * split))
     y = q if rope is not None else out.view(*lead, n)
     if add is not None:
         return y, ss_out

@@ -129,16 +129,10 @@ class Attention(nn.Module):
             probe(q, k_cache, meta, self.scale)
         o_xqs = self.o_proj.int8_input(n, q.device) \
             if self.attn_quantizes_o_input and meta.max_query_len == 1 else {}
-        args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, meta.max_seq_len, self.scale)
-        kw = dict(tree_mask=meta.tree_mask, **({"xqs": o_xqs} if o_xqs else {}))
-        if residual is not None and not self.o_proj.quantized:
-            # a split decode may hand the o GEMV its partials to merge (no reduce launch)
-            o = kernels.attention_for(self.o_proj.weight, *args, **kw)
-        else:
-            o = kernels.paged_attention(*args, **kw)
-        if isinstance(o, kernels.AttnPartials):
-            return self.o_proj.add_forward(o, residual)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
+                                    self.scale, tree_mask=meta.tree_mask,
+                                    **({"xqs": o_xqs} if o_xqs else {}))
         if residual is not None and not o_xqs:
             return self.o_proj.add_forward(o.reshape(n, self.q_size), residual)
         o = self.o_proj(o.reshape(n, self.q_size), o_xqs)

@@ -112,33 +112,6 @@ def test_add_epilogue_native(seed, k, n, glu):
                                msg=lambda e: f"seed {seed}: {e}")
 
 
-@pytest.mark.parametrize("heads,kv,hd,ctx", [(14, 2, 64, 512), (32, 8, 128, 4096)])
-def test_attention_merge_in_the_o_gemv_native(seed, heads, kv, hd, ctx):
-    """The o GEMV merging the split decode attention's partials (0.5B and 8B shapes, the
-    table's config): the GEMV of the reduce kernel's output to rounding, with the add."""
-    from luceio.kernels.attention_triton import paged_attention
-    from luceio.kernels.fused_types import AttnPartials
-    page = 16
-    blocks = ctx // page + 1
-    kc, vc = (torch.randn(blocks, page, kv, hd, device=DEV).to(torch.bfloat16) for _ in range(2))
-    bt = torch.randperm(blocks, device=DEV)[None, :ctx // page].to(torch.int32)
-    sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
-    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-    q = torch.randn(1, heads, hd, device=DEV).to(torch.bfloat16)
-    w = (torch.randn(heads * hd, heads * hd, device=DEV) * (heads * hd) ** -0.5).to(torch.bfloat16)
-    res = torch.randn(1, heads * hd, device=DEV).to(torch.bfloat16)
-    args = (q, kc, vc, bt, sl, qsl, 1, ctx, hd ** -0.5)
-    with configs.use_config(_cfg()):
-        parts = paged_attention(*args, defer_reduce=True)
-        assert isinstance(parts, AttnPartials) and parts.po.shape[2] > 1
-        out = paged_attention(*args).reshape(1, -1)
-        h, ss = dense_gemv(parts.po, w, add=res, attn=parts.pl)
-        h_ref, _ = dense_gemv(out, w, add=res)
-    torch.testing.assert_close(h.float(), h_ref.float(), rtol=2e-2,
-                               atol=2e-2 * h_ref.abs().max().item(), msg=lambda e: f"seed {seed}: {e}")
-    torch.testing.assert_close(ss.sum(-1), h.float().pow(2).sum(-1), rtol=1e-4, atol=1e-3)
-
-
 def test_current_stream_is_torchs():
     """`memory.current_stream` answers what torch.cuda.current_stream does, in and out of a
     stream context."""

@@ -1,5 +1,4 @@
-"""What the dense GEMV (`dense_gemv.py`) does for its neighbours: epilogues (what is done
-with a program's finished sums) and the attention's split merge in its loads.
+"""The dense GEMV's epilogues (`dense_gemv.py`): what is done with a program's finished sums.
 
 * plain: + bias, stored in x's dtype.
 * `ROPE` (`_rope_store`): a fused QKV projection's rotation and KV-cache write.
@@ -9,10 +8,6 @@ with a program's finished sums) and the attention's split merge in its loads.
   features of h ([rows, programs], fp32). The GEMV after the norm (`NORM` with `ss=`) then
   takes the row's sum of squares from those partials instead of from h: the norm's own launch
   goes away, and no program repeats the row's sum.
-* `ATTN` (`dense_gemv(po, w, attn=pl)`, the o projection): the input is the decode
-  attention's per-split partial outputs and log-sum-exps (`paged_attention(...,
-  defer_reduce=True)`), merged per K tile as `_decode_reduce_kernel` merges them and rounded
-  to the output dtype as it stores them, so the reduce launch goes away.
 """
 from __future__ import annotations
 
@@ -101,25 +96,3 @@ def _row_rstd(ss_ptr, n_ss, mi, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_SS: tl.c
     ss = tl.load(ss_ptr + mi[:, None] * n_ss + j[None, :],
                  mask=(mi < M)[:, None] & (j < n_ss)[None, :], other=0.0)
     return 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)
-
-
-@triton.jit
-def _attn_x(po_ptr, pl_ptr, mi, M, s_xm, k, kmask, n_splits, out_ptr, HEAD_DIM: tl.constexpr,
-            BLOCK_S: tl.constexpr):
-    """[BM, BK] fp32: the attention output at features k (head k // HEAD_DIM) merged from its
-    n_splits partials: po [M, H, S, HEAD_DIM] (row stride s_xm) and pl [M, H, S] log2-sum-exps,
-    as `_decode_reduce_kernel` merges them, rounded to out's dtype."""
-    s = tl.arange(0, BLOCK_S)
-    head = k // HEAD_DIM
-    heads = s_xm // (n_splits * HEAD_DIM)
-    part = (mi[:, None, None] * heads + head[None, :, None]) * n_splits + s[None, None, :]
-    mask = (mi < M)[:, None, None] & kmask[None, :, None] & (s < n_splits)[None, None, :]
-    lse = tl.load(pl_ptr + part, mask=mask, other=float("-inf"))
-    m = tl.max(lse, 2)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m[:, :, None])
-    o = tl.load(po_ptr + part.to(tl.int64) * HEAD_DIM + (k % HEAD_DIM)[None, :, None],
-                mask=mask, other=0.0)
-    den = tl.sum(w, 2)
-    den = tl.where(den == 0.0, 1.0, den)
-    return (tl.sum(o * w, 2) / den).to(out_ptr.dtype.element_ty).to(tl.float32)
