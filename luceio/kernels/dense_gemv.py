@@ -25,7 +25,9 @@ dependent launch, `pdl.py`) and cannot take its input from two halves. Here:
 * `NORM` (`kernels.rms_norm_linear`): x is a layer's hidden state and the input the weight
   multiplies is its RMSNorm (after the residual add), rounded as `rms_norm` rounds it; each
   program takes the row's sum of squares itself, the first writes the next residual. It pays
-  only on launches of few programs (`dense_gemv_norm_max_programs`).
+  only on launches of few programs (`dense_gemv_norm_max_programs`), unless the projection
+  before already added the residual and wrote the row's partial sums of squares (`ADD` /
+  `ss=`, `dense_gemv_epilogue.py`): then each program sums those partials, whatever the size.
 * `ROPE` (`kernels.rms_norm_qkv_rope_cache`): a fused QKV projection whose programs own
   features j and j + head_dim/2 of one head, so the epilogue rotates them (q into q, k into
   the k cache) and writes v into the v cache, bit for bit as `qkv_rope_triton` would.
