@@ -70,12 +70,12 @@ def hf_decode_tps(hf, ctx: int, new: int = 64, **gen_kw) -> float:
     return new / (run(new + 1) - run(1))
 
 
-def section_decode(bw: float, quick: bool, with_hf: bool) -> None:
+def section_decode(bw: float, quick: bool, with_hf: bool, contexts=(512, 8192)) -> None:
     out = RESULTS.setdefault("decode_batch1", [])
     shapes = ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "llama-3.1-8b"]
     for shape in shapes:
         hf = hf_model_from(shape) if with_hf else None
-        for ctx in (512, 8192):
+        for ctx in contexts:
             model = random_model(shape, max_positions=ctx + 512)
             if hf is not None:
                 model.load_weights(hf.state_dict().items(), torch.bfloat16, torch.device("cuda"))
@@ -328,6 +328,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections", default="decode,hf,concurrency,kernels,spec,forced")
     ap.add_argument("--json-name", default="gpu_bench.json")
+    ap.add_argument("--contexts", default="512,8192", help="the decode section's contexts")
     ap.add_argument("--forced-type", default="bf16", help="bf16, Q4_K_M or Q8_0 weights for "
                     "the forced-acceptance section")
     a = ap.parse_args()
@@ -336,7 +337,8 @@ def main() -> None:
     bw = copy_bandwidth()
     RESULTS["copy_bandwidth_GB_s"] = round(bw / 1e9, 1)
     print("copy bandwidth GB/s", RESULTS["copy_bandwidth_GB_s"], flush=True)
-    todo = [("decode", lambda: section_decode(bw, a.quick, "hf" in sections)),
+    contexts = [int(c) for c in a.contexts.split(",")]
+    todo = [("decode", lambda: section_decode(bw, a.quick, "hf" in sections, contexts)),
             ("concurrency", lambda: section_concurrency(a.quick)),
             ("kernels", lambda: section_kernels(bw)), ("spec", lambda: section_spec(a.quick)),
             ("forced", lambda: section_forced_acceptance(a.quick, a.forced_type))]
