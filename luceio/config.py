@@ -160,6 +160,9 @@ class EngineArgs(CliArgs):
     speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft (default off)",
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
+    draft_device: str | None = _opt(None, "device of the draft model, in the engine's process "
+                                    "(default: the engine's device; with --devices, the first "
+                                    "stage's), e.g. the GPU of another stage")
     num_speculative_tokens: int = _opt(4, "most draft tokens proposed per request per step")
     spec_tree_budget: int = _opt(0, "tree speculation: verify a tree of up to this many draft "
                                  "nodes, --num-speculative-tokens levels deep, in one target "
@@ -209,6 +212,14 @@ class EngineArgs(CliArgs):
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_draft_device(self) -> torch.device:
+        """Where the draft model runs: --draft-device, else the engine's own device."""
+        if self.draft_device is None:
+            return self.resolved_device()
+        if not self.draft_model:
+            raise ValueError("--draft-device needs --draft-model")
+        return torch.device(self.draft_device)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,

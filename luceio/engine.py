@@ -33,15 +33,14 @@ from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .admission import check_request, check_token_ids
-from .models import build_model, caches_prefixes, check_engine_support, context_limit, \
-    runs_spec_prefill
+from .models import caches_prefixes, check_engine_support, context_limit, runs_spec_prefill
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
 from .memory import kv_bytes_per_block
 from .runner import ModelRunner
 from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .spec import build_spec_decoder, build_spec_prefill
+from .spec import build_draft_model, build_spec_decoder, build_spec_prefill
 from .spec.commit import commit_verified
 from .stages import start_stages
 from .structured import StructuredOutputs
@@ -70,12 +69,7 @@ class LLMEngine:
             if self.stages is not None:  # stage 0's KV pool is sized around its own layers
                 model = self.stages.build_model(ckpt, dtype, device, args.quantization)
             # the draft model loads first, so the target's KV cache is sized around its weights
-            draft = build_model(load_checkpoint(model_path(args.draft_model)), dtype, device,
-                                args.quantization) \
-                if args.draft_model else None
-            if getattr(draft, "has_state", False):  # its state would need the same rollback
-                raise ValueError(f"--draft-model: {draft.family} (hybrid linear-attention) "
-                                 "models cannot draft")
+            draft = build_draft_model(args, dtype, device)
             self.runner = self._make_runner(args, ckpt, model, dtype, device, draft)
         except BaseException:
             if self.stages is not None:
@@ -125,9 +119,11 @@ class LLMEngine:
                            if args.speculative_method else 0,
                            tree_rows=args.spec_tree_budget + 1
                            if args.speculative_method and args.spec_tree_budget else 0,
+                           # the draft's KV blocks share the pool's memory on one device
                            extra_bytes_per_block=kv_bytes_per_block(
                                draft.cfg, args.block_size, dtype)
-                           if draft is not None and args.speculative_method == "draft" else 0,
+                           if draft is not None and args.speculative_method == "draft" and
+                           args.resolved_draft_device() == device else 0,
                            stages=self.stages,
                            expert_offload=args.expert_offload_config())
 

@@ -59,7 +59,8 @@ class Request:
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict] = []  # per output token: {token_id: (logprob, rank)}
         self.prompt_logprobs: list[dict | None] = []
-        self.generator: torch.Generator | None = None  # made on the logits' device by the sampler
+        # seeded sampling: one generator per device, made by the sampler (request_generator)
+        self.generators: dict[torch.device, torch.Generator] = {}
         # speculative prefill: the prompt holds only the kept tokens, at these original positions;
         # tokens after the prompt continue from the original prompt's length
         self.position_ids = position_ids

@@ -232,9 +232,15 @@ class Sampler:
         return noise
 
     def request_generator(self, req: Request, device: torch.device) -> torch.Generator:
-        if req.generator is None:
-            req.generator = torch.Generator(device=device).manual_seed(req.params.seed + req.index)
-        return req.generator
+        """A seeded request's generator on `device`: one stream per device it draws on (a draft
+        model on another device than the target's draws on its own), seeded apart so that the
+        streams are not the same numbers."""
+        device = torch.device(device)
+        gen = req.generators.get(device)
+        if gen is None:
+            seed = req.params.seed + req.index + 1_000_003 * len(req.generators)
+            gen = req.generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return gen
 
     def _global_gen(self, device: torch.device) -> torch.Generator:
         if device not in self._global:

@@ -172,3 +172,41 @@ def test_one_host_read_per_propose_call(tiny_llama, k, monkeypatch):
     monkeypatch.undo()
     assert [len(d) for d in proposal.drafts] == [k] * len(reqs)
     assert reads == ["tolist"]
+
+
+def test_draft_device_option(tiny_llama):
+    """`--draft-device`: the draft runner runs there (the engine's device by default); without
+    a draft model, or away from the target's device with speculative prefill, it is refused."""
+    eng = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama,
+                                          draft_device="cpu")).engine
+    assert eng.spec.proposer.runner.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="--draft-device needs --draft-model"):
+        LLM(tiny_llama, **engine_kwargs(draft_device="cpu"))
+    with pytest.raises(ValueError, match="--spec-prefill-keep and --kv-resident-policy spec"):
+        LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama,
+                                        draft_device="meta", spec_prefill_keep=0.5))
+
+
+def test_seeded_requests_draw_one_stream_per_device(monkeypatch):
+    """A seeded request drawing on two devices (a draft model on another device than the
+    target's) gets one generator per device, the first seeded as before and the second apart
+    from it; the same device always gives back the same generator."""
+    from luceio import sampler as sampler_mod
+
+    class FakeGenerator:
+        def __init__(self, device):
+            self.device = device
+
+        def manual_seed(self, seed):
+            self.seed = seed
+            return self
+
+    monkeypatch.setattr(sampler_mod.torch, "Generator", FakeGenerator)
+    s = sampler_mod.Sampler(seed=0)
+    req = Request("r", [1, 2], SamplingParams(temperature=1.0, seed=9), set(), 64)
+    a = s.request_generator(req, torch.device("cuda", 0))
+    b = s.request_generator(req, torch.device("cpu"))
+    assert s.request_generator(req, torch.device("cuda", 0)) is a
+    assert s.request_generator(req, "cpu") is b
+    assert a.seed == 9 + req.index and b.seed != a.seed
+    assert (a.device, b.device) == (torch.device("cuda", 0), torch.device("cpu"))

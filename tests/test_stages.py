@@ -1,6 +1,6 @@
 """Pipeline stages on torch.distributed (Gloo, CPU + CPU): a model cut into layer ranges run by
 separate processes gives the same greedy tokens as one process, under chunked prefill,
-preemption, aborts and n-gram speculation; bad splits and unsupported combinations are refused
+preemption, aborts, n-gram speculation and a draft model in the engine's process; bad splits and unsupported combinations are refused
 before any process starts; a stage that dies fails the step at once, with its exit code; a
 stage started by hand (`luceio stage`, several machines; here 127.0.0.1) joins the engine's
 rendezvous, and an engine whose stages never come gives up after --stage-join-timeout."""
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from conftest import engine_kwargs, make_tiny_model
 from luceio import LLM, SamplingParams
+from luceio.spec import decoding
 from luceio.stages import StageError, layer_ranges
 from luceio.stages.plan import choose_transport, free_port
 
@@ -105,6 +106,48 @@ def test_three_stages_relay_and_speculate(three_layers):
     assert no_stage_left()
 
 
+@pytest.mark.parametrize("sched", [
+    {"max_num_batched_tokens": 32},
+    {"max_num_batched_tokens": 32, "num_kv_blocks": 12},  # and preemption by recompute
+], ids=["chunked", "chunked+preempt"])
+def test_draft_model_speculation_across_stages(tiny_llama, tmp_path_factory, sched,
+                                               monkeypatch):
+    """A draft model in the engine's process, the target over two stages. Another tiny model
+    drafting (its drafts rejected): greedy output and the abort as one process decoding
+    plainly. The target drafting for itself (its drafts accepted): seeded sampling as the same
+    speculating engine in one process (every step drafting, so that measured times, which
+    decide when to draft, cannot change the draws)."""
+    other = make_tiny_model(str(tmp_path_factory.mktemp("stage_draft") / "m"), "llama", seed=7)
+    batch = prompts(6)
+    greedy = SamplingParams(max_tokens=20, **GREEDY)
+    seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    expected = run_with_abort(LLM(tiny_llama, **engine_kwargs(**sched)), batch, greedy)
+    for draft in (other, tiny_llama):
+        spec = dict(speculative_method="draft", draft_model=draft, num_speculative_tokens=3)
+        if draft == tiny_llama:
+            monkeypatch.setattr(decoding.SpecDecoder, "mode",
+                                lambda self, batch_size, step=None: "chain")
+            one = LLM(tiny_llama, **engine_kwargs(**sched, **spec))
+            expected = [o.outputs[0].token_ids for o in one.generate(batch, seeded, use_tqdm=False)]
+        llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1", draft_device="cpu",
+                                             **sched, **spec))
+        try:
+            eng = llm.engine
+            if draft == other:
+                assert run_with_abort(llm, batch, greedy) == expected
+            else:
+                got = [o.outputs[0].token_ids for o in llm.generate(batch, seeded, use_tqdm=False)]
+                assert got == expected and len(got[0]) == 20
+                assert eng.spec.stats.num_accepted_tokens > 0
+            assert eng.spec.stats.num_draft_tokens > 0
+            if "num_kv_blocks" in sched:
+                assert eng.scheduler.num_preemptions > 0
+            assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        finally:
+            llm.shutdown()
+        assert no_stage_left()
+
+
 def killed_stage_fails_at_once(llm) -> None:
     """Kills stage 1 after one request; the next request raises StageError within 10 s, and so
     does every later step; then the LLM shuts down with nothing left behind."""
@@ -146,7 +189,7 @@ def test_a_bad_layer_split_is_refused_before_any_stage_starts(tiny_llama, split,
     ({"devices": "cpu,gpu"}, "'gpu' is not a device"),
     ({"preemption_mode": "swap"}, "do not support --preemption-mode swap"),
     ({"kv_resident_tokens": 64}, "do not support --kv-resident-tokens"),
-    ({"speculative_method": "draft", "draft_model": "x"}, "--speculative-method draft"),
+    ({"speculative_method": "ngram", "spec_tree_budget": 4}, "--spec-tree-budget"),
     ({"devices": "cpu,cuda:99"}, "cuda:99 is not on this machine"),
     ({"stage_transport": "nccl"}, "--stage-transport nccl needs every stage on a CUDA device"),
     ({"world_size": 3, "dist_init": "tcp://127.0.0.1:1"}, "names 2 stages"),

@@ -8,7 +8,34 @@ from .proposer import Proposal, ProposalInput, Proposer
 from .rejection import rejection_sample, rejection_sample_batch
 
 __all__ = ["SpecDecoder", "SpecStats", "NgramProposer", "Proposal", "ProposalInput", "Proposer",
-           "rejection_sample", "rejection_sample_batch", "build_spec_decoder", "build_spec_prefill"]
+           "rejection_sample", "rejection_sample_batch", "build_spec_decoder", "build_spec_prefill",
+           "build_draft_model"]
+
+
+def build_draft_model(args, dtype, device):
+    """The `--draft-model` (None without one), on `--draft-device` (default: `device`, the
+    engine's). On another device than the target's it drafts there and only its drafts (host
+    lists) and, for sampled requests, their probabilities (moved) cross over; speculative
+    prefill and the draft-scored KV residency, which hand the target's tensors to the draft
+    model, need it on the target's device."""
+    from ..loader import load_checkpoint
+    from ..loader.resolve import model_path
+    from ..models import build_model
+    draft_device = args.resolved_draft_device()
+    if not args.draft_model:
+        return None
+    shares_target_tensors = args.spec_prefill_keep is not None or \
+        args.kv_resident_policy == "spec"
+    if draft_device != device and shares_target_tensors:
+        raise ValueError(f"--draft-device {draft_device} differs from the engine's device "
+                         f"({device}): --spec-prefill-keep and --kv-resident-policy spec need "
+                         "the draft model on the engine's device")
+    draft = build_model(load_checkpoint(model_path(args.draft_model)), dtype, draft_device,
+                        args.quantization)
+    if getattr(draft, "has_state", False):  # its state would need the same rollback
+        raise ValueError(f"--draft-model: {draft.family} (hybrid linear-attention) "
+                         "models cannot draft")
+    return draft
 
 
 def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
@@ -46,7 +73,8 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
                          f"tokenizer")
     # as many blocks as the target: the target's cache was sized to leave room for them
     cache = CacheConfig(args.block_size, target_runner.num_blocks, 0, 0.0, False)
-    runner = ModelRunner(None, target_runner.dtype, target_runner.device, cache, max_model_len,
+    runner = ModelRunner(None, target_runner.dtype, args.resolved_draft_device(), cache,
+                         max_model_len,
                          model=draft_model, enforce_eager=args.enforce_eager,
                          max_num_seqs=args.max_num_seqs, max_spec_tokens=1,
                          tree_rows=_draft_tree_rows(args))

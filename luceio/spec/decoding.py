@@ -261,7 +261,7 @@ class SpecDecoder:
         if self.method != "ngram" and not all(greedy):
             # one row per verified draft; greedy requests' rows are ignored, so zeros do
             draft_probs = torch.cat([
-                r.draft_probs[:len(s.spec_token_ids)] if r.draft_probs is not None
+                r.draft_probs[:len(s.spec_token_ids)].to(raw.device) if r.draft_probs is not None
                 else raw.new_zeros(len(s.spec_token_ids), raw.shape[-1]) for r, s in zip(reqs, items)])
         gens = [None if r.params.greedy or r.params.seed is None
                 else self.sampler.request_generator(r, logits.device) for r in reqs]

@@ -99,3 +99,25 @@ def test_greedy_chain_steps_replay_one_graph(tiny_llama, monkeypatch):
     assert tokens == ref_tokens == [o.outputs[0].token_ids for o in plain]
     assert stats == ref_stats and stats[1] > 0
     assert len(replays) > 5 and max(replays) == 3
+
+
+def test_a_draft_model_on_another_device(tiny_llama, monkeypatch):
+    """`--draft-device cpu` with the target on the GPU: greedy output equals plain decoding, and
+    seeded sampling with the target drafting for itself (every step a chain) accepts drafts,
+    their probabilities moved to the target's device and each device drawing from its own
+    generator."""
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "chain")
+    plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, **engine_kwargs(device="cuda")).generate(
+        prompts(3), SamplingParams(**GREEDY), use_tqdm=False)]
+    llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="draft",
+                                          draft_model=tiny_llama, draft_device="cpu",
+                                          num_speculative_tokens=3))
+    assert llm.engine.spec.proposer.runner.device == torch.device("cpu")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(3), SamplingParams(**GREEDY),
+                                                        use_tqdm=False)]
+    assert got == plain
+    seeded = SamplingParams(temperature=0.8, seed=3, ignore_eos=True, max_tokens=24)
+    out = llm.generate(prompts(3), seeded, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
