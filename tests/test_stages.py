@@ -1,9 +1,10 @@
 """Pipeline stages on torch.distributed (Gloo, CPU + CPU): a model cut into layer ranges run by
 separate processes gives the same greedy tokens as one process, under chunked prefill,
-preemption, aborts, n-gram speculation and a draft model in the engine's process; bad splits and unsupported combinations are refused
-before any process starts; a stage that dies fails the step at once, with its exit code; a
-stage started by hand (`luceio stage`, several machines; here 127.0.0.1) joins the engine's
-rendezvous, and an engine whose stages never come gives up after --stage-join-timeout."""
+preemption, aborts, n-gram speculation, a draft model in the engine's process and draft
+trees; bad splits and unsupported combinations are refused before any process starts; a
+stage that dies fails the step at once, with its exit code; a stage started by hand (`luceio
+stage`, several machines; here 127.0.0.1) joins the engine's rendezvous, and an engine whose
+stages never come gives up after --stage-join-timeout."""
 import multiprocessing
 import os
 import signal
@@ -148,6 +149,41 @@ def test_draft_model_speculation_across_stages(tiny_llama, tmp_path_factory, sch
         assert no_stage_left()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tree_speculation_across_stages(tiny_llama, method, monkeypatch):
+    """Draft trees verified through two stages (every step drafting a tree): the tree mask
+    travels with the step and the accepted rows' KV moves in every stage's cache (sent with
+    the next step): greedy output and the abort as one process speculating alike, and the
+    requests not aborted as plain decoding, with chunked prefill and preemption."""
+    from luceio.stages.group import StageGroup
+    moved = []
+    real = StageGroup.queue_moves
+    monkeypatch.setattr(StageGroup, "queue_moves",
+                        lambda self, src, dst: moved.append(len(src)) or real(self, src, dst))
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "tree")
+    from test_spec_tree import _branchy_prompts  # suffixes with several continuations
+    sched = dict(max_num_batched_tokens=32, num_kv_blocks=6)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    batch = _branchy_prompts(6)
+    plain = run_with_abort(LLM(tiny_llama, **engine_kwargs(**sched)), batch, params)
+    spec = dict(speculative_method=method, num_speculative_tokens=4, spec_tree_budget=8,
+                **({"draft_model": tiny_llama} if method == "draft" else {}))
+    expected = run_with_abort(LLM(tiny_llama, **engine_kwargs(**sched, **spec)), batch, params)
+    assert {i: v for i, v in expected.items() if i != 1} == \
+        {i: v for i, v in plain.items() if i != 1}
+    moved.clear()
+    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1", **sched, **spec))
+    try:
+        assert run_with_abort(llm, batch, params) == expected
+        eng = llm.engine
+        assert eng.spec.stats.num_accepted_tokens > 0 and sum(moved) > 0
+        assert eng.scheduler.num_preemptions > 0
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
 def killed_stage_fails_at_once(llm) -> None:
     """Kills stage 1 after one request; the next request raises StageError within 10 s, and so
     does every later step; then the LLM shuts down with nothing left behind."""
@@ -189,7 +225,8 @@ def test_a_bad_layer_split_is_refused_before_any_stage_starts(tiny_llama, split,
     ({"devices": "cpu,gpu"}, "'gpu' is not a device"),
     ({"preemption_mode": "swap"}, "do not support --preemption-mode swap"),
     ({"kv_resident_tokens": 64}, "do not support --kv-resident-tokens"),
-    ({"speculative_method": "ngram", "spec_tree_budget": 4}, "--spec-tree-budget"),
+    ({"speculative_method": "draft", "draft_model": "x", "spec_prefill_keep": 0.5},
+     "--spec-prefill-keep"),
     ({"devices": "cpu,cuda:99"}, "cuda:99 is not on this machine"),
     ({"stage_transport": "nccl"}, "--stage-transport nccl needs every stage on a CUDA device"),
     ({"world_size": 3, "dist_init": "tcp://127.0.0.1:1"}, "names 2 stages"),

@@ -32,12 +32,21 @@ def commit_tree_kv(runner, inp, paths: dict[str, list[int]]) -> None:
                 dst.append(h.slot_mapping[root + depth])
     if not src:
         return
+    if runner.stages is not None:  # the other stages move their layers' KV before the next step
+        runner.stages.queue_moves(src, dst)
     src, dst = torch.tensor(src, device=runner.device), torch.tensor(dst, device=runner.device)
     if runner.kv_pool is not None:
         pool = runner.kv_pool
         flat = pool.view(*pool.shape[:2], -1, *pool.shape[4:])
         flat[:, :, dst] = flat[:, :, src]
         return
-    for kv in runner.kv_caches:  # per-layer shapes
-        flat = kv.view(2, -1, *kv.shape[3:])
-        flat[:, dst] = flat[:, src]
+    move_kv(runner.kv_caches, src, dst)
+
+
+def move_kv(kv_caches, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Per-layer caches [2, num_blocks, block_size, ...] (None: a layer held elsewhere): the
+    entries at flat slots `src` copied to `dst`, all read before any is written."""
+    for kv in kv_caches:
+        if kv is not None:
+            flat = kv.view(2, -1, *kv.shape[3:])
+            flat[:, dst] = flat[:, src]

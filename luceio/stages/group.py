@@ -64,6 +64,15 @@ class StageGroup:
             raise
         self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.link, True)
         self.broken: str | None = None
+        self._moves: tuple[list[int], list[int]] = ([], [])  # KV slots for the next step
+
+    def queue_moves(self, src: list[int], dst: list[int]) -> None:
+        """KV moves (flat slots) that stage 0 made in its own cache after a tree verify: the
+        other stages make them at the start of the next step, before its layers run (each
+        verify is a step, so the moves waiting are one verify's, made at once as stage 0
+        made them)."""
+        self._moves[0].extend(src)
+        self._moves[1].extend(dst)
 
     @property
     def layer_range(self) -> tuple[int, int]:
@@ -109,7 +118,8 @@ class StageGroup:
             raise StageError(self.broken)
         # the ints reach the host before the layers are queued, so the next stage gets them
         # (and, on NCCL, queues its own layers) while this device still computes
-        header, ints = pack_step(positions, meta, prefill)
+        header, ints = pack_step(positions, meta, prefill, self._moves)
+        self._moves = ([], [])
         hidden = model(input_ids, positions, kv_caches, meta, layer_range=self.layer_range)
         try:
             self.link.send_step(1, header, ints, hidden)

@@ -183,7 +183,6 @@ def parse_dist_init(dist_init: str) -> tuple[str, int]:
 def _refuse_unsupported(args) -> None:
     refused = {"--preemption-mode swap": args.preemption_mode == "swap",
                "--kv-resident-tokens": bool(args.kv_resident_tokens),
-               "--spec-tree-budget": bool(args.speculative_method and args.spec_tree_budget),
                "--spec-prefill-keep": args.spec_prefill_keep is not None}
     named = [flag for flag, on in refused.items() if on]
     if named:

@@ -9,9 +9,14 @@
 
 One step, stage r -> stage r + 1, is three messages in this order:
   1. header: int64 [HEADER_LEN] = op, num_tokens, num_seqs, max_blocks, max_query_len,
-     max_seq_len, prefill (op SHUTDOWN: the rest is unused and nothing follows);
+     max_seq_len, prefill, tree, num_moves (op SHUTDOWN: the rest is unused and nothing
+     follows);
   2. ints: int64, positions [num_tokens] | slot_mapping [num_tokens] |
-     block_tables [num_seqs * max_blocks] | seq_lens [num_seqs] | query_start_loc [num_seqs + 1];
+     block_tables [num_seqs * max_blocks] | seq_lens [num_seqs] | query_start_loc [num_seqs + 1]
+     | with tree: the tree mask [num_tokens] (draft-tree verification) | KV moves: source
+     slots [num_moves] | destination slots [num_moves]. The moves are the last tree verify's
+     accepted rows (`spec.commit`), which every stage applies to its own cache before the
+     step's layers;
   3. hidden: the model dtype, [2, num_tokens, hidden_size] = the last layer's output and the
      residual stream.
 Middle stages relay 1 and 2 unchanged. The last stage sends rank 0 two messages: num_tokens
@@ -32,7 +37,7 @@ import torch.distributed as dist
 from ..models import AttnMetadata
 
 OP_SHUTDOWN, OP_STEP = 0, 1
-HEADER_LEN = 7
+HEADER_LEN = 9
 
 
 @dataclass
@@ -42,25 +47,40 @@ class StepMessage:
     hidden: tuple[torch.Tensor, torch.Tensor]  # (x, residual), each [num_tokens, hidden_size]
 
 
-def pack_step(positions: torch.Tensor, meta: AttnMetadata, prefill: bool):
-    """(header, ints) of a step, on the host: messages 1 and 2."""
+def pack_step(positions: torch.Tensor, meta: AttnMetadata, prefill: bool,
+              moves: tuple[list[int], list[int]] = ((), ())):
+    """(header, ints) of a step, on the host: messages 1 and 2. `moves`: (source, destination)
+    KV slots for every stage to move before the step (`spec.commit.commit_tree_kv`)."""
     n, (num_seqs, max_blocks) = positions.numel(), meta.block_tables.shape
+    tree = meta.tree_mask is not None
     header = torch.tensor([OP_STEP, n, num_seqs, max_blocks, meta.max_query_len,
-                           meta.max_seq_len, int(prefill)], dtype=torch.int64)
-    ints = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
-        positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)])
+                           meta.max_seq_len, int(prefill), int(tree), len(moves[0])],
+                          dtype=torch.int64)
+    parts = [positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+             meta.query_start_loc] + ([meta.tree_mask] if tree else [])
+    ints = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in parts] +
+                     [torch.tensor(m, dtype=torch.int64) for m in moves])
     return header, ints
 
 
+def ints_length(header: list[int]) -> int:
+    _, n, num_seqs, max_blocks, _, _, _, tree, num_moves = header
+    return 2 * n + num_seqs * max_blocks + 2 * num_seqs + 1 + tree * n + 2 * num_moves
+
+
 def unpack_step(msg: StepMessage, device: torch.device):
-    """(positions, meta, prefill) of a received step, on `device`. `prefill`: rows computing
-    known tokens (the CPU's dense path, runner._prefill_rows)."""
-    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill = msg.header.tolist()
-    pos, slots, tables, seq_lens, qsl = msg.ints.to(device).split(
-        [n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1])
+    """(positions, meta, prefill, moves) of a received step, on `device`. `prefill`: rows
+    computing known tokens (the CPU's dense path, runner._prefill_rows); `moves`: (source,
+    destination) KV slots to move before the step's layers, or None."""
+    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, num_moves = \
+        msg.header.tolist()
+    pos, slots, tables, seq_lens, qsl, tree_mask, src, dst = msg.ints.to(device).split(
+        [n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1, tree * n, num_moves, num_moves])
     meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
                         qsl.int(), max_query_len, max_seq_len)
-    return pos, meta, bool(prefill)
+    if tree:
+        meta.tree_mask = tree_mask
+    return pos, meta, bool(prefill), (src, dst) if num_moves else None
 
 
 def send_shutdown(dst: int) -> None:
@@ -92,10 +112,11 @@ class Link:
         `src` shuts the pipeline down."""
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         dist.recv(header, src)
-        op, n, num_seqs, max_blocks = header[:4].tolist()
-        if op == OP_SHUTDOWN:
+        fields = header.tolist()
+        if fields[0] == OP_SHUTDOWN:
             return None
-        ints = torch.empty(2 * n + num_seqs * max_blocks + 2 * num_seqs + 1, dtype=torch.int64)
+        n = fields[1]
+        ints = torch.empty(ints_length(fields), dtype=torch.int64)
         dist.recv(ints, src)
         x, residual = self._recv_hidden((2, n, hidden_size), dtype, src).unbind(0)
         return StepMessage(header, ints, (x, residual))

@@ -199,6 +199,7 @@ def _check_plan(engine_plan: dict, identity: str, own_ranges, rank: int) -> str 
 @torch.inference_mode()
 def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torch.dtype) -> None:
     from ..runner import _prefill_rows
+    from ..spec.commit import move_kv
     from .wire import send_shutdown, unpack_step
     layer_range = plan.layer_ranges[rank]
     last = rank == plan.num_stages - 1
@@ -208,7 +209,9 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
             if not last:
                 send_shutdown(rank + 1)
             return
-        positions, meta, prefill = unpack_step(msg, link.device)
+        positions, meta, prefill, moves = unpack_step(msg, link.device)
+        if moves is not None:  # the last tree verify's accepted KV, before anything reads it
+            move_kv(kv_caches, *moves)
         with _prefill_rows(prefill and link.device.type == "cpu"):
             out = model(None, positions, kv_caches, meta, layer_range=layer_range,
                         hidden=msg.hidden)
