@@ -4,6 +4,9 @@
   one_gpu_eager    one GPU, eager (staged runs are eager: this separates the graphs' share)
   nccl             two stages, cuda:0 + cuda:1, hidden states over NCCL
   host             two stages, the same, hidden states host-staged over Gloo
+  nccl_mb2,        the same with each step's requests cut into two micro-batches
+  host_mb2         (--stage-micro-batches 2): a stage runs one while the one before computes
+                   the next
   capped           two stages (auto transport), each GPU capped by --gpu-memory-utilization
                    below the model's weight bytes, so neither GPU alone may hold the model
                    (the 8B shape only: the smaller ones leave no room for the 1 GiB headroom)
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import SHAPES, env_info, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["one_gpu_graphs", "one_gpu_eager", "nccl", "host", "capped"]
+CONFIGS = ["one_gpu_graphs", "one_gpu_eager", "nccl", "host", "nccl_mb2", "host_mb2", "capped"]
 CAP_OF_WEIGHTS = 0.9  # capped: each GPU may use this share of the model's weight bytes
 RESULT = "RESULT "  # the child's last line: RESULT {json}
 
@@ -111,10 +114,14 @@ def engine_options(config: str, shape: str, a) -> dict | None:
     kv = dict(kv_cache_memory=int(a.kv_gib * 2**30))
     if config == "one_gpu_graphs":
         return None if cpu else dict(device=one, **kv)
+    threads = {"cpu_threads": 1} if cpu else {}  # CPU: a thread per process, cores = stages
     if config == "one_gpu_eager":
-        return dict(device=one, enforce_eager=True, **kv)
-    if config in ("nccl", "host"):
-        return dict(devices=two, stage_transport=config, **kv)
+        return dict(device=one, enforce_eager=True, **kv, **threads)
+    if config in ("nccl", "host", "nccl_mb2", "host_mb2"):
+        if cpu and config.startswith("nccl"):
+            return None
+        return dict(devices=two, stage_transport=config.split("_")[0], **kv, **threads,
+                    **({"stage_micro_batches": 2} if config.endswith("_mb2") else {}))
     if config == "capped":
         if cpu or shape != "llama-3.1-8b":
             return None
@@ -143,10 +150,10 @@ def run_config(spec: dict, limit_s: float) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'shape':<20} {'type':<5} {'config':<15} {'load s':>7} {'batch-1 tok/s':>14} "
-          f"{'64-conc tok/s':>14} {'blocks':>7}  error")
+          f"{'concurrent tok/s':>16} {'blocks':>7}  error")
     for r in rows:
         print(f"{r['shape']:<20} {r['type']:<5} {r['config']:<15} {r.get('load_s', ''):>7} "
-              f"{r.get('batch1_tok_s', ''):>14} {r.get('concurrent_tok_s', ''):>14} "
+              f"{r.get('batch1_tok_s', ''):>14} {r.get('concurrent_tok_s', ''):>16} "
               f"{r.get('num_blocks', ''):>7}  {str(r.get('error', ''))[:100]}")
 
 

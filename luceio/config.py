@@ -106,6 +106,9 @@ class EngineArgs(CliArgs):
                      "(`luceio serve`, LLM), 1 to W-1 for `luceio stage`")
     stage_join_timeout: int = _opt(300, "seconds every process waits for the others to join "
                                    "--dist-init before it gives up")
+    stage_micro_batches: int = _opt(1, "pipeline stages: cut each step's requests into up to "
+                                    "this many micro-batches, so that a stage runs one while "
+                                    "the one before it computes the next (1: whole steps)")
     stage_transport: str = _opt("auto", "how hidden states cross the stage boundaries: nccl "
                                 "(device to device; every stage a CUDA device of its own, one "
                                 "vendor's PyTorch in every process), host (Gloo through pinned "

@@ -69,13 +69,22 @@ def three_layers(tmp_path_factory):
     {"max_num_batched_tokens": 32},  # chunked prefill mixed with decodes
     {"max_num_batched_tokens": 32, "num_kv_blocks": 12},  # and preemption by recompute
 ], ids=["chunked", "chunked+preempt"])
-def test_two_stages_equal_one_process(tiny_llama, sched):
+@pytest.mark.parametrize("micro", [1, 3])
+def test_two_stages_equal_one_process(tiny_llama, sched, micro):
+    """`micro`: each step's requests cut into up to that many micro-batches."""
     params = SamplingParams(max_tokens=20, **GREEDY)
     batch = prompts(6)
     expected = run_with_abort(LLM(tiny_llama, **engine_kwargs(**sched)), batch, params)
-    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1", **sched))
+    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1",
+                                         stage_micro_batches=micro, **sched))
+    sends = []
+    link = llm.engine.stages.link
+    real = link.send_step
+    link.send_step = lambda *a: sends.append(1) or real(*a)
     try:
         assert run_with_abort(llm, batch, params) == expected
+        steps = llm.engine.counters["steps"]
+        assert len(sends) == steps if micro == 1 else len(sends) > steps
         assert expected[1][1] == "abort" and len(expected[1][0]) < 20
         eng = llm.engine
         assert eng.counters["steps"] > 20
@@ -172,7 +181,8 @@ def test_tree_speculation_across_stages(tiny_llama, method, monkeypatch):
     assert {i: v for i, v in expected.items() if i != 1} == \
         {i: v for i, v in plain.items() if i != 1}
     moved.clear()
-    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1", **sched, **spec))
+    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1", **sched, **spec,
+                                         stage_micro_batches=2 if method == "draft" else 1))
     try:
         assert run_with_abort(llm, batch, params) == expected
         eng = llm.engine
@@ -208,6 +218,28 @@ def test_a_killed_stage_fails_the_step_at_once(tiny_llama):
     killed_stage_fails_at_once(LLM(tiny_llama, **stage_kwargs("cpu,cpu")))
 
 
+def test_a_killed_stage_fails_a_micro_batched_step(tiny_llama):
+    """The micro-batches' results are received asynchronously: a dead stage still fails the
+    step within 10 s, through the transfers themselves (the check of the stage processes
+    before a step is kept from seeing it)."""
+    llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", stage_micro_batches=2))
+    try:
+        params = SamplingParams(max_tokens=4, **GREEDY)
+        assert len(llm.generate(prompts(3), params, use_tqdm=False)) == 3
+        group = llm.engine.stages
+        worker = group.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        group.procs = []  # reaped: only Gloo can tell now
+        start = time.monotonic()
+        with pytest.raises(StageError, match="pipeline stage failed"):
+            llm.generate(prompts(3), params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
 @pytest.mark.parametrize("split, message", [
     ("1", "has 1 counts for 2 stages"),
     ("2,1", "sums to 3 layers; the model has 2"),
@@ -235,6 +267,7 @@ def test_a_bad_layer_split_is_refused_before_any_stage_starts(tiny_llama, split,
     ({"world_size": 2, "rank": 2, "dist_init": "tcp://127.0.0.1:1"}, r"not in \[0, --world"),
     ({"world_size": 2, "rank": 1, "dist_init": "tcp://127.0.0.1:1"}, "start it with `luceio stage`"),
     ({"dist_init": "file:///tmp/x"}, "give tcp://HOST:PORT"),
+    ({"stage_micro_batches": 0}, "--stage-micro-batches must be >= 1"),
 ])
 def test_unsupported_combinations_are_refused(tiny_llama, over, message):
     kw = stage_kwargs("cpu,cpu")
@@ -242,6 +275,34 @@ def test_unsupported_combinations_are_refused(tiny_llama, over, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_llama, **kw)
     assert no_stage_left()
+
+
+def test_a_step_cut_into_micro_batches():
+    """`split_step`: whole requests per micro-batch, in order, each meta re-based on its own
+    rows (query starts from 0, its own longest query and context), the tree mask cut along."""
+    import torch
+    from luceio.models import AttnMetadata
+    from luceio.stages.wire import split_step
+    seq_lens = [10, 7, 30, 4, 9]
+    qsl = torch.tensor([0, 3, 4, 5, 9, 11], dtype=torch.int32)  # 3, 1, 1, 4 and 2 tokens
+    meta = AttnMetadata(torch.arange(100, 111), torch.arange(25).view(5, 5).int(),
+                        torch.tensor(seq_lens, dtype=torch.int32), qsl, 4, 30)
+    meta.tree_mask = torch.arange(11) * 3
+    ids, pos = torch.arange(50, 61), torch.arange(11)
+    parts = split_step(ids, pos, meta, 2)
+    assert len(parts) == 2 and len(split_step(ids, pos, meta, 1)) == 1
+    assert torch.equal(torch.cat([p[0] for p in parts]), ids)
+    assert torch.equal(torch.cat([p[1] for p in parts]), pos)
+    first, second = parts[0][2], parts[1][2]
+    assert first.query_start_loc.tolist() == [0, 3, 4]  # requests 0-1, then 2-4
+    assert second.query_start_loc.tolist() == [0, 1, 5, 7]
+    assert (first.max_query_len, first.max_seq_len) == (3, 10)
+    assert (second.max_query_len, second.max_seq_len) == (4, 30)
+    assert torch.equal(second.block_tables, meta.block_tables[2:])
+    assert torch.equal(second.seq_lens, meta.seq_lens[2:])
+    assert torch.equal(second.slot_mapping, meta.slot_mapping[4:])
+    assert torch.equal(torch.cat([first.tree_mask, second.tree_mask]), meta.tree_mask)
+    assert len(split_step(ids, pos, meta, 9)) == 5  # at most one request each
 
 
 def test_auto_split_gives_the_remainder_to_later_stages():

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from ..errors import EngineDeadError
 from .model import keep_layers
 from .plan import StagePlan, model_identity
-from .wire import Link, pack_step, send_shutdown
+from .wire import Link, pack_step, send_shutdown, split_step
 from .worker import WorkerSpec, close_link, end_nccl, join_group, run_worker
 
 logger = logging.getLogger("luceio")
@@ -65,6 +65,7 @@ class StageGroup:
         self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.link, True)
         self.broken: str | None = None
         self._moves: tuple[list[int], list[int]] = ([], [])  # KV slots for the next step
+        self.micro_batches = args.stage_micro_batches
 
     def queue_moves(self, src: list[int], dst: list[int]) -> None:
         """KV moves (flat slots) that stage 0 made in its own cache after a tree verify: the
@@ -118,13 +119,22 @@ class StageGroup:
             raise StageError(self.broken)
         # the ints reach the host before the layers are queued, so the next stage gets them
         # (and, on NCCL, queues its own layers) while this device still computes
-        header, ints = pack_step(positions, meta, prefill, self._moves)
-        self._moves = ([], [])
-        hidden = model(input_ids, positions, kv_caches, meta, layer_range=self.layer_range)
+        parts = split_step(input_ids, positions, meta, self.micro_batches)
+        last, waits = self.plan.num_stages - 1, []
         try:
-            self.link.send_step(1, header, ints, hidden)
-            return self.link.recv_final(self.plan.num_stages - 1, positions.numel(),
-                                        hidden[0].shape[-1], hidden[0].dtype)
+            for ids, pos, sub in parts:  # micro-batches: the next stage runs one while this
+                # process computes the next (one part: the whole step)
+                header, ints = pack_step(pos, sub, prefill, self._moves)
+                self._moves = ([], [])
+                hidden = model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
+                if len(parts) > 1 and not waits:  # every result's receive posted before a send
+                    waits = [self.link.post_final(last, p[1].numel(), hidden[0].shape[-1],
+                                                  hidden[0].dtype) for p in parts]
+                self.link.send_step(1, header, ints, hidden)
+            if not waits:
+                return self.link.recv_final(last, positions.numel(), hidden[0].shape[-1],
+                                            hidden[0].dtype)
+            return torch.cat([wait() for wait in waits])
         except RuntimeError as e:
             self.broken = self._failure(e)
             raise StageError(self.broken) from e

@@ -84,6 +84,8 @@ def layer_ranges(split: str, num_stages: int, num_layers: int) -> tuple[tuple[in
 
 def plan_stages(args, num_layers: int) -> StagePlan | None:
     """The stage plan of `args` (an EngineArgs), or None for a one-device run."""
+    if args.stage_micro_batches < 1:
+        raise ValueError(f"--stage-micro-batches must be >= 1, got {args.stage_micro_batches}")
     if args.devices is None:
         if args.layer_split != "auto":
             raise ValueError("--layer-split needs --devices (one device per stage)")

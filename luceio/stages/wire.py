@@ -63,6 +63,32 @@ def pack_step(positions: torch.Tensor, meta: AttnMetadata, prefill: bool,
     return header, ints
 
 
+def split_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+               parts: int) -> list[tuple]:
+    """A step cut into up to `parts` micro-batches of whole requests, in order:
+    [(input_ids, positions, meta)] with each meta re-based on its own requests (their rows of
+    the step are consecutive), so the rows of the micro-batches, concatenated, are the step's.
+    One part where the step has one request (or a hybrid model's state slots)."""
+    num_seqs = meta.seq_lens.shape[0]
+    parts = min(parts, num_seqs)
+    if parts < 2 or meta.state_slots is not None or meta.kept is not None:
+        return [(input_ids, positions, meta)]
+    qsl = meta.query_start_loc.to("cpu", torch.int64)
+    lens = meta.seq_lens.to("cpu", torch.int64)
+    bounds = [num_seqs * i // parts for i in range(parts + 1)]  # requests of each part
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        r0, r1 = int(qsl[a]), int(qsl[b])
+        q = qsl[a:b + 1] - r0
+        sub = AttnMetadata(meta.slot_mapping[r0:r1], meta.block_tables[a:b], meta.seq_lens[a:b],
+                           q.to(meta.query_start_loc.device, meta.query_start_loc.dtype),
+                           int((q[1:] - q[:-1]).max()), int(lens[a:b].max()))
+        if meta.tree_mask is not None:
+            sub.tree_mask = meta.tree_mask[r0:r1]
+        out.append((input_ids[r0:r1] if input_ids is not None else None, positions[r0:r1], sub))
+    return out
+
+
 def ints_length(header: list[int]) -> int:
     _, n, num_seqs, max_blocks, _, _, _, tree, num_moves = header
     return 2 * n + num_seqs * max_blocks + 2 * num_seqs + 1 + tree * n + 2 * num_moves
@@ -133,6 +159,26 @@ class Link:
             raise RuntimeError(f"stage {src} returned {count.item()} rows for a step of "
                                f"{num_tokens} tokens")
         return self._recv_hidden((num_tokens, hidden_size), dtype, src)
+
+    def post_final(self, src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype):
+        """`recv_final` posted ahead (micro-batches: the last stage may send one micro-batch's
+        result while this process still sends it the next). Returns a function that waits for
+        it and gives the hidden states [num_tokens, hidden_size] on this stage's device."""
+        count = torch.empty(1, dtype=torch.int64)
+        works = [dist.irecv(count, src)]
+        nccl = self.nccl is not None
+        out = torch.empty((num_tokens, hidden_size), dtype=dtype,
+                          device=self.device if nccl else "cpu")
+        works.append(dist.irecv(out, src, group=self.nccl) if nccl else dist.irecv(out, src))
+
+        def wait() -> torch.Tensor:
+            for w in works:  # the Gloo count first: a dead stage is reported there at once
+                w.wait()
+            if count.item() != num_tokens:
+                raise RuntimeError(f"stage {src} returned {count.item()} rows for a "
+                                   f"micro-batch of {num_tokens} tokens")
+            return out.to(self.device)
+        return wait
 
     def _send_hidden(self, t: torch.Tensor, dst: int) -> None:
         if self.nccl is not None:
