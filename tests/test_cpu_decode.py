@@ -82,12 +82,29 @@ def _random_cache(seq_lens, num_kv_heads, head_dim, g, num_blocks=40, block_size
     return kv, tables, lens, pos, slots
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,qk_norm", [
-    (9, 3, 64, False), (4, 4, 32, False), (8, 2, 32, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype):
+    gate_up = (torch.randn(2, 2 * 96, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    gate, up = gate_up.float().chunk(2, -1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    out = torch.empty(2, 96, dtype=dtype)
+    decode_cpu.gelu_tanh_and_mul(as_numpy(gate_up), as_numpy(out))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    else:  # 1 + tanh(...) cancels for negative gates: fp32 noise there can flip a bf16 rounding
+        torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,qk_norm,window", [
+    (9, 3, 64, False, 0), (4, 4, 32, False, 0), (8, 2, 32, True, 0), (4, 2, 16, True, 7),
+    (3, 3, 20, True, 30)])
 @pytest.mark.parametrize("seq_lens", [[100], [5, 37, 20, 16]])
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, seq_lens, io_dtype):
-    """[q/k norm,] rotary, KV write and attention in one call == the references in sequence."""
+def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, window, seq_lens,
+                          io_dtype):
+    """[q/k norm,] rotary, KV write and attention in one call == the references in sequence;
+    with a sliding window (Gemma's local layers) and another scale where given."""
+    scale = head_dim ** -0.5 if not window else 24 ** -0.5
     g = torch.Generator().manual_seed(2)
     kv, tables, lens, pos, slots = _random_cache(seq_lens, num_kv_heads, head_dim, g)
     qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim,
@@ -106,12 +123,13 @@ def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, seq_lens, 
     write_kv_ref(k, v.reshape(-1, num_kv_heads, head_dim), want_kv[0], want_kv[1], slots)
     want = paged_attention_ref(q, want_kv[0], want_kv[1], tables, lens,
                                torch.arange(len(seq_lens) + 1, dtype=torch.int32), 1,
-                               max(seq_lens), head_dim ** -0.5).reshape(len(seq_lens), -1)
+                               max(seq_lens), scale, window=window).reshape(len(seq_lens), -1)
 
     out = torch.empty(want.shape, dtype=io_dtype)
     decode_cpu.decode_attention(as_numpy(qkv), cos_sin.numpy(), pos.numpy(), kv.numpy(),
                                 slots.numpy(), tables.numpy(), lens.numpy(), num_heads,
-                                norms[0].numpy(), norms[1].numpy(), 1e-6, as_numpy(out))
+                                norms[0].numpy(), norms[1].numpy(), 1e-6, as_numpy(out), scale,
+                                window)
     torch.testing.assert_close(kv, want_kv, rtol=1e-6, atol=1e-6)
     if io_dtype == torch.float32:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -153,6 +171,22 @@ def test_decoder_equals_module_forward(tiny_models, arch):
     for seq_lens in ([37], [5, 37, 20, 16]):
         hidden_err, kv_err = _decoder_vs_module_forward(runner, seq_lens)
         assert hidden_err < 1e-5 and kv_err < 1e-6  # measured: 6e-7, 1e-8
+
+
+@pytest.mark.parametrize("name", ["gqa_tied", "mha_odd_untied"])
+def test_gemma3_decoder_equals_module_forward(tmp_path, name):
+    """Gemma 3's own step ((1 + w) norms, post-norms, GELU, sliding windows, local RoPE, the
+    query_pre_attn_scalar scale, the embedding scale) against its module forward; the engine
+    decodes through it."""
+    from conftest import make_tiny_gemma
+    runner = LLM(make_tiny_gemma(str(tmp_path / name), name, seed=3),
+                 **engine_kwargs()).engine.runner
+    decoder = runner.cpu_decoder
+    assert decoder.gemma and not decoder.module_forward
+    assert any(layer.window for layer in decoder.layers)
+    for seq_lens in ([37], [5, 37, 20, 16]):  # longer than the windows (5, 7)
+        hidden_err, kv_err = _decoder_vs_module_forward(runner, seq_lens)
+        assert hidden_err < 1e-5 and kv_err < 1e-6
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

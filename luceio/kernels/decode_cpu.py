@@ -4,8 +4,10 @@ torch reference takes several ops:
   kernel             reference                                        torch ops
   add_rms_norm       norm.rms_norm_ref (with the residual)            7
   silu_and_mul       activation.silu_and_mul_ref                      2
+  gelu_tanh_and_mul  F.gelu(gate, approximate="tanh") * up (Gemma)    3
   decode_attention   [q/k norm], rotary_ref, write_kv_ref,            ~40
-                     attention._decode_ref (one query per request)
+                     attention._decode_ref (one query per request,
+                     a sliding window where given)
 
 On two threads a decode step of a small model is mostly the fixed cost of its small ops, ~3 us
 each however few bytes they touch: these kernels exist to cut their count
@@ -101,6 +103,19 @@ def silu_and_mul(gate_up, out):
 
 
 @_njit
+def gelu_tanh_and_mul(gate_up, out):
+    """gate_up: [M, >= 2 I] activations as [gate | up]; out: [M, I] = gelu_tanh(gate) * up,
+    the tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))."""
+    m, n = out.shape
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    for i in range(m):
+        for j in range(n):
+            g = _load(gate_up[i, j])
+            t = np.tanh(c * (g + np.float32(0.044715) * g * g * g))
+            _store(out, i, j, np.float32(0.5) * g * (np.float32(1) + t) * _load(gate_up[i, n + j]))
+
+
+@_njit
 def _rms_norm_row(x, weight, eps):
     sum_sq = np.float32(0)
     for j in range(x.shape[0]):
@@ -112,10 +127,11 @@ def _rms_norm_row(x, weight, eps):
 
 @_njit
 def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens, num_heads,
-                     q_norm, k_norm, eps, out):
+                     q_norm, k_norm, eps, out, scale, window):
     """One decode token per request: q and k normalised per head (Qwen3: q_norm, k_norm of
     size head_dim, else size 0) and rotated (rotate-half), k and v written to the cache at
-    `slots`, then attention over the request's `seq_lens` cached tokens.
+    `slots`, then attention over the request's `seq_lens` cached tokens (`window` > 0: only
+    its last `window`, a sliding window), scores scaled by `scale`.
 
     qkv: [num_seqs, (H + 2 Hkv) D] activations; cos_sin: fp32 [max_positions, D] (cos | sin);
     positions, slots: int64 [num_seqs]; kv: fp32 [2, num_blocks, block_size, Hkv, D];
@@ -124,7 +140,7 @@ def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens,
     num_seqs = qkv.shape[0]
     block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
     group, half = num_heads // num_kv_heads, head_dim // 2
-    scale = np.float32(head_dim ** -0.5)
+    scale = np.float32(scale)
     q = np.empty((num_heads, head_dim), np.float32)
     acc = np.empty((group, head_dim), np.float32)
     total = np.empty(group, np.float32)
@@ -145,9 +161,10 @@ def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens,
             for j in range(head_dim):
                 kv[1, blk, off, h, j] = _load(qkv[b, v_at + h * head_dim + j])
         seq_len = seq_lens[b]
-        scores = np.empty((group, seq_len), np.float32)
+        start = max(seq_len - window, 0) if window > 0 else 0
+        scores = np.zeros((group, seq_len), np.float32)
         for h in range(num_kv_heads):
-            for t in range(seq_len):
+            for t in range(start, seq_len):
                 key = kv[0, block_tables[b, t // block_size], t % block_size, h]
                 for g in range(group):
                     dot = np.float32(0)
@@ -155,13 +172,13 @@ def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens,
                         dot += q[h * group + g, j] * key[j]
                     scores[g, t] = dot * scale
             for g in range(group):
-                top = scores[g].max()
+                top = scores[g, start:].max()
                 total[g] = 0
-                for t in range(seq_len):
+                for t in range(start, seq_len):
                     scores[g, t] = np.exp(scores[g, t] - top)
                     total[g] += scores[g, t]
             acc[:] = 0
-            for t in range(seq_len):
+            for t in range(start, seq_len):
                 value = kv[1, block_tables[b, t // block_size], t % block_size, h]
                 for g in range(group):
                     for j in range(head_dim):

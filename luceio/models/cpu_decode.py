@@ -43,8 +43,11 @@ Rules:
 - It reads the model's parameters and the runner's KV cache; between steps it keeps only
   scratch buffers.
 - A mixture-of-experts MLP (`moe.SparseMoeBlock`) runs its module forward.
-- A Gemma 3 model (`gemma.py`) runs its whole module forward: its (1 + w) norms, post-norms,
-  embedding scale, GELU MLP and sliding windows are not this path's arithmetic.
+- Gemma 3 (`gemma.py`) has a step of its own (`_gemma_step`): its (1 + w) norms are these
+  kernels' norms with 1 + w as the weight, the post-attention and post-feedforward norms are
+  norms without the add, the MLP is `gelu_tanh_and_mul`, and attention takes the layer's
+  scale, sliding window and RoPE table. Other subclasses of it (Gemma 4) run their whole
+  module forward.
 """
 from __future__ import annotations
 
@@ -66,17 +69,21 @@ class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]):
         cfg = model.cfg
         self.model, self.num_heads, self.eps = model, cfg.num_heads, cfg.rms_norm_eps
-        self.module_forward = isinstance(model, Gemma3ForCausalLM)
+        self.gemma = type(model) is Gemma3ForCausalLM
+        self.module_forward = isinstance(model, Gemma3ForCausalLM) and not self.gemma
         if self.module_forward:
             self.kv_caches = kv_caches
             return
         self.kv = [kv.numpy() for kv in kv_caches]
         self.cos_sin = model.cos_sin.numpy()
-        self.layers = [_Layer(layer) for layer in model.layers]
+        self.scale = cfg.head_dim ** -0.5
+        self.layers = [_GemmaLayer(layer, model) if self.gemma else _Layer(layer)
+                       for layer in model.layers]
         table = model.embed_tokens.qweight
         self.embed_rows = qdot_cpu.prepare(table) \
             if table is not None and table.qtype in qdot_cpu.KINDS else None
-        self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
+        self._final_norm: np.ndarray | None = None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -88,6 +95,8 @@ class CpuDecoder:
         if self.module_forward:
             return self.model(input_ids, positions, self.kv_caches, meta)
         qdot_cpu.use_torch_threads()  # for attention; the matmuls ask too
+        if self.gemma:
+            return self._gemma_step(input_ids, positions, meta)
         positions, slots = positions.numpy(), meta.slot_mapping.numpy()
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
         residual = self._embed(input_ids)  # fp32 [num_seqs, hidden]
@@ -99,12 +108,41 @@ class CpuDecoder:
             o = self._scratch(rows, layer.o.lin.in_features)
             decode_cpu.decode_attention(qkv[1], self.cos_sin, positions, self.kv[i], slots,
                                         tables, seq_lens, self.num_heads, *layer.qk_norm,
-                                        self.eps, o[1])
+                                        self.eps, o[1], self.scale, 0)
             h = self._norm(layer.o(*o)[1], residual, True, layer.post_norm,
                            self._scratch(rows, hidden))
             x = self._mlp(layer, h, rows)
         out = torch.empty_like(residual)
-        return self._norm(x, residual, True, self.model.norm.weight.numpy(), (out, out.numpy()))[0]
+        return self._norm(x, residual, True, self.final_norm, (out, out.numpy()))[0]
+
+    def _gemma_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttnMetadata) -> torch.Tensor:
+        """Gemma 3's layers: input norm, attention, post-attention norm, + residual,
+        pre-feedforward norm, GELU MLP, post-feedforward norm, + residual (each add done by
+        the next norm's kernel), then the final norm."""
+        positions, slots = positions.numpy(), meta.slot_mapping.numpy()
+        tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
+        residual = self.model._embed(input_ids).float().contiguous()  # its scale, as the model
+        rows, hidden = residual.shape
+        x = residual.numpy()  # what the next norm adds (nothing before layer 0)
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(rows, hidden))
+            qkv = layer.qkv(*h)
+            o = self._scratch(rows, layer.o.lin.in_features)
+            decode_cpu.decode_attention(qkv[1], layer.cos_sin, positions, self.kv[i], slots,
+                                        tables, seq_lens, self.num_heads, *layer.qk_norm,
+                                        self.eps, o[1], layer.scale, layer.window)
+            attn = layer.o(*o)[1]
+            post = self._norm(attn, attn, False, layer.post_attn_norm,
+                              self._scratch(rows, hidden, 1))
+            h = self._norm(post[1], residual, True, layer.pre_ff_norm, self._scratch(rows, hidden))
+            gate_up = layer.gate_up(*h)
+            act = self._scratch(rows, layer.down.lin.in_features)
+            decode_cpu.gelu_tanh_and_mul(gate_up[1], act[1])
+            down = layer.down(*act)[1]
+            x = self._norm(down, down, False, layer.post_ff_norm, self._scratch(rows, hidden, 1))[1]
+        out = torch.empty_like(residual)
+        return self._norm(x, residual, True, self.final_norm, (out, out.numpy()))[0]
 
     def _mlp(self, layer: "_Layer", h: tuple[torch.Tensor, np.ndarray], rows: int) -> np.ndarray:
         if layer.moe is not None:  # experts run as in the module forward
@@ -123,17 +161,27 @@ class CpuDecoder:
         return out
 
     def _norm(self, x: np.ndarray, residual, add: bool, weight: np.ndarray, out):
-        """out (a (tensor, numpy view) pair) = the norm of residual (+= x)."""
-        decode_cpu.add_rms_norm(x, residual.numpy(), add, weight, self.eps, out[1])
+        """out (a (tensor, numpy view) pair) = the norm of residual (+= x). `residual`: a
+        tensor or its numpy view (only read without `add`)."""
+        res = residual if isinstance(residual, np.ndarray) else residual.numpy()
+        decode_cpu.add_rms_norm(x, res, add, weight, self.eps, out[1])
         return out
 
-    def _scratch(self, rows: int, cols: int) -> tuple[torch.Tensor, np.ndarray]:
+    @property
+    def final_norm(self) -> np.ndarray:
+        if self._final_norm is None:  # Gemma: 1 + w
+            w = self.model.norm.weight.float()
+            self._final_norm = (1.0 + w if self.gemma else w).numpy()
+        return self._final_norm
+
+    def _scratch(self, rows: int, cols: int, slot: int = 0) -> tuple[torch.Tensor, np.ndarray]:
         """An fp32 [rows, cols] buffer and its numpy view, reused from step to step (and within
-        one: each is read by the matmul that follows before it is written again)."""
-        t, a = self._buffers.get(cols, (None, None))
+        one: each is read by the matmul that follows before it is written again; `slot` keeps
+        two buffers of one width apart)."""
+        t, a = self._buffers.get((cols, slot), (None, None))
         if t is None or t.shape[0] != rows:
             t = torch.empty(rows, cols)
-            t, a = self._buffers[cols] = t, t.numpy()
+            t, a = self._buffers[cols, slot] = t, t.numpy()
         return t, a
 
 
@@ -151,6 +199,26 @@ class _Layer:
         if self.moe is None:
             self.gate_up = _Projection(layer.mlp.gate_up_proj)
             self.down = _Projection(layer.mlp.down_proj)
+
+
+class _GemmaLayer:
+    """One Gemma 3 decoder layer's weights as the decode step reads them: its norms' scales as
+    1 + w (fp32), its attention's scale, window and RoPE table."""
+
+    def __init__(self, layer, model):
+        def scale(norm):
+            return (1.0 + norm.weight.float()).numpy()
+        attn = layer.self_attn
+        self.input_norm, self.post_attn_norm = scale(layer.input_layernorm), \
+            scale(layer.post_attention_layernorm)
+        self.pre_ff_norm, self.post_ff_norm = scale(layer.pre_feedforward_layernorm), \
+            scale(layer.post_feedforward_layernorm)
+        self.qk_norm = (scale(attn.q_norm), scale(attn.k_norm))
+        self.scale, self.window = attn.scale, attn.window
+        self.cos_sin = (model.cos_sin_local if attn.window else model.cos_sin).numpy()
+        self.qkv, self.o = _Projection(attn.qkv_proj), _Projection(attn.o_proj)
+        self.gate_up = _Projection(layer.mlp.gate_up_proj)
+        self.down = _Projection(layer.mlp.down_proj)
 
 
 class _Projection:
