@@ -97,20 +97,14 @@ class CpuDecoder:
         qdot_cpu.use_torch_threads()  # for attention; the matmuls ask too
         if self.gemma:
             return self._gemma_step(input_ids, positions, meta)
-        positions, slots = positions.numpy(), meta.slot_mapping.numpy()
-        tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
+        batch = self._batch(positions, meta)
         residual = self._embed(input_ids)  # fp32 [num_seqs, hidden]
         rows, hidden = residual.shape
         x = residual.numpy()  # what the next norm adds to the residual (nothing before layer 0)
         for i, layer in enumerate(self.layers):
             h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(rows, hidden))
-            qkv = layer.qkv(*h)
-            o = self._scratch(rows, layer.o.lin.in_features)
-            decode_cpu.decode_attention(qkv[1], self.cos_sin, positions, self.kv[i], slots,
-                                        tables, seq_lens, self.num_heads, *layer.qk_norm,
-                                        self.eps, o[1], self.scale, 0)
-            h = self._norm(layer.o(*o)[1], residual, True, layer.post_norm,
-                           self._scratch(rows, hidden))
+            attn = self._attend(layer, h, i, batch, self.cos_sin, self.scale, 0)
+            h = self._norm(attn[1], residual, True, layer.post_norm, self._scratch(rows, hidden))
             x = self._mlp(layer, h, rows)
         out = torch.empty_like(residual)
         return self._norm(x, residual, True, self.final_norm, (out, out.numpy()))[0]
@@ -120,19 +114,13 @@ class CpuDecoder:
         """Gemma 3's layers: input norm, attention, post-attention norm, + residual,
         pre-feedforward norm, GELU MLP, post-feedforward norm, + residual (each add done by
         the next norm's kernel), then the final norm."""
-        positions, slots = positions.numpy(), meta.slot_mapping.numpy()
-        tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
+        batch = self._batch(positions, meta)
         residual = self.model._embed(input_ids).float().contiguous()  # its scale, as the model
         rows, hidden = residual.shape
         x = residual.numpy()  # what the next norm adds (nothing before layer 0)
         for i, layer in enumerate(self.layers):
             h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(rows, hidden))
-            qkv = layer.qkv(*h)
-            o = self._scratch(rows, layer.o.lin.in_features)
-            decode_cpu.decode_attention(qkv[1], layer.cos_sin, positions, self.kv[i], slots,
-                                        tables, seq_lens, self.num_heads, *layer.qk_norm,
-                                        self.eps, o[1], layer.scale, layer.window)
-            attn = layer.o(*o)[1]
+            attn = self._attend(layer, h, i, batch, layer.cos_sin, layer.scale, layer.window)[1]
             post = self._norm(attn, attn, False, layer.post_attn_norm,
                               self._scratch(rows, hidden, 1))
             h = self._norm(post[1], residual, True, layer.pre_ff_norm, self._scratch(rows, hidden))
@@ -143,6 +131,24 @@ class CpuDecoder:
             x = self._norm(down, down, False, layer.post_ff_norm, self._scratch(rows, hidden, 1))[1]
         out = torch.empty_like(residual)
         return self._norm(x, residual, True, self.final_norm, (out, out.numpy()))[0]
+
+    @staticmethod
+    def _batch(positions: torch.Tensor, meta: AttnMetadata) -> tuple[np.ndarray, ...]:
+        """(positions, slots, block tables, seq lens) as the attention kernel reads them."""
+        return (positions.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy(),
+                meta.seq_lens.numpy())
+
+    def _attend(self, layer, h, i: int, batch: tuple, cos_sin: np.ndarray, scale: float,
+                window: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Layer i's QKV projection of h, the attention kernel (q/k norm, RoPE, KV write,
+        attention), then its o projection."""
+        positions, slots, tables, seq_lens = batch
+        qkv = layer.qkv(*h)
+        o = self._scratch(h[0].shape[0], layer.o.lin.in_features)
+        decode_cpu.decode_attention(qkv[1], cos_sin, positions, self.kv[i], slots, tables,
+                                    seq_lens, self.num_heads, *layer.qk_norm, self.eps, o[1],
+                                    scale, window)
+        return layer.o(*o)
 
     def _mlp(self, layer: "_Layer", h: tuple[torch.Tensor, np.ndarray], rows: int) -> np.ndarray:
         if layer.moe is not None:  # experts run as in the module forward
