@@ -140,12 +140,13 @@ def linear_add(x: torch.Tensor, w, bias: torch.Tensor | None, residual: torch.Te
     return linear(x, w, bias), residual
 
 
-def _gemv_norm_input(x, norm_weight, w, residual) -> bool:
-    """Whether the dense GEMV can take this norm's input in its loads (dense weight, Triton,
-    one dtype)."""
+def _gemv_norm_input(x, norm_weight, w, residual) -> torch.Tensor | None:
+    """x's tensor (a `Summed`'s h) where the dense GEMV can take this norm's input in its
+    loads (dense weight, Triton, one dtype), else None."""
     xt = x.h if isinstance(x, Summed) else x
-    return isinstance(w, torch.Tensor) and use_triton(xt) and norm_weight.dtype == xt.dtype \
+    fits = isinstance(w, torch.Tensor) and use_triton(xt) and norm_weight.dtype == xt.dtype \
         and (residual is None or residual.dtype == xt.dtype)
+    return xt if fits else None
 
 
 def _norm_kw(x, norm_weight, eps, residual) -> dict:
@@ -162,9 +163,9 @@ def rms_norm_linear(x, norm_weight: torch.Tensor, eps: float,
     GEMV's loads: one launch instead of two, the normed input never stored
     (`dense_gemv.py`). x may be a `Summed` (residual None): its partial sums give the norm's
     scale, so the GEMV always takes the norm."""
-    if _gemv_norm_input(x, norm_weight, w, residual):
+    xt = _gemv_norm_input(x, norm_weight, w, residual)
+    if xt is not None:
         from .dense_gemv import applies, dense_gemv, norm_pays
-        xt = x.h if isinstance(x, Summed) else x
         if applies(xt, w) and (isinstance(x, Summed) or norm_pays(w)):
             return dense_gemv(xt, w, bias, **_norm_kw(x, norm_weight, eps, residual))
     if isinstance(x, Summed):
@@ -185,10 +186,10 @@ def rms_norm_qkv_rope_cache(x, norm_weight: torch.Tensor, eps: float,
     GEMV runs and `dense_gemv_rope` is on, the RoPE and the cache write in the GEMV's epilogue,
     and the norm in its loads where `dense_gemv.norm_pays` or x is a `Summed`
     (`dense_gemv.py`)."""
-    if _gemv_norm_input(x, norm_weight, w, residual):
+    xt = _gemv_norm_input(x, norm_weight, w, residual)
+    if xt is not None:
         from .configs import get_config
         from .dense_gemv import applies, dense_gemv, norm_pays, rope_fits
-        xt = x.h if isinstance(x, Summed) else x
         if applies(xt, w) and get_config(xt.device).dense_gemv_rope and \
                 rope_fits(w, k_cache, num_heads, num_kv_heads) and \
                 v_cache.stride(-1) == 1 and v_cache.stride(-2) == v_cache.shape[-1]:

@@ -162,7 +162,7 @@ def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens,
                 kv[1, blk, off, h, j] = _load(qkv[b, v_at + h * head_dim + j])
         seq_len = seq_lens[b]
         start = max(seq_len - window, 0) if window > 0 else 0
-        scores = np.zeros((group, seq_len), np.float32)
+        scores = np.empty((group, seq_len), np.float32)
         for h in range(num_kv_heads):
             for t in range(start, seq_len):
                 key = kv[0, block_tables[b, t // block_size], t % block_size, h]

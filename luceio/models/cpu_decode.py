@@ -83,7 +83,8 @@ class CpuDecoder:
         self.embed_rows = qdot_cpu.prepare(table) \
             if table is not None and table.qtype in qdot_cpu.KINDS else None
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
-        self._final_norm: np.ndarray | None = None
+        w = model.norm.weight.float()
+        self.final_norm = (1.0 + w if self.gemma else w).numpy()  # Gemma: 1 + w
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -172,13 +173,6 @@ class CpuDecoder:
         res = residual if isinstance(residual, np.ndarray) else residual.numpy()
         decode_cpu.add_rms_norm(x, res, add, weight, self.eps, out[1])
         return out
-
-    @property
-    def final_norm(self) -> np.ndarray:
-        if self._final_norm is None:  # Gemma: 1 + w
-            w = self.model.norm.weight.float()
-            self._final_norm = (1.0 + w if self.gemma else w).numpy()
-        return self._final_norm
 
     def _scratch(self, rows: int, cols: int, slot: int = 0) -> tuple[torch.Tensor, np.ndarray]:
         """An fp32 [rows, cols] buffer and its numpy view, reused from step to step (and within

@@ -116,7 +116,7 @@ class Linear(nn.Module):
         (`kernels.linear_add`)."""
         if not self.parts:
             return kernels.linear_add(x, self.weight, self.bias, residual, glu)
-        return self(kernels.silu_and_mul(x)) if glu else self(x), residual
+        return self.silu_and_mul_forward(x) if glu else self(x), residual
 
     def int8_input(self, rows: int, device: torch.device) -> dict:
         """Buffers for the int8 forms of a [rows, in_features] input that this layer's one-row
