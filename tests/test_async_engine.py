@@ -194,7 +194,15 @@ async def test_idle_engine_thread_sleeps(tiny_llama):
         t = next(t for t in psutil.Process().threads() if t.id == native[0])
         return t.user_time + t.system_time
 
-    await asyncio.sleep(0.1)  # let the thread finish the last step's bookkeeping
+    # let the thread finish the last step's bookkeeping, however slow the machine: wait until
+    # its CPU time stops moving (a busy-waiting thread never settles, and fails below)
+    settle_by, before = time.monotonic() + 10, cpu_seconds()
+    while time.monotonic() < settle_by:
+        await asyncio.sleep(0.1)
+        now = cpu_seconds()
+        if now - before < 0.01:
+            break
+        before = now
     start, t0 = cpu_seconds(), time.monotonic()
     await asyncio.sleep(1.0)
     idle = time.monotonic() - t0
