@@ -11,7 +11,9 @@ was before); `spec_step_ms`, a whole engine step that drafts k tokens with the d
 verifies them (the cost model pinned to chains of k); and `plain_step_ms`, a plain decode step
 (overlapped, as plain decoding runs), both as wall time over consecutive steps. Per tree budget
 (`--tree-budgets`, top-2 children, `--tree-levels` levels): `spec_step_ms` of an engine step
-that drafts a best-first tree with the draft model and verifies it. Projection: tokens per
+that drafts a best-first tree with the draft model and verifies it (its levels built on the
+device, `spec.tree_graph`), and `host_levels_spec_step_ms`, the same step with the levels built
+on the host (a read of each level's top-k), in the same run. Projection: tokens per
 verify as measured on the real Qwen2.5-Coder-1.5B / 0.5B pair on the CPU, code generation,
 greedy (`--acceptance`: bench/results/cpu/spec_tree_draft_sweep.json, written by `python
 bench/spec_tree.py --draft ...`; chains of k it did not measure: its k = 4 acceptance as a
@@ -156,6 +158,17 @@ def main() -> None:
             row = {"tree_budget": budget, "levels": a.tree_levels, "topk": 2,
                    "spec_step_ms": round(s, 3), "plain_step_ms": round(t_plain, 3),
                    "tokens_per_verify": tpv, "projected_speedup": round(tpv * t_plain / s, 2)}
+            proposer = t_eng.spec.proposer
+            if proposer.tree_graph is not None:  # the same step with the host-built levels
+                graph, proposer.tree_graph = proposer.tree_graph, None
+                step_ms(t_eng, t_pin, "tree", a.tree_levels, 2)
+                h = step_ms(t_eng, t_pin, "tree", a.tree_levels, a.repeats)
+                proposer.tree_graph = graph
+                row.update(host_levels_spec_step_ms=round(h, 3),
+                           host_levels_projected_speedup=round(tpv * t_plain / h, 2))
+            chain = next((r for r in rows if r["k"] == 4), None)
+            if chain is not None:  # the goal: a tree >= 1.3x the k = 4 chain
+                row["vs_chain_k4"] = round(row["projected_speedup"] / chain["projected_speedup"], 2)
             del t_eng
         except Exception as e:  # noqa: BLE001 - a failed configuration is recorded, not fatal
             row = {"tree_budget": budget, "error": f"{type(e).__name__}: {e}"[:300]}

@@ -259,6 +259,65 @@ def test_greedy_draft_model_trees_equal_plain_decoding(tiny_llama, tmp_path_fact
         assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
 
 
+def test_device_trees_equal_the_host_path(tiny_llama, tmp_path_factory):
+    """Levels built on the device (`spec.tree_graph`, no host read between them) give the
+    host path's trees: the same nodes, parents and budget cut, for requests of different k."""
+    from conftest import make_tiny_model
+    from luceio.request import Request
+    from luceio.sampling_params import SamplingParams
+    from luceio.spec.proposer import ProposalInput
+    draft = make_tiny_model(str(tmp_path_factory.mktemp("devtree") / "m"), "llama", seed=7)
+    _, eng = _run(tiny_llama, [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=1),
+                  speculative_method="draft", draft_model=draft, num_speculative_tokens=5,
+                  spec_tree_budget=12, spec_tree_topk=2)
+    prop = eng.spec.proposer
+    assert prop.tree_graph is not None and prop.tree_graph.rows_fed == {2: 3, 3: 7, 4: 11, 5: 15}
+    reqs = [Request(f"r{i}", list(range(3 + i, 20 + 2 * i)), SamplingParams(temperature=0.0),
+                    eos_token_ids=set(), max_model_len=256) for i in range(3)]
+    batch = [ProposalInput(list(r.all_token_ids), 5 - i, r) for i, r in enumerate(reqs)]
+    device = prop.propose(batch)
+    graph, prop.tree_graph = prop.tree_graph, None
+    for r in reqs:
+        prop.release(r.request_id)
+    host = prop.propose(batch)
+    assert [t.num_nodes for t in device.trees] == [12, 12, 10]
+    assert device.trees == host.trees and device.drafts == host.drafts
+    assert max(t.depths()[-1] for t in device.trees) > 2  # the device levels ran
+    assert all(max(t.depths()) <= p.k for t, p in zip(device.trees, batch))
+    assert graph.levels == 5 and prop.kv.pool.num_free_blocks < prop.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 40, "num_kv_blocks": 7}],
+                         ids=["plain", "chunked+preempt"])
+def test_greedy_device_trees_equal_plain_decoding(tiny_llama, tmp_path_factory, sched,
+                                                  monkeypatch):
+    """Up to 4 requests a step take the device levels: greedy output equals plain decoding."""
+    from conftest import make_tiny_model
+    from luceio import SamplingParams
+    from luceio.spec import decoding
+    from luceio.spec.draft import DraftModelProposer
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "tree")
+    built = []
+    real = DraftModelProposer._device_trees
+
+    def spy(self, *a):
+        out = real(self, *a)
+        built.append(out is not None)
+        return out
+    monkeypatch.setattr(DraftModelProposer, "_device_trees", spy)
+    other = make_tiny_model(str(tmp_path_factory.mktemp("devtree_plain") / "m"), "llama", seed=7)
+    prompts = _branchy_prompts(4)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
+    expected, _ = _run(tiny_llama, prompts, params)
+    got, eng = _run(tiny_llama, prompts, params, speculative_method="draft", draft_model=other,
+                    num_speculative_tokens=4, spec_tree_budget=10, spec_tree_topk=2, **sched)
+    assert got == expected
+    assert built.count(True) >= 3 and eng.spec.stats.num_accepted_tokens > 0
+    if sched:
+        assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
 def test_sampled_draft_model_trees_are_seeded(tiny_llama, monkeypatch):
     """Children are point masses, accepted with the target's probability of their token: at a
     low temperature (a peaked p) the draft = target's top child is mostly accepted. Every step

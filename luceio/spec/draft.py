@@ -26,6 +26,7 @@ from ..scheduler import ScheduledRequest, SchedulerOutput
 from .chain import DraftChain, plain_argmax
 from .proposer import Proposal, ProposalInput, Proposer
 from .tree import MAX_ROWS, DraftTree
+from .tree_graph import DraftTreeGraph, tree_levels
 
 _NO_LOGPROBS = SamplingParams(max_tokens=None)
 
@@ -66,6 +67,12 @@ class DraftModelProposer(Proposer):
         if runner.graphs is not None and max_chain > 1:
             self.chain = DraftChain(runner, max_chain - 1, runner.graphs.max_seqs)
             self.chain.capture()
+        # greedy trees built on the device (`spec.tree_graph`); None: the host path only
+        self.tree_graph = None
+        if tree_budget and max_chain > 1 and not runner.stateful:
+            self.tree_graph = DraftTreeGraph(runner, tree_topk, max_chain)
+            if runner.graphs is not None:
+                self.tree_graph.capture()
 
     def propose(self, batch: list[ProposalInput]) -> Proposal:
         """Drafts batch[i].k tokens for each batch[i].request (tokens: batch[i].tokens), in one
@@ -181,9 +188,15 @@ class DraftModelProposer(Proposer):
         their ancestor masks); then the `tree_budget` nodes of highest path probability are
         kept (a node's path is never more probable than its parent's, so that set is a
         subtree). Children are point masses for acceptance (`spec.tree.accept`): the drafts
-        carry no probabilities and the output distribution stays the target's."""
+        carry no probabilities and the output distribution stays the target's. Greedy
+        batches of a few requests build their levels on the device (`_device_trees`)."""
         reqs, ks = [p.request for p in batch], [p.k for p in batch]
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
+        if self.tree_graph is not None and plain_argmax(reqs):
+            trees = self._device_trees(seqs, reqs, ks)
+            if trees is not None:
+                return Proposal([t.tokens for t in trees], None,
+                                [t if t.num_nodes else None for t in trees])
         trees = [DraftTree() for _ in reqs]
         path_p: list[list[float]] = [[] for _ in reqs]  # per node: its path's probability
         live = [i for i, k in enumerate(ks) if k > 0 and self._room(seqs[i])]
@@ -219,6 +232,44 @@ class DraftModelProposer(Proposer):
         trees = [self._best(t, pp) for t, pp in zip(trees, path_p)]
         return Proposal([t.tokens for t in trees], None,
                         [t if t.num_nodes else None for t in trees])
+
+    def _device_trees(self, seqs: list[DraftSeq], reqs, ks: list[int]) -> list[DraftTree] | None:
+        """`propose_trees` with levels 2.. built on the device (`spec.tree_graph`), or None
+        (nothing run) where it cannot take the batch: too many requests, or no room in the
+        context or the draft cache for a tree's rows."""
+        graph = self.tree_graph
+        live = [i for i, k in enumerate(ks) if k > 0]
+        levels = min(tree_levels(max(ks, default=0), self.tree_topk), graph.levels)
+        if not live or graph.bucket(len(live)) is None:
+            return None
+        fed = graph.rows_fed.get(levels, 1)  # rows from the root the last level feeds
+        limit = self.runner.max_model_len  # the graphs' block tables
+        for i in live:
+            s = seqs[i]
+            end = len(s.all_token_ids) - 1 + fed  # cache length through the last fed row
+            if end >= self.runner.cfg.max_position_embeddings or end > limit or \
+                    not self.kv.allocate_slots(s, end - s.num_computed_tokens):
+                return None
+        sched = SchedulerOutput([ScheduledRequest(seqs[i], len(seqs[i].all_token_ids) -
+                                                  seqs[i].num_computed_tokens) for i in live], [])
+        inp = self.runner.prepare(sched, self.kv)  # catch up to the root: its logits
+        root = self.sampler.process(self.runner.execute(inp), [reqs[i] for i in live])
+        for i in live:  # every level feeds the root again
+            seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) - 1
+        toks, parents, scores = graph.run(root, [seqs[i] for i in live], levels, self.kv)
+        depth = graph.depth.tolist()
+        trees = [DraftTree() for _ in seqs]
+        for j, i in enumerate(live):
+            seqs[i].num_computed_tokens = len(seqs[i].all_token_ids)  # the nodes' KV: scratch
+            index, path_p, tree = {0: -1}, [], trees[i]  # row -> node
+            for row, (t, p, sc) in enumerate(zip(toks[j], parents[j], scores[j]), start=1):
+                if depth[row] <= ks[i] and p in index and sc != float("-inf"):
+                    index[row] = tree.num_nodes
+                    tree.tokens.append(t)
+                    tree.parents.append(index[p])
+                    path_p.append(sc)
+            trees[i] = self._best(tree, path_p)
+        return trees
 
     def _best(self, tree: DraftTree, path_p: list[float]) -> DraftTree:
         """The `tree_budget` nodes of highest path probability, in their original order."""

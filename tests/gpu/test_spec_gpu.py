@@ -121,3 +121,44 @@ def test_a_draft_model_on_another_device(tiny_llama, monkeypatch):
     out = llm.generate(prompts(3), seeded, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
     assert llm.engine.spec.stats.num_accepted_tokens > 0
+
+
+def test_device_trees_replay_without_a_host_sync(tiny_llama, tmp_path_factory, monkeypatch):
+    """`spec.tree_graph`: a greedy draft tree's levels past the first replay one graph each,
+    queued without a host synchronisation (sync debug mode "error" around them), and greedy
+    tree speculation equals plain decoding, with the device trees and with the host path."""
+    from conftest import make_tiny_model
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "tree")
+    draft = make_tiny_model(str(tmp_path_factory.mktemp("gpu_tree") / "m"), "llama", seed=7)
+    plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, **engine_kwargs(device="cuda")).generate(
+        prompts(4), SamplingParams(**GREEDY), use_tqdm=False)]
+
+    def run(device_trees: bool):
+        llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="draft",
+                                              draft_model=draft, num_speculative_tokens=5,
+                                              spec_tree_budget=16, spec_tree_topk=2))
+        proposer = llm.engine.spec.proposer
+        graph, launched = proposer.tree_graph, []
+        assert graph is not None and len(graph.graphs) == 3 * 4  # buckets 1, 2, 4; levels 2..5
+        if not device_trees:
+            proposer.tree_graph = None
+        else:
+            real = graph.launch
+
+            def strict(*a):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    real(*a)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                launched.append(a[2])
+            graph.launch = strict
+        outs = llm.generate(prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.spec.stats, launched
+
+    got, stats, launched = run(True)
+    assert got == plain and stats.num_accepted_tokens > 0
+    assert len(launched) > 5 and max(launched) == 5
+    host, host_stats, _ = run(False)
+    assert host == plain and host_stats.num_draft_tokens > 0
