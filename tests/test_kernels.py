@@ -298,19 +298,21 @@ def _random_tree_masks(g, n: int) -> list[int]:
     return DraftTree(list(range(n - 1)), parents).ancestor_masks()
 
 
-def _tree_attention_dense(q, kc, vc, bt, seq_lens, qsl, scale, words):
-    """The definition, one query at a time: keys = the context + the query tokens its word
-    allows (never one after it), softmax in fp64."""
+def _tree_attention_dense(q, kc, vc, bt, seq_lens, qsl, scale, words, span=0):
+    """The definition, one query at a time: keys = the context + the query tokens (with a
+    `span`: the last max(span, query tokens) keys) its word allows (never one after the
+    query), softmax in fp64."""
     out = torch.empty_like(q, dtype=torch.float64)
     block = kc.shape[1]
     group = q.shape[1] // kc.shape[2]
     for b in range(len(seq_lens)):
         start, end = int(qsl[b]), int(qsl[b + 1])
         ctx = int(seq_lens[b]) - (end - start)
+        first = int(seq_lens[b]) - max(end - start, span)  # the key of bit 0
         for t in range(start, end):
             i = t - start
             keys = [n for n in range(ctx + i + 1)
-                    if n < ctx or n - ctx >= 64 or (int(words[t]) >> (n - ctx)) & 1]
+                    if n < first or n - first >= 64 or (int(words[t]) >> (n - first)) & 1]
             pages, slots = bt[b, torch.tensor(keys) // block].long(), torch.tensor(keys) % block
             k, v = kc[pages, slots].double(), vc[pages, slots].double()  # [L, Hkv, D]
             for h in range(q.shape[1]):
@@ -338,6 +340,34 @@ def test_prefill_tree_mask(gen, dtype, group):
     plain = paged_attention_ref(*args)
     assert not torch.allclose(ref[:19].float(), plain[:19].float(), atol=1e-3)  # the trees mask
     assert torch.equal(ref[19:], plain[19:])  # words of -1: plain causal attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_tree_span(gen, dtype):
+    """A step feeding only a tree's frontier (`spec.tree_graph`): the words cover the last
+    `tree_span` keys, cached before the step's queries too; kernel vs reference vs the
+    definition, and not what the words mean without the span."""
+    span, q_lens, ctx = 10, [2, 3, 2], [30, 9, 12]
+    args = make_batch(gen, q_lens, ctx, 2, 2, 64, dtype)
+    words = []
+    for q in q_lens:  # random bits over the span, each query's own bit set
+        for i in range(q):
+            own = span - q + i
+            rnd_bits = int(torch.randint(0, 1 << own, (1,), generator=gen.g)) if own else 0
+            words.append(rnd_bits | (1 << own))
+    tree_mask = torch.tensor(words, dtype=torch.int64, device=DEVICE)
+    with configs.use_config(SMALL):
+        out = triton_ops.paged_attention(*args, tree_mask=tree_mask, tree_span=span)
+    ref = paged_attention_ref(*args, tree_mask=tree_mask, tree_span=span)
+    check(out, ref, ATTN_TOL[dtype], gen, "tree span, kernel vs reference")
+    q, kc, vc, bt, seq_lens, qsl = (a.cpu() for a in args[:6])
+    dense = _tree_attention_dense(q, kc, vc, bt, seq_lens, qsl, args[8], words, span)
+    check(ref.cpu().double(), dense, ATTN_TOL[dtype], gen, "tree span, reference vs definition")
+    no_span = paged_attention_ref(*args, tree_mask=tree_mask)
+    assert not torch.allclose(ref.float(), no_span.float(), atol=1e-3)
+    with pytest.raises(ValueError, match="span"):
+        paged_attention_ref(*args, tree_mask=tree_mask, tree_span=span, window=4,
+                            positions=torch.zeros(7, dtype=torch.int64, device=DEVICE))
 
 
 def test_dispatch_goes_to_triton(gen, monkeypatch):

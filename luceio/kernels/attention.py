@@ -47,7 +47,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                         scale: float, tree_mask: torch.Tensor | None = None, window: int = 0,
-                        positions: torch.Tensor | None = None) -> torch.Tensor:
+                        positions: torch.Tensor | None = None, tree_span: int = 0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
 
     One batched SDPA call: queries are scattered into [num_seqs, max_query_len] and keys
@@ -55,7 +55,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     `tree_mask` (int64 [num_tokens], or None): draft-tree verification (`spec.tree`). Bit j of
     a query token's word says whether it sees its request's j-th query token (j < 64; the
     cached context before them is always seen, and the causal rule still holds, so -1 is plain
-    causal attention and a request without a tree passes -1).
+    causal attention and a request without a tree passes -1). `tree_span` (0: the query
+    tokens): the bits cover a request's last max(tree_span, its query tokens) keys instead, so
+    a step that feeds only some of a tree's nodes masks the ones cached before it
+    (`spec.tree_graph`); not with a window.
     `window` (0: none) and `positions` (int64 [num_tokens], read only with a tree_mask): the
     sliding window of the module docstring.
     """
@@ -68,6 +71,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                            window)
     if window and tree_mask is not None and positions is None:
         raise ValueError("a sliding window over a draft tree needs the tokens' positions")
+    if window and tree_span:
+        raise ValueError("a tree span does not combine with a sliding window")
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
                                            output_size=num_tokens)
@@ -85,7 +90,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if tree_mask is not None:
         words = torch.full((num_seqs, max_query_len), -1, dtype=torch.int64, device=device)
         words[seq_of_token, idx_in_seq] = tree_mask.to(device=device, dtype=torch.int64)
-        rel = torch.arange(max_seq_len, device=device)[None, :] - (seq_lens - q_lens)[:, None]
+        first = seq_lens - q_lens.clamp(min=tree_span)  # the key of bit 0
+        rel = torch.arange(max_seq_len, device=device)[None, :] - first[:, None]
         bit = (words[:, :, None] >> rel.clamp(0, 63)[:, None, :]) & 1
         mask &= ((rel < 0) | (rel >= 64))[:, None, :] | (bit != 0)
     if window:

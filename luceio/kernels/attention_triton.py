@@ -15,7 +15,7 @@ Same semantics as the references in `attention.py` (read its docstring for the c
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
-  see run unmasked; the diagonal band runs with the causal mask.
+  see run unmasked; the diagonal band (a tree's span) runs with the causal (and tree) mask.
 * a sliding window (`window` > 0, see `attention.py`): decode walks only the last `window` keys;
   prefill skips the keys below every row's window and masks the band at its lower edge (in a
   draft-tree step, by the tokens' `positions`: every visited key masked).
@@ -34,7 +34,6 @@ import triton.language as tl
 from .configs import decode_splits, fit_shared, get_config, num_sms
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import emit_xq, xq_args, xq_flags
-
 
 _LOG2E = 1.4426950408889634
 
@@ -223,7 +222,7 @@ def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_
 
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, tm_ptr,
-                    pos_ptr, scale_log2, window,
+                    pos_ptr, scale_log2, window, span,
                     s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -241,6 +240,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
         return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len                          # cached tokens before this step's queries
+    tctx = seq_len - tl.maximum(q_len, span)       # the key of a tree word's bit 0
 
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < q_len * GROUP
@@ -259,8 +259,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     first_tok = row0 // GROUP
     last_tok = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
     full_end = (ctx + first_tok + 1) // BLOCK_N * BLOCK_N   # keys below: visible to every row
-    if TREE:  # this step's tokens are masked per row: only the context is visible to all
-        full_end = tl.minimum(full_end, ctx // BLOCK_N * BLOCK_N)
+    if TREE:  # the tree's tokens are masked per row: only the context is visible to all
+        full_end = tl.minimum(full_end, tctx // BLOCK_N * BLOCK_N)
         words = tl.load(tm_ptr + q_start + tok, mask=rmask, other=-1)
     else:
         words = tok
@@ -287,7 +287,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     for n0 in range(lo, edge, BLOCK_N):  # the lower edge of the rows' windows
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
-                                     True, True, DOT_F32, DOT_IEEE, TREE, words, ctx,
+                                     True, True, DOT_F32, DOT_IEEE, TREE, words, tctx,
                                      WINDOW, window, q_pos, pos, q_len)
     for n0 in range(edge, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
@@ -296,7 +296,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     for n0 in range(tl.maximum(full_end, edge), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
-                                     True, True, DOT_F32, DOT_IEEE, TREE, words, ctx,
+                                     True, True, DOT_F32, DOT_IEEE, TREE, words, tctx,
                                      WINDOW, window, q_pos, pos, q_len)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -311,11 +311,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, tree_mask: torch.Tensor | None = None, window: int = 0,
-                    positions: torch.Tensor | None = None,
-                    xqs: dict | None = None) -> torch.Tensor:
+                    positions: torch.Tensor | None = None, xqs: dict | None = None,
+                    tree_span: int = 0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] → out: [num_tokens, num_heads, head_dim].
     `tree_mask`: int64 [num_tokens], per query token the bits of its request's query tokens it
-    sees (draft-tree verification; see `attention.paged_attention_ref`). `window` (0: none)
+    sees (draft-tree verification; `tree_span`: see `attention.paged_attention_ref`). `window`
     and `positions` (int64 [num_tokens], read only with a tree_mask): the sliding window. `xqs` (from the o
     projection's `int8_input`; one decode token, head_dim a multiple of 32): also filled with
     the output quantized for that GEMV, by the kernel that writes the output."""
@@ -332,8 +332,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"max_query_len {max_query_len}, head_dim {head_dim}")
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if window and tree_mask is not None and positions is None and max_query_len > 1:
-        raise ValueError("a sliding window over a draft tree needs the tokens' positions")
+    if window and tree_mask is not None and (tree_span or positions is None) and max_query_len > 1:
+        raise ValueError("a sliding window over a draft tree needs the tokens' positions, no span")
     window = int(window or 0)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -389,7 +389,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         tree_mask if tree else seq_lens, positions if tree and window else seq_lens,
-        scale_log2, window, *strides, out.stride(0), out.stride(1),
+        scale_log2, window, int(tree_span), *strides, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee, TREE=tree, WINDOW=window > 0,
         num_warps=cfg.prefill_num_warps, num_stages=stages,

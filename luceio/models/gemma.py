@@ -167,6 +167,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     family = "Gemma 3"
     norm_unit_offset = True  # RMSNorm scales by 1 + w
+    tree_span = False  # its attention takes no `AttnMetadata.tree_span`
 
     def __init__(self, cfg: Gemma3Config):
         super().__init__(cfg, bias=False)

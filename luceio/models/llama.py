@@ -75,6 +75,7 @@ class AttnMetadata:
     max_query_len: int
     max_seq_len: int
     tree_mask: torch.Tensor | None = None  # int64 [num_tokens]: draft-tree verification
+    tree_span: int = 0  # keys the tree words cover, when more than the step's tokens
     state_slots: torch.Tensor | None = None  # int64 [num_seqs]: hybrid models' state rows
     kept: object = None  # hybrid models' verify step: `hybrid_verify.KeptStates`
 
@@ -132,7 +133,8 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
                                     self.scale, tree_mask=meta.tree_mask,
-                                    **({"xqs": o_xqs} if o_xqs else {}))
+                                    **({"xqs": o_xqs} if o_xqs else {}),
+                                    **({"tree_span": meta.tree_span} if meta.tree_span else {}))
         if residual is not None and not o_xqs:
             return self.o_proj.add_forward(o.reshape(n, self.q_size), residual)
         o = self.o_proj(o.reshape(n, self.q_size), o_xqs)
@@ -225,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint projections loaded as shards of one fused projection: name -> (fused, shard)
     STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    tree_span = True  # its attention honours `AttnMetadata.tree_span` (`spec.tree_graph`)
 
     def __init__(self, cfg: LlamaConfig, bias: bool = False):
         super().__init__()

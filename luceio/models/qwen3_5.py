@@ -281,6 +281,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     family = "Qwen3.5"
     has_state = True  # the runner assigns state slots (`allocate_state`, `reset_state`)
+    tree_span = False  # its attention takes no `AttnMetadata.tree_span`
     STACKED = {**LlamaForCausalLM.STACKED, "in_proj_qkv": ("in_proj", 0),
                "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
                "in_proj_a": ("in_proj", 3)}

@@ -69,7 +69,8 @@ class DraftModelProposer(Proposer):
             self.chain.capture()
         # greedy trees built on the device (`spec.tree_graph`); None: the host path only
         self.tree_graph = None
-        if tree_budget and max_chain > 1 and not runner.stateful:
+        if tree_budget and max_chain > 1 and getattr(runner.model, "tree_span", False) \
+                and not runner.stateful:
             self.tree_graph = DraftTreeGraph(runner, tree_topk, max_chain)
             if runner.graphs is not None:
                 self.tree_graph.capture()
@@ -242,11 +243,11 @@ class DraftModelProposer(Proposer):
         levels = min(tree_levels(max(ks, default=0), self.tree_topk), graph.levels)
         if not live or graph.bucket(len(live)) is None:
             return None
-        fed = graph.rows_fed.get(levels, 1)  # rows from the root the last level feeds
+        fed = graph.fed_rows(levels)  # cache entries from the root on
         limit = self.runner.max_model_len  # the graphs' block tables
         for i in live:
             s = seqs[i]
-            end = len(s.all_token_ids) - 1 + fed  # cache length through the last fed row
+            end = len(s.all_token_ids) - 1 + fed  # cache length through the last fed node
             if end >= self.runner.cfg.max_position_embeddings or end > limit or \
                     not self.kv.allocate_slots(s, end - s.num_computed_tokens):
                 return None
@@ -254,10 +255,8 @@ class DraftModelProposer(Proposer):
                                                   seqs[i].num_computed_tokens) for i in live], [])
         inp = self.runner.prepare(sched, self.kv)  # catch up to the root: its logits
         root = self.sampler.process(self.runner.execute(inp), [reqs[i] for i in live])
-        for i in live:  # every level feeds the root again
-            seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) - 1
         toks, parents, scores = graph.run(root, [seqs[i] for i in live], levels, self.kv)
-        depth = graph.depth.tolist()
+        depth = graph.depth
         trees = [DraftTree() for _ in seqs]
         for j, i in enumerate(live):
             seqs[i].num_computed_tokens = len(seqs[i].all_token_ids)  # the nodes' KV: scratch
