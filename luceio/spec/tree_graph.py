@@ -143,7 +143,7 @@ class DraftTreeGraph:
         frontier. `max_seq`: the longest cache length before the root, where the host knows it
         (eagerly; a graph takes the static bound, the context)."""
         K, first, span = self.K, self.level_row[d], (d - 1) * self.K
-        pos = (self.root_pos[:bs] + (d - 1))[:, None].expand(bs, K).reshape(-1)
+        pos = (self.root_pos[:bs] + (d - 1)).repeat_interleave(K)  # contiguous (kernels index it)
         torch.add(self.base_len[:bs], 1 + span, out=self.lens[:bs])
         meta = AttnMetadata(self.slot[:bs, span - K:span].reshape(-1), self.tables[:bs],
                             self.lens[:bs], self.qsl[:bs + 1], K,
