@@ -12,13 +12,14 @@ bench/spec_acceptance.py (code generation, whole-file edits), greedy.
    chains of `--chain-ks` tokens and best-first trees (`--engine-budget` nodes, comma-separated
    for several, `--topk` children, up to `--levels` levels): decode tok/s, acceptance, the
    histogram of accepted drafts per verify step (the profile bench/draft_cost.py replays), and
-   greedy output equal to plain decoding. Every drafting step is pinned to the configuration
+   greedy output equal to plain decoding; `--host-levels`: the draft trees again with their
+   levels built on the host (`spec/tree_graph.py` off). Every drafting step is pinned to the configuration
    measured (chain or tree, k = the cap): the adaptive budget would otherwise switch by the
    CPU's step costs and mix configurations.
 
     python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--draft] [--topk 2]
                               [--levels 4] [--chain-ks 4] [--skip-ngram] [--skip-replay]
-                              [--threads 2]
+                              [--threads 2] [--host-levels]
 Writes bench/results/cpu/spec_tree.json.
 """
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--skip-replay", action="store_true", help="no n-gram replay rows")
     ap.add_argument("--levels", type=int, default=K, help="tree levels (draft tokens per path)")
     ap.add_argument("--chain-ks", default=str(K), help="draft-model chain lengths")
+    ap.add_argument("--host-levels", action="store_true",
+                    help="draft trees also with their levels built on the host")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     common = dict(device="cpu", max_model_len=4096, cpu_threads=a.threads)
@@ -137,10 +140,13 @@ def main() -> None:
     if a.draft:
         draft = dict(speculative_method="draft", draft_model="qwen2.5-coder-0.5b")
         configs += [(f"draft chain k{k}", k, draft) for k in map(int, a.chain_ks.split(","))]
-        configs += [(f"draft tree {b} top{a.topk} levels{a.levels}", a.levels,
-                     dict(draft, spec_tree_budget=b, spec_tree_topk=a.topk)) for b in budgets]
+        configs += [(f"draft tree {b} top{a.topk} levels{a.levels}{host}", a.levels,
+                     dict(draft, spec_tree_budget=b, spec_tree_topk=a.topk))
+                    for b in budgets for host in ["", " host levels"][:1 + a.host_levels]]
     for label, k, kw in configs:
         spec_llm = LLM(TARGET, num_speculative_tokens=k, **common, **kw)
+        if label.endswith(" host levels"):
+            spec_llm.engine.spec.proposer.tree_graph = None
         pin(spec_llm.engine.spec, "tree" if kw.get("spec_tree_budget") else "chain")
         for name, prompts in sets.items():
             toks, wall = generate(spec_llm, prompts, max_tokens[name])

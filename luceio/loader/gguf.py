@@ -15,14 +15,15 @@ import time
 import numpy as np
 import torch
 
-from . import Checkpoint, gguf_qwen35
+from . import Checkpoint, gguf_gemma4, gguf_qwen35
 from .gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", **gguf_qwen35.ARCHITECTURES}
+                 "gemma3": "Gemma3ForCausalLM", **gguf_qwen35.ARCHITECTURES,
+                 **gguf_gemma4.ARCHITECTURES}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -54,11 +55,12 @@ _ARCH_LAYER_TENSORS = {"gemma3": {**_LAYER_TENSORS,
 # the stored weight; HF's Gemma3RMSNorm by 1 + w): the loader subtracts 1 to give HF's w
 _NORM_SHIFT = {"gemma3": 1.0}
 
+
 def load_gguf(path: str) -> Checkpoint:
-    """Opens a llama/qwen2/qwen3/qwen3moe/gemma3/qwen35/qwen35moe GGUF; the tensors are read and
-    dequantized when
-    `weights()` runs. Experts' stacked tensors are always dequantized (experts run dense), then
-    yielded one expert at a time under the HF Hub's names (`mlp.experts.{e}.gate_proj.weight`)."""
+    """Opens a llama/qwen2/qwen3/qwen3moe/gemma3/gemma4/qwen35/qwen35moe GGUF; the tensors are
+    read and dequantized when `weights()` runs. Experts' stacked tensors are always dequantized
+    (experts run dense), then yielded one expert at a time under the HF Hub's names
+    (`mlp.experts.{e}.gate_proj.weight`), except gemma4's, stacked as its checkpoints hold them."""
     started = time.perf_counter()
     reader = open_gguf(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
@@ -70,13 +72,19 @@ def load_gguf(path: str) -> Checkpoint:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; luceio reads "
                          f"{', '.join(ARCHITECTURES)}.")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    if "rope_freqs.weight" in shapes:
+    gemma4 = arch in gguf_gemma4.ARCHITECTURES  # its rope_freqs is its proportional RoPE
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None and not gemma4:
         raise ValueError(f"{path}: has a rope_freqs tensor (Llama-3.1-style rope scaling), which "
                          f"luceio cannot turn into HF rope parameters yet.")
-    config = gguf_config(meta, shapes)
+    if rope_freqs is not None:
+        from gguf.quants import dequantize
+        rope_freqs = dequantize(rope_freqs.data, rope_freqs.tensor_type)
+    config = gguf_config(meta, shapes, rope_freqs)
     qwen35 = arch in gguf_qwen35.ARCHITECTURES
     layers = config["num_hidden_layers"]
     names = {t.name: gguf_qwen35.hf_name(t.name, layers, _LAYER_TENSORS) if qwen35
+             else gguf_gemma4.hf_name(t.name, layers - config["num_kv_shared_layers"]) if gemma4
              else hf_tensor_name(t.name, arch) for t in reader.tensors}
     norm_shift = _NORM_SHIFT.get(arch, 0.0)
     tokenizer, tokenizer_config = gguf_tokenizer(meta)
@@ -90,9 +98,10 @@ def load_gguf(path: str) -> Checkpoint:
         t0 = time.perf_counter()
         kept = 0
         for tensor in reader.tensors:
-            if names[tensor.name] is None:  # a multi-token-prediction layer (qwen35)
+            if names[tensor.name] is None:  # qwen35's multi-token prediction, gemma4's rope_freqs
                 continue
-            part = tensor.name.split(".")[-2]
+            # gemma4's experts stay stacked (and dense), as its HF checkpoint holds them
+            part = "" if gemma4 else tensor.name.split(".")[-2]
             heads = None
             if arch == "llama" and part in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
@@ -102,7 +111,8 @@ def load_gguf(path: str) -> Checkpoint:
                 kept += 1  # experts stay quantized, expert by expert (`moe.SparseMoeBlock`)
                 yield from quantized_experts(names[tensor.name], tensor, shape)
                 continue
-            if keep_quantized and len(shape) == 2 and ggml_to_qtype(tensor.tensor_type):
+            if keep_quantized and len(shape) == 2 and ggml_to_qtype(tensor.tensor_type) and \
+                    names[tensor.name] not in gguf_gemma4.DENSE:
                 w = repack_gguf(tensor.data, tensor.tensor_type, shape)
                 if heads is not None:
                     order = unpermute_rotary_rows(np.arange(shape[0]), heads)
@@ -199,8 +209,9 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """An HF config.json dict from GGUF metadata and the tensor shapes."""
+def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]], rope_freqs=None) -> dict:
+    """An HF config.json dict from GGUF metadata and the tensor shapes (`rope_freqs`: that
+    tensor's values, read for gemma4)."""
     arch = meta["general.architecture"]
 
     def key(name, default=None):
@@ -209,7 +220,7 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     num_heads = key("attention.head_count")
     num_kv_heads = key("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):  # per layer in some files; luceio wants one count
-        if len(set(num_kv_heads)) != 1:
+        if len(set(num_kv_heads)) != 1 and arch not in gguf_gemma4.ARCHITECTURES:
             raise ValueError(f"GGUF has per-layer KV head counts {num_kv_heads}")
         num_kv_heads = num_kv_heads[0]
     hidden_size = key("embedding_length")
@@ -233,6 +244,8 @@ def gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
+    if arch in gguf_gemma4.ARCHITECTURES:  # per-layer widths, head sizes and KV heads
+        return gguf_gemma4.config_fields(key, config, shapes, rope_freqs)
     if key("expert_count"):
         config.update(_moe_config(key, shapes, config["num_hidden_layers"]))
     if arch == "gemma3":
