@@ -65,7 +65,7 @@ class SampleState:
         `min_tokens` tokens exist."""
         req = self.req
         seen = self.num_tokens_seen
-        new = req.output_token_ids[seen:]
+        new = req.all_token_ids[req.num_prompt_tokens + seen:]  # not the whole output, copied
         self.num_tokens_seen += len(new)
         if self.detok is None or not new:
             return None
@@ -142,22 +142,24 @@ class RequestState:
     def _completion(self, s: SampleState, kind: RequestOutputKind) -> CompletionOutput | None:
         r = s.req
         text = s.visible_text()
-        tokens = r.output_token_ids[:s.num_tokens_seen]
+        first, seen = r.num_prompt_tokens, s.num_tokens_seen
         lps = self._logprobs(s) if r.params.logprobs is not None else None
         done = r.is_finished
         if kind == RequestOutputKind.DELTA:
-            if len(tokens) == s.emitted_tokens and len(text) == s.emitted_chars and \
+            if seen == s.emitted_tokens and len(text) == s.emitted_chars and \
                     (not done or s.finished_sent):
                 return None
-            text, tokens_out = text[s.emitted_chars:], tokens[s.emitted_tokens:]
+            # only the new tokens are copied: a long output costs nothing more per step
+            tokens_out = r.all_token_ids[first + s.emitted_tokens:first + seen]
+            text_out = text[s.emitted_chars:]
             lps = lps[s.emitted_tokens:] if lps is not None else None
         else:
-            tokens_out = tokens
+            tokens_out, text_out = r.all_token_ids[first:first + seen], text
             lps = list(lps) if lps is not None else None  # later steps extend the built list
-        s.emitted_chars = len(s.visible_text())
-        s.emitted_tokens = len(tokens)
+        s.emitted_chars = len(text)
+        s.emitted_tokens = seen
         s.finished_sent = done
-        return CompletionOutput(r.index, text, list(tokens_out),
+        return CompletionOutput(r.index, text_out, tokens_out,
                                 r.cumulative_logprob if r.params.logprobs is not None else None,
                                 lps, r.status.finish_reason, r.stop_reason)
 
