@@ -75,9 +75,9 @@ class AttnMetadata:
     max_query_len: int
     max_seq_len: int
     tree_mask: torch.Tensor | None = None  # int64 [num_tokens]: draft-tree verification
-    tree_span: int = 0  # keys the tree words cover, when more than the step's tokens
     state_slots: torch.Tensor | None = None  # int64 [num_seqs]: hybrid models' state rows
     kept: object = None  # hybrid models' verify step: `hybrid_verify.KeptStates`
+    tree_span: int = 0  # keys the tree words cover, when more than the step's tokens
 
 
 class RMSNorm(nn.Module):
