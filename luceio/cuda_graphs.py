@@ -77,8 +77,8 @@ class StepGraphs:
     def _inputs(self, bs: int, q: int, tree: bool):
         n = bs * q
         meta = AttnMetadata(self.tok[2, :n], self.tables[:bs], self.lens[:bs], self.qsl[q][:bs + 1],
-                            q, self.max_model_len, self.words[:n] if tree else None,
-                            self.slots[:bs] if self.slots is not None else None)
+                            q, self.max_model_len, tree_mask=self.words[:n] if tree else None,
+                            state_slots=self.slots[:bs] if self.slots is not None else None)
         return self.tok[0, :n], self.tok[1, :n], meta
 
     @torch.inference_mode()
