@@ -21,6 +21,7 @@ compute the logits of the needed rows only, after the replay. Works on ROCm thro
 `torch.cuda` API."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
@@ -31,6 +32,35 @@ from .models import AttnMetadata
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _MAX_VERIFY_BATCH = 32  # the speculative planner drafts nothing for larger batches
 LOGITS_ROWS = 16  # the skinny GEMM's rows: logits of padded rows cost little bandwidth there
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The garbage collector off while graphs are captured: a collection during a capture
+    that frees an earlier engine's tensors (reference cycles) can make CUDA calls that
+    invalidate the capture (seen once on the H200: "operation failed due to a previous error
+    during capture", building a second engine after `del` of the first)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def capture_in_pool(owner, device, body) -> torch.cuda.CUDAGraph:
+    """`body()` once eagerly (it compiles the kernels), then captured into a graph in
+    `owner.pool`, the memory pool the runner's graphs share (made by the first capture)."""
+    body()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=owner.pool):
+        body()
+    if owner.pool is None:
+        owner.pool = g.pool()
+    return g
 
 
 class StepGraphs:
@@ -83,18 +113,9 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket. The garbage collector is off meanwhile: a collection during a
-        capture that frees an earlier engine's tensors (reference cycles) can make CUDA calls
-        that invalidate the capture (seen once on the H200: "operation failed due to a
-        previous error during capture", building a second engine after `del` of the first)."""
-        enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
+        """Captures every bucket (the garbage collector off meanwhile: `gc_paused`)."""
+        with gc_paused():
             self._capture_all()
-        finally:
-            if enabled:
-                gc.enable()
 
     def _capture_all(self) -> None:
         empty = np.zeros(0, np.int64)

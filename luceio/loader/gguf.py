@@ -84,7 +84,8 @@ def load_gguf(path: str) -> Checkpoint:
     qwen35 = arch in gguf_qwen35.ARCHITECTURES
     layers = config["num_hidden_layers"]
     names = {t.name: gguf_qwen35.hf_name(t.name, layers, _LAYER_TENSORS) if qwen35
-             else gguf_gemma4.hf_name(t.name, layers - config["num_kv_shared_layers"]) if gemma4
+             else gguf_gemma4.hf_name(t.name, layers - config["num_kv_shared_layers"],
+                                      _ARCH_LAYER_TENSORS["gemma3"]) if gemma4
              else hf_tensor_name(t.name, arch) for t in reader.tensors}
     norm_shift = _NORM_SHIFT.get(arch, 0.0)
     tokenizer, tokenizer_config = gguf_tokenizer(meta)

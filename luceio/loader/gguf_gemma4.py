@@ -41,20 +41,9 @@ _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
            "output": "lm_head", "per_layer_token_embd": "model.embed_tokens_per_layer",
            "per_layer_model_proj": "model.per_layer_model_projection",
            "per_layer_proj_norm": "model.per_layer_projection_norm"}
-_LAYER = {  # blk.{i}.<part>.<suffix> -> model.layers.{i}.<HF module>.<suffix>
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "post_ffw_norm": "post_feedforward_layernorm",
+# blk.{i}.<part>.<suffix> -> model.layers.{i}.<HF module>.<suffix>: Gemma 4's parts beyond
+# Gemma 3's (`common`, loader/gguf.py's gemma3 table: attention, the four norms, the MLP)
+_LAYER = {
     "inp_gate": "per_layer_input_gate",
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
@@ -62,6 +51,8 @@ _LAYER = {  # blk.{i}.<part>.<suffix> -> model.layers.{i}.<HF module>.<suffix>
     "post_ffw_norm_1": "post_feedforward_layernorm_1",
     "post_ffw_norm_2": "post_feedforward_layernorm_2",
 }
+# the common table's router and per-expert stacks are not Gemma 4's (its are `_LEAVES`)
+_NOT_COMMON = frozenset({"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 _LEAVES = {  # (part, suffix) whose HF name has another leaf -> that name inside the layer
     ("layer_output_scale", "weight"): "layer_scalar",
     ("ffn_gate_inp", "weight"): "router.proj.weight",
@@ -79,10 +70,10 @@ DENSE = frozenset({"model.embed_tokens_per_layer.weight"})
 _UNROTATED = 1e20
 
 
-def hf_name(gguf_name: str, first_shared: int) -> str | None:
-    """The HF name of a gemma4 GGUF tensor; None for `rope_freqs` (read into the config) and
-    for K/V tensors of a KV-shared layer (from `first_shared` on), which llama.cpp ignores
-    too."""
+def hf_name(gguf_name: str, first_shared: int, common: dict[str, str]) -> str | None:
+    """The HF name of a gemma4 GGUF tensor (`common`: the layer names shared with gemma3);
+    None for `rope_freqs` (read into the config) and for K/V tensors of a KV-shared layer
+    (from `first_shared` on), which llama.cpp ignores too."""
     if gguf_name == "rope_freqs.weight":
         return None
     parts = gguf_name.split(".")
@@ -92,7 +83,8 @@ def hf_name(gguf_name: str, first_shared: int) -> str | None:
         layer, part, suffix = int(parts[1]), parts[2], parts[3]
         if part in _KV_PARTS and layer >= first_shared:
             return None
-        leaf = _LEAVES.get((part, suffix)) or (part in _LAYER and f"{_LAYER[part]}.{suffix}")
+        module = _LAYER.get(part) or (common.get(part) if part not in _NOT_COMMON else None)
+        leaf = _LEAVES.get((part, suffix)) or (module and f"{module}.{suffix}")
         if leaf:
             return f"model.layers.{layer}.{leaf}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Gemma 4 HF counterpart that luceio "

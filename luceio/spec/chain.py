@@ -20,11 +20,10 @@ Rules:
 """
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import torch
 
+from ..cuda_graphs import capture_in_pool, gc_paused
 from ..models import AttnMetadata
 
 _BUCKETS = (1, 2, 4, 8, 16)
@@ -71,26 +70,13 @@ class DraftChain:
     @torch.inference_mode()
     def capture(self) -> None:
         """Every (bucket, steps) graph, in the draft runner's graph pool (GPU only)."""
-        graphs = self.runner.graphs
-        enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
+        with gc_paused():
             for b, most in sorted(self.steps_for.items(), reverse=True):
                 for steps in range(most, 0, -1):
                     self.lens0[:b].fill_(1)
                     self.slots[:, :b].fill_(-1)
-                    self._body(b, steps)  # warm-up
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=graphs.pool):
-                        self._body(b, steps)
-                    if graphs.pool is None:
-                        graphs.pool = g.pool()
-                    self.graphs[b, steps] = g
-        finally:
-            if enabled:
-                gc.enable()
+                    self.graphs[b, steps] = capture_in_pool(
+                        self.runner.graphs, self.device, lambda: self._body(b, steps))
         torch.cuda.synchronize(self.device)
 
     def _body(self, bs: int, steps: int) -> None:

@@ -39,11 +39,10 @@ Rules:
 """
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import torch
 
+from ..cuda_graphs import capture_in_pool, gc_paused
 from ..models import AttnMetadata
 from .tree import MAX_ROWS, masks_tensor
 
@@ -102,26 +101,13 @@ class DraftTreeGraph:
     @torch.inference_mode()
     def capture(self) -> None:
         """A graph per (bucket, level), in the draft runner's graph pool (GPU only)."""
-        graphs = self.runner.graphs
-        enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
+        with gc_paused():
             for b in reversed(self.buckets):
                 for d in range(self.levels, 1, -1):
                     self.slot[:b].fill_(-1)
                     self.base_len[:b].fill_(0)
-                    self._level(b, d)  # warm-up
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=graphs.pool):
-                        self._level(b, d)
-                    if graphs.pool is None:
-                        graphs.pool = g.pool()
-                    self.graphs[b, d] = g
-        finally:
-            if enabled:
-                gc.enable()
+                    self.graphs[b, d] = capture_in_pool(
+                        self.runner.graphs, self.device, lambda: self._level(b, d))
         torch.cuda.synchronize(self.device)
 
     def _first(self, bs: int, root_logits: torch.Tensor) -> None:
