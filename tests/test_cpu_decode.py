@@ -137,6 +137,39 @@ def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, window, se
         _assert_bf16_close(out, want)
 
 
+@pytest.mark.parametrize("splits,window", [(1, 0), (3, 0), (4, 9), (8, 0)])
+@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
+def test_split_attention_equals_one_thread(splits, window, io_dtype):
+    """`decode_attention_split` (each request's keys in `splits` ranges on numba's threads,
+    merged) == `decode_attention`: the same KV writes, outputs to fp32 rounding, including
+    ranges left empty (8 splits of a 5-token request) and a sliding window."""
+    import numba
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    g = torch.Generator().manual_seed(4)
+    num_heads, num_kv_heads, head_dim, seq_lens = 6, 2, 32, [70, 5, 33]
+    kv, tables, lens, pos, slots = _random_cache(seq_lens, num_kv_heads, head_dim, g)
+    qkv = torch.randn(3, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(io_dtype)
+    norms = torch.rand(2, head_dim, generator=g) + 0.5
+    cos_sin = build_cos_sin_cache(head_dim, 256, 10000.0)
+    outs, caches = [], []
+    for split in (False, True):
+        cache, out = kv.clone(), torch.empty(3, num_heads * head_dim, dtype=io_dtype)
+        args = (as_numpy(qkv), cos_sin.numpy(), pos.numpy(), cache.numpy(), slots.numpy(),
+                tables.numpy(), lens.numpy(), num_heads, norms[0].numpy(), norms[1].numpy(),
+                1e-6, as_numpy(out), 0.2, window)
+        if split:
+            decode_cpu.decode_attention_split(*args, splits)
+        else:
+            decode_cpu.decode_attention(*args)
+        outs.append(out)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], kv)
+    if io_dtype == torch.float32:
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    else:
+        _assert_bf16_close(outs[1], outs[0].float())
+
+
 def _decode_batch(runner, seq_lens: list[int], seed: int):
     g = torch.Generator().manual_seed(seed)
     kv, tables, lens, pos, slots = _random_cache(seq_lens, runner.cfg.num_kv_heads,
@@ -171,6 +204,26 @@ def test_decoder_equals_module_forward(tiny_models, arch):
     for seq_lens in ([37], [5, 37, 20, 16]):
         hidden_err, kv_err = _decoder_vs_module_forward(runner, seq_lens)
         assert hidden_err < 1e-5 and kv_err < 1e-6  # measured: 6e-7, 1e-8
+
+
+def test_decoder_splits_long_attention_over_threads(tmp_path, monkeypatch):
+    """With two threads, a request of `_MIN_KEYS` keys or more takes the split attention (a
+    short one beside it too: the splits are per batch) and the step still equals the module
+    forward."""
+    from conftest import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "long"), "qwen3", seed=5, context=4096)
+    runner = LLM(path, **engine_kwargs(cpu_threads=2, max_model_len=4096,
+                                       num_kv_blocks=300)).engine.runner
+    calls = []
+    real = decode_cpu.decode_attention_split
+    monkeypatch.setattr(decode_cpu, "decode_attention_split",
+                        lambda *a: calls.append(a[-1]) or real(*a))
+    hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])
+    assert hidden_err < 1e-5 and kv_err < 1e-6
+    assert calls and calls[0] >= 1 and len(calls) == runner.cfg.num_layers
+    calls.clear()
+    _decoder_vs_module_forward(runner, [300, 37])  # short: one thread's kernel
+    assert not calls
 
 
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_odd_untied"])

@@ -22,7 +22,9 @@ dot products, softmax sums) run in another order than ATen's, so results match t
 references to fp32 rounding, not bit for bit.
 
 Single-threaded: a decode step's tensors are small, and torch's threads run the matmuls
-between these calls.
+between these calls. The exception is attention over long contexts (`_MIN_KEYS` keys and up)
+in an engine with several threads: `decode_attention_split` cuts each
+request's keys into ranges on numba's threads and merges their softmaxes.
 """
 from __future__ import annotations
 
@@ -69,9 +71,12 @@ if numba is not None:
         return store
 
     _njit = numba.njit(cache=True, nogil=True, fastmath=True)
+    _njit_parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+    prange = numba.prange
 else:  # no numba: the CPU decode path is off (models/cpu_decode.py)
     def _njit(fn):
         return fn
+    _njit_parallel, prange = _njit, range
 
 
 @_njit
@@ -126,63 +131,168 @@ def _rms_norm_row(x, weight, eps):
 
 
 @_njit
+def _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q):
+    """Request b's q (into q [H, D]) and k normalised per head (q_norm, k_norm of size head_dim,
+    else size 0) and rotated (rotate-half); k and v written to the cache at slots[b]."""
+    block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
+    half = head_dim // 2
+    blk, off = slots[b] // block_size, slots[b] % block_size
+    cos, sin = cos_sin[positions[b], :half], cos_sin[positions[b], half:]
+    for head in range(num_heads + num_kv_heads):
+        x = q[head] if head < num_heads else kv[0, blk, off, head - num_heads]
+        for j in range(head_dim):
+            x[j] = _load(qkv[b, head * head_dim + j])
+        if q_norm.shape[0]:
+            _rms_norm_row(x, q_norm if head < num_heads else k_norm, eps)
+        for j in range(half):
+            x1, x2 = x[j], x[half + j]
+            x[j], x[half + j] = x1 * cos[j] - x2 * sin[j], x2 * cos[j] + x1 * sin[j]
+    v_at = (num_heads + num_kv_heads) * head_dim
+    for h in range(num_kv_heads):
+        for j in range(head_dim):
+            kv[1, blk, off, h, j] = _load(qkv[b, v_at + h * head_dim + j])
+
+
+@_njit
+def _attend_range(q, kv, table, h, t0, t1, scale, top, total, acc):
+    """KV head h's query group q [group, D] over the keys at cache indices [t0, t1) (t1 > t0):
+    per query the scores' max (`top`), the sum of their exponentials (`total`) and the
+    unnormalised output (`acc` [group, D])."""
+    block_size, head_dim = kv.shape[2], kv.shape[4]
+    group = q.shape[0]
+    scores = np.empty((group, t1 - t0), np.float32)
+    for t in range(t0, t1):
+        key = kv[0, table[t // block_size], t % block_size, h]
+        for g in range(group):
+            dot = np.float32(0)
+            for j in range(head_dim):
+                dot += q[g, j] * key[j]
+            scores[g, t - t0] = dot * scale
+    for g in range(group):
+        top[g] = scores[g].max()
+        total[g] = 0
+        for t in range(t1 - t0):
+            scores[g, t] = np.exp(scores[g, t] - top[g])
+            total[g] += scores[g, t]
+    acc[:] = 0
+    for t in range(t0, t1):
+        value = kv[1, table[t // block_size], t % block_size, h]
+        for g in range(group):
+            for j in range(head_dim):
+                acc[g, j] += scores[g, t - t0] * value[j]
+
+
+@_njit
 def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens, num_heads,
                      q_norm, k_norm, eps, out, scale, window):
     """One decode token per request: q and k normalised per head (Qwen3: q_norm, k_norm of
     size head_dim, else size 0) and rotated (rotate-half), k and v written to the cache at
     `slots`, then attention over the request's `seq_lens` cached tokens (`window` > 0: only
-    its last `window`, a sliding window), scores scaled by `scale`.
+    its last `window`, a sliding window), scores scaled by `scale`. One thread; the long
+    contexts of a multi-threaded engine take `decode_attention_split`.
 
     qkv: [num_seqs, (H + 2 Hkv) D] activations; cos_sin: fp32 [max_positions, D] (cos | sin);
     positions, slots: int64 [num_seqs]; kv: fp32 [2, num_blocks, block_size, Hkv, D];
     block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs];
     out: [num_seqs, H D]."""
-    num_seqs = qkv.shape[0]
-    block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
-    group, half = num_heads // num_kv_heads, head_dim // 2
+    num_kv_heads, head_dim = kv.shape[3], kv.shape[4]
+    group = num_heads // num_kv_heads
     scale = np.float32(scale)
     q = np.empty((num_heads, head_dim), np.float32)
     acc = np.empty((group, head_dim), np.float32)
-    total = np.empty(group, np.float32)
-    for b in range(num_seqs):
-        blk, off = slots[b] // block_size, slots[b] % block_size
-        cos, sin = cos_sin[positions[b], :half], cos_sin[positions[b], half:]
-        for head in range(num_heads + num_kv_heads):
-            x = q[head] if head < num_heads else kv[0, blk, off, head - num_heads]
-            for j in range(head_dim):
-                x[j] = _load(qkv[b, head * head_dim + j])
-            if q_norm.shape[0]:
-                _rms_norm_row(x, q_norm if head < num_heads else k_norm, eps)
-            for j in range(half):
-                x1, x2 = x[j], x[half + j]
-                x[j], x[half + j] = x1 * cos[j] - x2 * sin[j], x2 * cos[j] + x1 * sin[j]
-        v_at = (num_heads + num_kv_heads) * head_dim
-        for h in range(num_kv_heads):
-            for j in range(head_dim):
-                kv[1, blk, off, h, j] = _load(qkv[b, v_at + h * head_dim + j])
+    top, total = np.empty(group, np.float32), np.empty(group, np.float32)
+    for b in range(qkv.shape[0]):
+        _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q)
         seq_len = seq_lens[b]
         start = max(seq_len - window, 0) if window > 0 else 0
-        scores = np.empty((group, seq_len), np.float32)
         for h in range(num_kv_heads):
-            for t in range(start, seq_len):
-                key = kv[0, block_tables[b, t // block_size], t % block_size, h]
-                for g in range(group):
-                    dot = np.float32(0)
-                    for j in range(head_dim):
-                        dot += q[h * group + g, j] * key[j]
-                    scores[g, t] = dot * scale
-            for g in range(group):
-                top = scores[g, start:].max()
-                total[g] = 0
-                for t in range(start, seq_len):
-                    scores[g, t] = np.exp(scores[g, t] - top)
-                    total[g] += scores[g, t]
-            acc[:] = 0
-            for t in range(start, seq_len):
-                value = kv[1, block_tables[b, t // block_size], t % block_size, h]
-                for g in range(group):
-                    for j in range(head_dim):
-                        acc[g, j] += scores[g, t] * value[j]
+            _attend_range(q[h * group:(h + 1) * group], kv, block_tables[b], h, start, seq_len,
+                          scale, top, total, acc)
             for g in range(group):
                 for j in range(head_dim):
                     _store(out, b, (h * group + g) * head_dim + j, acc[g, j] / total[g])
+
+
+@_njit
+def _rope_write_all(qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q):
+    for b in range(qkv.shape[0]):
+        _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q[b])
+
+
+@_njit_parallel
+def _attend_split(q, kv, block_tables, seq_lens, window, scale, top, total, acc):
+    """Every (request, KV head, split) on numba's threads: split s of S covers the s-th S-th of
+    the request's attended keys (an empty one: total 0)."""
+    num_seqs, num_kv_heads, splits = top.shape[0], top.shape[1], top.shape[2]
+    group = q.shape[1] // num_kv_heads
+    for item in prange(num_seqs * num_kv_heads * splits):
+        b, h, s = item // (num_kv_heads * splits), item // splits % num_kv_heads, item % splits
+        end = seq_lens[b]
+        start = max(end - window, 0) if window > 0 else 0
+        chunk = (end - start + splits - 1) // splits
+        t0, t1 = start + s * chunk, min(start + (s + 1) * chunk, end)
+        if t0 >= t1:
+            total[b, h, s] = 0
+            continue
+        _attend_range(q[b, h * group:(h + 1) * group], kv, block_tables[b], h, t0, t1, scale,
+                      top[b, h, s], total[b, h, s], acc[b, h, s])
+
+
+@_njit
+def _merge_splits(top, total, acc, out):
+    """out = the splits' partial softmaxes merged: sum_s e^(top_s - max) acc_s over the same
+    sum of the totals."""
+    num_seqs, num_kv_heads, splits, group, head_dim = acc.shape
+    merged = np.empty(head_dim, np.float32)
+    for b in range(num_seqs):
+        for h in range(num_kv_heads):
+            for g in range(group):
+                best = np.float32(-np.inf)
+                for s in range(splits):
+                    if total[b, h, s, g] > 0:
+                        best = max(best, top[b, h, s, g])
+                merged[:] = 0
+                norm = np.float32(0)
+                for s in range(splits):
+                    if total[b, h, s, g] > 0:
+                        w = np.exp(top[b, h, s, g] - best)
+                        norm += w * total[b, h, s, g]
+                        for j in range(head_dim):
+                            merged[j] += w * acc[b, h, s, g, j]
+                for j in range(head_dim):
+                    _store(out, b, (h * group + g) * head_dim + j, merged[j] / norm)
+
+
+_SPLIT_KEYS = 512  # the fewest keys a split takes
+_MIN_KEYS = 2048  # the longest request's keys from which attention runs on several threads
+
+
+def attention_splits(seq_lens: np.ndarray, num_kv_heads: int, window: int) -> int:
+    """How many key ranges `decode_attention_split` cuts each request into on numba's threads
+    (as many as torch's: `qdot_cpu.use_torch_threads`), or 0: `decode_attention` on one."""
+    from .qdot_cpu import use_torch_threads
+    use_torch_threads()
+    threads = numba.get_num_threads()
+    longest = int(seq_lens.max())
+    if window:
+        longest = min(longest, window)
+    if threads < 2 or longest < _MIN_KEYS:
+        return 0
+    # four ranges a thread: numba hands them out one at a time, so threads finish together
+    return max(1, min(-(-4 * threads // (len(seq_lens) * num_kv_heads)), longest // _SPLIT_KEYS))
+
+
+def decode_attention_split(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens,
+                           num_heads, q_norm, k_norm, eps, out, scale, window, splits: int):
+    """`decode_attention` with each request's keys cut into `splits` ranges, every (request, KV
+    head, range) on numba's threads, then the ranges' softmaxes merged (flash-decoding): for
+    long contexts on several threads. Same arguments and results, to fp32 rounding."""
+    num_seqs, (num_kv_heads, head_dim) = qkv.shape[0], kv.shape[3:]
+    group = num_heads // num_kv_heads
+    q = np.empty((num_seqs, num_heads, head_dim), np.float32)
+    _rope_write_all(qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q)
+    top = np.empty((num_seqs, num_kv_heads, splits, group), np.float32)
+    total = np.empty_like(top)
+    acc = np.empty((num_seqs, num_kv_heads, splits, group, head_dim), np.float32)
+    _attend_split(q, kv, block_tables, seq_lens, window, np.float32(scale), top, total, acc)
+    _merge_splits(top, total, acc, out)

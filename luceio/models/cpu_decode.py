@@ -146,9 +146,13 @@ class CpuDecoder:
         positions, slots, tables, seq_lens = batch
         qkv = layer.qkv(*h)
         o = self._scratch(h[0].shape[0], layer.o.lin.in_features)
-        decode_cpu.decode_attention(qkv[1], cos_sin, positions, self.kv[i], slots, tables,
-                                    seq_lens, self.num_heads, *layer.qk_norm, self.eps, o[1],
-                                    scale, window)
+        args = (qkv[1], cos_sin, positions, self.kv[i], slots, tables, seq_lens, self.num_heads,
+                *layer.qk_norm, self.eps, o[1], scale, window)
+        splits = decode_cpu.attention_splits(seq_lens, self.kv[i].shape[3], window)
+        if splits:  # long contexts on several threads
+            decode_cpu.decode_attention_split(*args, splits)
+        else:
+            decode_cpu.decode_attention(*args)
         return layer.o(*o)
 
     def _mlp(self, layer: "_Layer", h: tuple[torch.Tensor, np.ndarray], rows: int) -> np.ndarray:
