@@ -268,10 +268,9 @@ _MIN_KEYS = 2048  # the longest request's keys from which attention runs on seve
 
 
 def attention_splits(seq_lens: np.ndarray, num_kv_heads: int, window: int) -> int:
-    """How many key ranges `decode_attention_split` cuts each request into on numba's threads
-    (as many as torch's: `qdot_cpu.use_torch_threads`), or 0: `decode_attention` on one."""
-    from .qdot_cpu import use_torch_threads
-    use_torch_threads()
+    """How many key ranges `decode_attention_split` cuts each request into on numba's threads,
+    or 0: `decode_attention` on one. The caller sets numba's threads (the CPU decoder: as many
+    as torch's, `qdot_cpu.use_torch_threads`, once a step)."""
     threads = numba.get_num_threads()
     longest = int(seq_lens.max())
     if window:
