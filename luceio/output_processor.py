@@ -121,14 +121,18 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.req.is_finished for s in self.samples)
+        for s in self.samples:
+            if not s.req.is_finished:
+                return False
+        return True
 
     def make_output(self) -> RequestOutput | None:
         kind = self.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+        finished = self.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         outs = [o for s in self.samples if (o := self._completion(s, kind)) is not None]
-        if not outs and not self.finished:
+        if not outs and not finished:
             return None
         lead = self.samples[0].req
         send_prompt_lps = kind != RequestOutputKind.DELTA or not self.prompt_logprobs_sent
@@ -136,7 +140,7 @@ class RequestState:
                       self.params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_lps is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_lps,
-                             outs, self.finished, self._metrics(),
+                             outs, finished, self._metrics(finished),
                              num_cached_tokens=lead.num_cached_tokens)
 
     def _completion(self, s: SampleState, kind: RequestOutputKind) -> CompletionOutput | None:
@@ -180,12 +184,19 @@ class RequestState:
     def _tok_text(self, t: int) -> str | None:
         return self.tokenizer.id_to_token_text(t) if self.tokenizer is not None else None
 
-    def _metrics(self) -> RequestMetrics:
+    def _metrics(self, finished: bool) -> RequestMetrics:
+        if len(self.samples) == 1:  # the common case, without the sums
+            r = self.samples[0].req
+            return RequestMetrics(self.arrival_time, r.first_token_time,
+                                  time.monotonic() if finished else None,
+                                  len(self.prompt_token_ids), r.num_cached_tokens,
+                                  len(r.all_token_ids) - len(r.prompt_token_ids),
+                                  r.num_draft_tokens, r.num_accepted_tokens)
         reqs = [s.req for s in self.samples]
         firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
         return RequestMetrics(
             arrival_time=self.arrival_time, first_token_time=min(firsts) if firsts else None,
-            finished_time=time.monotonic() if self.finished else None,
+            finished_time=time.monotonic() if finished else None,
             num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=reqs[0].num_cached_tokens,
             num_generated_tokens=sum(r.num_output_tokens for r in reqs),

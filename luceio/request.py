@@ -20,11 +20,16 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return _FINISH_REASONS.get(self)
+
+
+# plain ints: these are read per request per step, where an enum's properties cost
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
+_FINISH_REASONS = {3: "stop", 4: "length", 5: "abort"}
 
 
 class Request:
@@ -65,6 +70,8 @@ class Request:
         # tokens after the prompt continue from the original prompt's length
         self.position_ids = position_ids
         self.num_original_prompt_tokens = num_original_prompt_tokens or len(prompt_token_ids)
+        room = max_model_len - self.num_original_prompt_tokens
+        self._max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
 
     # derived counts, never stored twice
     @property
@@ -91,7 +98,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status >= _FIRST_FINISHED
 
     def positions(self, start: int, end: int) -> list[int] | range:
         """Rotary positions of the tokens at cache indices start..end-1."""
@@ -104,9 +111,7 @@ class Request:
     @property
     def max_tokens(self) -> int:
         """Output tokens allowed: the params' cap, bounded by the model's context."""
-        room = self.max_model_len - self.num_original_prompt_tokens
-        cap = self.params.max_tokens
-        return room if cap is None else min(cap, room)
+        return self._max_tokens
 
     def drop_last_tokens(self, n: int) -> None:
         """Removes the last n output tokens (a stop string completed before them)."""
@@ -121,16 +126,17 @@ class Request:
     def check_stop(self) -> bool:
         """Token-level stop rules after an append; sets status. Stop strings are checked by
         the output processor, which sees text."""
-        n_out = self.num_output_tokens
+        n_out = len(self.all_token_ids) - len(self.prompt_token_ids)
         last = self.all_token_ids[-1]
-        if n_out >= self.params.min_tokens:
+        params = self.params
+        if n_out >= params.min_tokens:
             if last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in self.params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
                 return True
-        if n_out >= self.max_tokens:
+        if n_out >= self._max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -198,7 +198,12 @@ def _compile_template(source: str):
 class IncrementalDetokenizer:
     """Text deltas for a growing token list. Decodes a short window of earlier tokens with the
     new ones so leading-space markers and multi-byte UTF-8 sequences come out right, and holds
-    back text that ends in an incomplete character (U+FFFD)."""
+    back text that ends in an incomplete character (U+FFFD).
+
+    With an HF `tokenizers` backend the window is kept by `tokenizers.decoders.DecodeStream`,
+    which runs the same algorithm in Rust (one call per token instead of two decodes from
+    Python); where it refuses (a window whose text does not extend its prefix's) this
+    request continues on the Python path from the same window, which is tracked alongside."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.tok = tokenizer
@@ -207,6 +212,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
         self.text = ""
+        self._stream = _decode_stream(tokenizer, self.ids[self.prefix_offset:], skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         """Appends tokens; returns the newly complete text. Token by token, so the text never
@@ -217,11 +223,42 @@ class IncrementalDetokenizer:
 
     def _add_one(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self.tok._hf, token_id)
+            except Exception:  # noqa: BLE001 - tokenizers raises its own error types
+                self._stream = None  # the Python path recomputes this token from the window
+            else:
+                if delta is None:
+                    return ""
+                return self._emitted(delta)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix):]
+        return self._emitted(full[len(prefix):])
+
+    def _emitted(self, delta: str) -> str:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+
+def _decode_stream(tokenizer: Tokenizer, window: list[int], skip: bool):
+    """A `DecodeStream` starting from `window` (the text before the new tokens), or None where
+    the Python path must run: a SentencePiece backend, a `tokenizers` without prefilled streams,
+    or a window ending inside a character (the stream would emit the window's own text)."""
+    if tokenizer._hf is None or _DecodeStream is None:
+        return None
+    if tokenizer.decode(window, skip).endswith("\ufffd"):
+        return None
+    try:
+        return _DecodeStream(ids=window, skip_special_tokens=skip)
+    except TypeError:  # a release without the `ids` prefill
+        return None
+
+
+try:
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # tokenizers < 0.21
+    _DecodeStream = None

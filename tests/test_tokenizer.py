@@ -56,6 +56,53 @@ def test_incremental_detokenizer_does_not_depend_on_chunking(tok):
         assert got == want, (ids, prompt)
 
 
+def _pieces(tok, prompt, ids, skip, stream: bool):
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    if not stream:
+        detok._stream = None
+    return [detok.add([t]) for t in ids], detok._stream is not None
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_decode_stream_path_equals_the_python_path(tok, skip):
+    """The Rust `DecodeStream` window gives the Python window's pieces, token for token, on
+    random byte-level ids (split characters, special tokens) and on real text."""
+    import random
+    rng = random.Random(2)
+    vocab = tok._hf.get_vocab_size()
+    used = 0
+    cases = [(tok.encode("prompt: "), tok.encode(t)) for t in TEXTS]
+    cases += [([rng.randrange(0, vocab) for _ in range(rng.randrange(1, 9))],
+               [rng.randrange(0, vocab) for _ in range(rng.randrange(1, 40))]) for _ in range(300)]
+    for prompt, ids in cases:
+        fast, streamed = _pieces(tok, prompt, ids, skip, True)
+        slow, _ = _pieces(tok, prompt, ids, skip, False)
+        assert fast == slow, (prompt, ids)
+        used += streamed
+    assert used > len(cases) // 2  # the stream really ran (prompts ending mid-character do not)
+
+
+def test_decode_stream_refusal_continues_on_the_python_path(tok):
+    """A stream that raises mid-generation hands the same window to the Python path."""
+    ids = tok.encode(TEXTS[1] + TEXTS[0])
+    prompt = tok.encode("prompt: ")
+    want, _ = _pieces(tok, prompt, ids, False, False)
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)
+    assert detok._stream is not None
+    real, calls = detok._stream, []
+
+    class Refusing:
+        def step(self, hf, token_id):
+            calls.append(token_id)
+            if len(calls) == 7:
+                raise Exception("InvalidPrefix")
+            return real.step(hf, token_id)
+    detok._stream = Refusing()
+    got = [detok.add([t]) for t in ids]
+    assert len(calls) == 7 and detok._stream is None
+    assert got == want
+
+
 def test_chat_template_matches_transformers(tok, tiny_llama):
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(tiny_llama)

@@ -81,6 +81,11 @@ class KVCacheManager:
                        computed_blocks: list[int] | None = None) -> bool:
         """Makes room for `num_new_tokens` beyond the request's computed tokens (plus the
         prefix-hit `computed_blocks` of a newly admitted request). False if the pool is short."""
+        table = self.block_tables.get(req.request_id)
+        if not computed_blocks and table is not None:  # a running request: often no new block
+            needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+            if needed <= 0:
+                return True
         computed_blocks = computed_blocks or []
         table = self.block_tables.setdefault(req.request_id, [])
         num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -99,15 +104,15 @@ class KVCacheManager:
 
     def cache_blocks(self, req: Request) -> None:
         """Registers the request's newly full, verified blocks in the prefix cache."""
-        if not self._caches(req):
-            return
         bs = self.block_size
+        num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // bs
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start or not self._caches(req):  # the residency cap only lowers num_full
+            return
         table = self.block_tables.get(req.request_id, [])
-        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
         if self.residency is not None:
             exact = self.residency.exact_blocks(req.request_id)
             num_full = num_full if exact is None else min(num_full, exact)
-        start = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
             return
         hashes = self._hashes(req, num_full * bs)

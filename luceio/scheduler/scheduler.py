@@ -136,20 +136,30 @@ class Scheduler:
 
     def _running_in_order(self) -> list[Request]:
         """Decodes first, then unfinished prefills, each in arrival order."""
-        return sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
+        decodes = [r for r in self.running if r.num_computed_tokens >= len(r.prompt_token_ids)]
+        if len(decodes) == len(self.running):
+            return list(self.running)
+        return decodes + [r for r in self.running
+                          if r.num_computed_tokens < len(r.prompt_token_ids)]
 
     def _num_wanted(self, req: Request, budget: int) -> int:
         """Tokens a running request would compute this step (before residency's adjustments)."""
-        if req.num_pending_tokens and \
-                req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+        pending, n = req.num_pending_tokens, len(req.all_token_ids)
+        if pending and n - len(req.prompt_token_ids) + pending >= req.max_tokens:
             return 0  # it finishes when its pending tokens land
-        return min(req.num_tokens_with_spec - req.num_computed_tokens, budget, self._chunk_cap)
+        return min(n + pending + len(req.spec_token_ids) - req.num_computed_tokens, budget,
+                   self._chunk_cap)
 
     def fits_without_preemption(self) -> bool:
         """Whether `schedule()` would find blocks for every running request it schedules (so
         it preempts none): the blocks the running requests' next chunks need, within the token
         budget, against the free pool. Admissions never preempt."""
         budget, need = self.config.max_num_batched_tokens, 0
+        bs, free = self.kv.block_size, self.kv.pool.num_free_blocks
+        # a bound first: each scheduled request holds the blocks of its computed tokens, so its
+        # chunk of n tokens needs at most ceil(n / bs) more; the chunks sum to at most the budget
+        if self.kv.residency is None and free * bs >= budget + len(self.running) * (bs - 1):
+            return True
         for req in self._running_in_order():
             if budget <= 0:
                 break
@@ -168,6 +178,8 @@ class Scheduler:
 
     def _fit_spec(self, req: Request, num_new: int) -> list[int]:
         """Drops the drafts that did not fit in the budget (a tree's last nodes: a subtree)."""
+        if not req.spec_token_ids and req.spec_tree is None:
+            return []
         room = max(req.num_computed_tokens + num_new - req.num_tokens, 0)
         req.spec_token_ids = req.spec_token_ids[:room]
         if req.spec_tree is not None:
@@ -246,7 +258,7 @@ class Scheduler:
         changed = []
         for s in out.scheduled:
             req = s.req
-            if req.is_finished or req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran (a launched step's token is dropped)
             if not out.launched:
                 req.num_computed_tokens += s.num_new_tokens
