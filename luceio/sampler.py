@@ -99,6 +99,8 @@ class Sampler:
         logits (greedy rows keep temperature 1 and no truncation). `bitmask`: [rows, words]
         int32 on the host, one bit per token id (1: allowed), or None. `pending`: tokens of
         these rows still on the device, which count as output tokens."""
+        if bitmask is None and all(_untouched_greedy(r) for r in reqs):
+            return logits  # nothing to apply: the batch's common case, without the copy
         logits = logits.clone()
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
@@ -184,15 +186,14 @@ class Sampler:
 
     # drawing -----------------------------------------------------------------------------------
     def draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        argmax = logits.argmax(-1)
+        tokens = logits.argmax(-1)
         flags = [r.params.greedy for r in reqs]
-        if all(flags):
-            return argmax
-        greedy = device_tensor(flags, torch.bool, logits.device)
-        probs = logits.softmax(-1)
-        noise = self.exponential(probs, reqs)
-        sampled = (probs / noise).argmax(-1)
-        tokens = torch.where(greedy, argmax, sampled)
+        if not all(flags):
+            greedy = device_tensor(flags, torch.bool, logits.device)
+            probs = logits.softmax(-1)
+            noise = self.exponential(probs, reqs)
+            tokens = torch.where(greedy, tokens, (probs / noise).argmax(-1))
+        # greedy rows too (their pick is the stage's likeliest), whatever else is in the batch
         if any(r.params.infill_sampler for r in reqs):
             tokens = self._infill(logits, reqs, tokens)
         return tokens
@@ -267,6 +268,13 @@ class Sampler:
         top-n alternatives, read on the host at once (speculative verify steps)."""
         lps = cls.logprob_tensors(raw, tokens, num)
         return [None] * len(num) if lps is None else lps.to_dicts(num)
+
+
+def _untouched_greedy(r: Request) -> bool:
+    """A greedy row that no processing step changes (so its logits need no copy)."""
+    p = r.params
+    return p.greedy and not p.allowed_token_ids and not p.logit_bias and not has_penalty(r) and \
+        (not p.min_tokens or r.num_output_tokens + r.num_pending_tokens >= p.min_tokens)
 
 
 def has_penalty(r: Request) -> bool:

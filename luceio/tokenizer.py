@@ -202,8 +202,9 @@ class IncrementalDetokenizer:
 
     With an HF `tokenizers` backend the window is kept by `tokenizers.decoders.DecodeStream`,
     which runs the same algorithm in Rust (one call per token instead of two decodes from
-    Python); where it refuses (a window whose text does not extend its prefix's) this
-    request continues on the Python path from the same window, which is tracked alongside."""
+    Python). Where it cannot start (the prompt's window ends inside a character) or refuses (a
+    window whose text does not extend its prefix's), the Python path continues from the same
+    window, which is tracked alongside, and hands back to a new stream at its next emission."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.tok = tokenizer
@@ -236,11 +237,16 @@ class IncrementalDetokenizer:
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        return self._emitted(full[len(prefix):])
+        return self._python_emitted(full[len(prefix):])
 
     def _emitted(self, delta: str) -> str:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
+        return delta
+
+    def _python_emitted(self, delta: str) -> str:
+        delta = self._emitted(delta)
+        self._stream = _decode_stream(self.tok, self.ids[self.prefix_offset:], self.skip)
         return delta
 
 

@@ -57,10 +57,20 @@ def test_incremental_detokenizer_does_not_depend_on_chunking(tok):
 
 
 def _pieces(tok, prompt, ids, skip, stream: bool):
-    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    """(pieces token by token, whether a stream decoded any); `stream=False`: Python only."""
+    import luceio.tokenizer as module
+    saved = module._DecodeStream
     if not stream:
-        detok._stream = None
-    return [detok.add([t]) for t in ids], detok._stream is not None
+        module._DecodeStream = None
+    try:
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        pieces, streamed = [], False
+        for t in ids:
+            streamed |= detok._stream is not None
+            pieces.append(detok.add([t]))
+    finally:
+        module._DecodeStream = saved
+    return pieces, streamed
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -79,11 +89,12 @@ def test_decode_stream_path_equals_the_python_path(tok, skip):
         slow, _ = _pieces(tok, prompt, ids, skip, False)
         assert fast == slow, (prompt, ids)
         used += streamed
-    assert used > len(cases) // 2  # the stream really ran (prompts ending mid-character do not)
+    assert used > len(cases) * 0.9  # the stream really ran
 
 
 def test_decode_stream_refusal_continues_on_the_python_path(tok):
-    """A stream that raises mid-generation hands the same window to the Python path."""
+    """A stream that raises mid-generation hands the same window to the Python path, which
+    hands back to a new stream once it emits."""
     ids = tok.encode(TEXTS[1] + TEXTS[0])
     prompt = tok.encode("prompt: ")
     want, _ = _pieces(tok, prompt, ids, False, False)
@@ -99,7 +110,7 @@ def test_decode_stream_refusal_continues_on_the_python_path(tok):
             return real.step(hf, token_id)
     detok._stream = Refusing()
     got = [detok.add([t]) for t in ids]
-    assert len(calls) == 7 and detok._stream is None
+    assert len(calls) == 7 and detok._stream is not None and not isinstance(detok._stream, Refusing)
     assert got == want
 
 

@@ -303,3 +303,38 @@ def test_default_sampling_params_come_from_generation_config(tiny_llama, tmp_pat
     assert len(llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) == 7
     llm.shutdown()
     assert not hasattr(llm, "engine")
+
+
+def test_untouched_greedy_rows_skip_the_copy_and_others_do_not():
+    """A batch of plain greedy rows is returned as it is (the common case costs no copy of
+    [rows, vocab]); a row that any step changes gets a processed copy."""
+    from luceio import SamplingParams
+    from luceio.request import Request
+    from luceio.sampler import Sampler
+    logits = torch.tensor([[0.5, 1.0, -2.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
+    plain = [Request(str(i), [1], SamplingParams(temperature=0), set(), 64) for i in range(2)]
+    assert Sampler().process(logits, plain) is logits
+    for kw in ({"logit_bias": {0: 1.0}}, {"repetition_penalty": 1.2}, {"min_tokens": 2},
+               {"allowed_token_ids": [0, 1]}, {"temperature": 0.7}):
+        reqs = [plain[0], Request("x", [1], SamplingParams(**kw), {3}, 64)]
+        out = Sampler().process(logits, reqs)
+        assert out is not logits and torch.equal(logits[0], torch.tensor([0.5, 1.0, -2.0, 3.0]))
+
+
+def test_greedy_infill_rows_do_not_depend_on_their_batch():
+    """llama.cpp's infill stage changes a greedy row's pick (a prefix merged into a likelier
+    token); it applies whether or not a sampled row shares the batch."""
+    import math
+    from luceio import SamplingParams
+    from luceio.request import Request
+    from luceio.sampler import Sampler
+    pieces = {1: b"a", 2: b"ab", 3: b"x"}
+    row = torch.full((8,), float("-inf"))
+    row[[1, 2, 3]] = torch.tensor([math.log(0.30), math.log(0.25), math.log(0.45)])
+    greedy = Request("g", [0], SamplingParams(temperature=0, infill_sampler=True, top_k=3), {7}, 64)
+    sampled = Request("s", [0], SamplingParams(temperature=1.0, seed=1), {7}, 64)
+    sampler = Sampler(piece=lambda t: pieces.get(t, b""))
+    alone = sampler.draw(row[None].clone(), [greedy])
+    mixed = sampler.draw(torch.stack([row, row]), [greedy, sampled])
+    assert int(row.argmax()) == 3  # plain greedy would take "x"
+    assert alone.tolist() == [1] and mixed[0].item() == 1  # "a" and "ab" merged: 0.55 > 0.45
