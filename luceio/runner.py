@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -232,10 +233,16 @@ class ModelRunner:
         trees: list[tuple[int, object]] = []  # (flat index of the root row, its draft tree)
         prefill = False
         bs = self.block_size
+        # per request, the loop below runs every step: plain rows take no method calls
+        block_tables = kv.block_tables if kv.residency is None else None
         for s in out.scheduled:
             r = s.req
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            prefill |= start < max(r.num_prompt_tokens, len(r.all_token_ids) - 1)
+            start = r.num_computed_tokens
+            end = start + s.num_new_tokens
+            n_all = len(r.all_token_ids)
+            # a prompt token to compute (or an older token: a recomputed request)
+            prefill = prefill or start < n_all - 1 or \
+                (start == n_all - 1 and start < r.num_prompt_tokens)
             tokens = r.all_token_ids + s.spec_token_ids if s.spec_token_ids else r.all_token_ids
             base = len(ids)
             ids.extend(tokens[start:end])
@@ -247,9 +254,14 @@ class ModelRunner:
                 root = r.positions(start, start + 1)[0]
                 pos.append(root)
                 pos.extend(root + d for d in s.spec_tree.depths())
+            elif r.position_ids is None:
+                pos.extend(range(start, end))
             else:
                 pos.extend(r.positions(start, end))
-            table, skipped = kv.attention_table(r.request_id)
+            if block_tables is not None:
+                table, skipped = block_tables[r.request_id], 0
+            else:
+                table, skipped = kv.attention_table(r.request_id)
             seq_lens.append(end - skipped)
             q_starts.append(len(ids))
             tables.append(table)
@@ -259,14 +271,14 @@ class ModelRunner:
                 prompt_rows[r.request_id] = (slice(len(logits_idx), len(logits_idx) + last - start),
                                              start)
                 logits_idx.extend(range(base, base + last - start))
-            if s.samples:
+            if end >= r.num_tokens_with_spec:  # the step ends at its last token: it samples
                 n_rows = 1 + len(s.spec_token_ids)
                 rows[r.request_id] = slice(len(logits_idx), len(logits_idx) + n_rows)
                 logits_idx.extend(range(len(ids) - n_rows, len(ids)))
-        max_blocks = max(len(t) for t in tables)
-        bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        bt = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
+        bt[np.arange(bt.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
         pos_np = np.asarray(pos, dtype=np.int64)
         q_lens = np.diff(q_starts)
         seq_of_tok = np.repeat(np.arange(len(tables)), q_lens)
@@ -379,4 +391,3 @@ def _prefill_rows(on: bool):
         return contextlib.nullcontext()
     from .kernels.quant_cpu import prefill_rows
     return prefill_rows()
-

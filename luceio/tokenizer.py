@@ -212,7 +212,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
-        self.text = ""
         self._stream = _decode_stream(tokenizer, self.ids[self.prefix_offset:], skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
@@ -241,7 +240,6 @@ class IncrementalDetokenizer:
 
     def _emitted(self, delta: str) -> str:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
         return delta
 
     def _python_emitted(self, delta: str) -> str:

@@ -15,6 +15,7 @@ step by step with a read after each: greedy and seeded drafts do not depend on i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -40,6 +41,7 @@ class DraftSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_tree: DraftTree | None = None
     params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
+    position_ids: ClassVar[None] = None  # positions are cache indices
 
     @property
     def num_prompt_tokens(self) -> int:
