@@ -117,19 +117,24 @@ def export_tokenizer(model: str, folder: str) -> None:
             json.dump(data, f)
 
 
-def random_engine(shape: str, folder: str, max_model_len: int):
-    """An LLMEngine on CUDA over random Q4_K_M-typed weights at `shape`, with the tokenizer
-    `export_tokenizer` wrote to `folder`."""
+def load_tokenizer(folder: str):
+    """The tokenizer `export_tokenizer` wrote to `folder`."""
     import tokenizers
-    from decode_gguf import random_model
-    from luceio import LLMEngine
     from luceio.tokenizer import Tokenizer
     configs = []
     for name in TOKENIZER_FILES:
         with open(os.path.join(folder, name + ".json")) as f:
             configs.append(json.load(f))
-    tok = Tokenizer(tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")),
-                    *configs)
+    return Tokenizer(tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")),
+                     *configs)
+
+
+def random_engine(shape: str, folder: str, max_model_len: int):
+    """An LLMEngine on CUDA over random Q4_K_M-typed weights at `shape`, with the tokenizer
+    `export_tokenizer` wrote to `folder`."""
+    from decode_gguf import random_model
+    from luceio import LLMEngine
+    tok = load_tokenizer(folder)
     model = random_model(shape, "Q4_K_M", max_model_len + 512)
     args = EngineArgs(model=f"random-{shape}", dtype="bfloat16", device="cuda",
                       max_model_len=max_model_len, max_num_seqs=8)

@@ -26,11 +26,12 @@ from luceio.spec.proposer import Proposal, Proposer  # noqa: E402
 RESULTS: dict = {}
 
 
-def make_engine(model, max_len: int, kv_gib: float = 16, max_num_seqs: int = 64, **kw) -> LLMEngine:
+def make_engine(model, max_len: int, kv_gib: float = 16, max_num_seqs: int = 64,
+                tokenizer=None, **kw) -> LLMEngine:
     args = EngineArgs(model="random", dtype="bfloat16", device="cuda", max_model_len=max_len,
                       kv_cache_memory=int(kv_gib * 2**30), max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=8192, **kw)
-    return LLMEngine(args, model=model)
+    return LLMEngine(args, model=model, tokenizer=tokenizer)
 
 
 def luceio_decode_tps(engine: LLMEngine, ctx: int, new: int = 128, batch: int = 1) -> float:
@@ -141,10 +142,20 @@ async def _concurrent(engine: AsyncEngine, n: int, prompt_len: int, new: int) ->
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
 
 
-def section_concurrency(quick: bool) -> None:
+def section_concurrency(quick: bool, tokenizer: str | None = None) -> None:
+    """Token ids only; with `tokenizer` (a folder `bench/assist.py --export-tokenizer` wrote)
+    a second pass detokenizes every output as a server does (`concurrency_1.5b_text`)."""
     model = random_model("qwen2.5-coder-1.5b", max_positions=2048)
-    engine = AsyncEngine(make_engine(model, 1024, kv_gib=8, max_num_seqs=64))
-    rows = RESULTS.setdefault("concurrency_1.5b", [])
+    _concurrency_rows(AsyncEngine(make_engine(model, 1024, kv_gib=8, max_num_seqs=64)),
+                      RESULTS.setdefault("concurrency_1.5b", []), quick)
+    if tokenizer is not None:
+        from assist import load_tokenizer
+        engine = AsyncEngine(make_engine(model, 1024, kv_gib=8, max_num_seqs=64,
+                                         tokenizer=load_tokenizer(tokenizer)))
+        _concurrency_rows(engine, RESULTS.setdefault("concurrency_1.5b_text", []), quick)
+
+
+def _concurrency_rows(engine: AsyncEngine, rows: list, quick: bool) -> None:
     # warm-up at every concurrency first: Triton compiles kernel specialisations the first time
     # a shape class appears, which would otherwise land in that phase's TTFT
     for n in (1, 8, 32, 64):
@@ -331,6 +342,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,8192", help="the decode section's contexts")
     ap.add_argument("--forced-type", default="bf16", help="bf16, Q4_K_M or Q8_0 weights for "
                     "the forced-acceptance section")
+    ap.add_argument("--tokenizer", help="a real tokenizer folder (bench/assist.py "
+                    "--export-tokenizer): the concurrency section also runs detokenizing")
     a = ap.parse_args()
     sections = a.sections.split(",")
     RESULTS["env"] = env_info()
@@ -339,7 +352,7 @@ def main() -> None:
     print("copy bandwidth GB/s", RESULTS["copy_bandwidth_GB_s"], flush=True)
     contexts = [int(c) for c in a.contexts.split(",")]
     todo = [("decode", lambda: section_decode(bw, a.quick, "hf" in sections, contexts)),
-            ("concurrency", lambda: section_concurrency(a.quick)),
+            ("concurrency", lambda: section_concurrency(a.quick, a.tokenizer)),
             ("kernels", lambda: section_kernels(bw)), ("spec", lambda: section_spec(a.quick)),
             ("forced", lambda: section_forced_acceptance(a.quick, a.forced_type))]
     todo = sorted((t for t in todo if t[0] in sections), key=lambda t: sections.index(t[0]))

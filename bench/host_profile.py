@@ -3,7 +3,10 @@
 scheduling as the engine defaults), after the same steps timed without the profiler.
 
     python bench/host_profile.py [--shape qwen2.5-0.5b] [--types bf16,Q4_K_M] [--context 512]
-                                 [--steps 200] [--out bench/results/h200]
+                                 [--steps 200] [--batch 1] [--out bench/results/h200]
+
+`--batch N`: N requests decode together (the step's host work grows with it: scheduling,
+batch building, output processing).
 
 Per row: the unprofiled step time, then the functions with the most own time (`tottime`) and
 the most time including callees (`cumtime`), in microseconds per step. cProfile slows Python
@@ -29,10 +32,11 @@ from gpu_bench import make_engine  # noqa: E402
 from luceio import SamplingParams  # noqa: E402
 
 
-def _start(eng, ctx: int, steps: int) -> None:
+def _start(eng, ctx: int, steps: int, batch: int) -> None:
     vocab = eng.runner.cfg.vocab_size
-    eng.add_request(None, torch.randint(0, vocab, (ctx,)).tolist(),
-                    SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True))
+    for _ in range(batch):
+        eng.add_request(None, torch.randint(0, vocab, (ctx,)).tolist(),
+                        SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True))
     while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
         eng.step()
     for _ in range(16):
@@ -50,8 +54,8 @@ def _rows(stats: pstats.Stats, key: int, steps: int, n: int) -> list:
     return out
 
 
-def profile(eng, ctx: int, steps: int) -> dict:
-    _start(eng, ctx, steps)
+def profile(eng, ctx: int, steps: int, batch: int = 1) -> dict:
+    _start(eng, ctx, steps, batch)
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -80,15 +84,18 @@ def main() -> None:
     ap.add_argument("--types", default="bf16,Q4_K_M")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--json-name", default="host_profile.json")
     a = ap.parse_args()
-    results = {"env": env_info(), "shape": a.shape, "context": a.context, "rows": []}
+    results = {"env": env_info(), "shape": a.shape, "context": a.context, "batch": a.batch,
+               "rows": []}
     os.makedirs(a.out, exist_ok=True)
     for kind in a.types.split(","):
         model = random_model(a.shape, kind, a.context + 2048)
-        eng = make_engine(model, a.context + 1024, kv_gib=2, max_num_seqs=8)
-        row = {"type": kind, **profile(eng, a.context, a.steps)}
+        eng = make_engine(model, a.context + 1024, kv_gib=2 if a.batch <= 8 else 8,
+                          max_num_seqs=max(8, a.batch))
+        row = {"type": kind, **profile(eng, a.context, a.steps, a.batch)}
         results["rows"].append(row)
         print(json.dumps({k: row[k] for k in ("type", "step_us", "profiled_step_us")}), flush=True)
         for r in row["by_own_time"][:25]:
