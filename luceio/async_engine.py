@@ -6,8 +6,9 @@ sends commands (admit a request, abort one) to the engine thread's inbox, which 
 drains between steps, and it gets each step's outputs back in one `call_soon_threadsafe` that
 fans them out to the requests' streams (admissions and refusals in one more, before the step
 runs: a caller learns its request was accepted without waiting for a long prefill). So a step
-waits for no loop, and the loop waits for no step. Commands sent in one loop iteration reach the inbox together: a batch of prompts is admitted
-before any of them steps.
+waits for no loop, and the loop waits for no step. Commands sent in one loop iteration reach
+the inbox together: a batch of prompts is admitted before any of them steps. The engine thread
+runs in `torch.inference_mode` throughout (entered once, not per forward).
 
 Rules: the loop that first calls `generate` owns the engine until it closes; a call from another
 loop or thread raises RuntimeError. A refused request (ValueError, QueueFullError) raises from its
@@ -27,6 +28,8 @@ import asyncio
 import logging
 import threading
 from typing import AsyncIterator, Callable
+
+import torch
 
 from .config import EngineArgs
 from .engine import LLMEngine
@@ -186,6 +189,10 @@ class AsyncEngine:
 
     # the engine thread ---------------------------------------------------------------------------
     def _serve(self) -> None:
+        with torch.inference_mode():  # once for the thread, not per forward
+            self._serve_loop()
+
+    def _serve_loop(self) -> None:
         stalled = False
         while True:
             with self._wakeup:
@@ -297,12 +304,14 @@ class AsyncEngine:
         self._request_stop()
         if self._thread is not None:
             self._thread.join()
-        # the engine thread has ended: this thread owns the engine now
+        # the engine thread has ended: this thread owns the engine now (in inference mode, as
+        # the engine thread ran it: the tensors it made are inference tensors)
         commands, self._inbox, self._staged = self._inbox + self._staged, [], []
         items: list = []
-        self._run_commands(commands, items)
-        self.engine.abort_request(list(self.engine.states))
-        items += self._route(self.engine.finish_step(None, None))
+        with torch.inference_mode():
+            self._run_commands(commands, items)
+            self.engine.abort_request(list(self.engine.states))
+            items += self._route(self.engine.finish_step(None, None))
         self.engine.close()
         _fan_out([(s, item) for s, item in items if not s.loop.is_closed()])
 

@@ -49,7 +49,7 @@ import torch
 from .memory import current_stream
 from .outputs import RequestOutput
 from .request import Request
-from .runner import DeviceTokenIds, StepInputs
+from .step_inputs import DeviceTokenIds, StepInputs
 from .sampler import LogprobTensors, Pending, device_tensor, has_penalty
 from .scheduler import SchedulerOutput
 from .structured import GrammarBatch

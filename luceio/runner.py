@@ -10,10 +10,8 @@ holds (logged), down to `MIN_FITTED_CONTEXT` tokens."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import psutil
@@ -30,62 +28,9 @@ from .models.moe import routes_on_host
 from .cache.host_store import HostKVStore, QueryProbe
 from .memory import Staging, StateSlots, kv_bytes_per_block, return_freed_heap, zeros_pool
 from .scheduler import SchedulerOutput
+from .step_inputs import DeviceTokenIds, HostBatch, StepInputs, in_inference_mode  # noqa: F401
 
 logger = logging.getLogger("luceio")
-
-
-@dataclass
-class HostBatch:
-    """One step's flat varlen batch, on the host (numpy). Device copies are made by `execute`
-    on the worker thread: one packed int64 and one packed int32 transfer."""
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
-    seq_lens: np.ndarray  # [num_seqs] int32
-    query_start_loc: np.ndarray  # [num_seqs + 1] int32
-    logits_indices: np.ndarray  # [num_rows] int64
-    # tree speculation: per token, the bits of its request's step tokens it attends to
-    # (`spec.tree`; -1 for every token of a request without a tree); None: no tree this step
-    tree_mask: np.ndarray | None = None
-    # hybrid models: each sequence's state slot, the slots to zero first (None: no state)
-    state_slots: np.ndarray | None = None
-    fresh_slots: np.ndarray | None = None
-
-    @functools.cached_property
-    def q_lens(self) -> np.ndarray:  # read several times a step (query_start_loc is not rebound)
-        return np.diff(self.query_start_loc)
-
-
-@dataclass
-class DeviceTokenIds:
-    """Input ids that exist only on the device (overlapped scheduling): flat token `dst[i]` of
-    the step takes `token_ids[src[i]]`, sampled by the step before it and not yet on the host."""
-    token_ids: torch.Tensor  # [rows] int64, the previous step's sampled ids
-    src: np.ndarray  # [n] int64
-    dst: np.ndarray  # [n] int64
-
-
-@dataclass
-class StepInputs:
-    host: HostBatch
-    row_slices: dict[str, slice]  # request id -> its rows among the logits (sample/verify)
-    prompt_row_slices: dict[str, tuple[slice, int]]  # request id -> (rows, first prompt index)
-    # overlapped scheduling: request id -> flat index of its token still on the device (its
-    # host input id is a placeholder 0), and where the device takes those ids from
-    device_ids: dict[str, int] = field(default_factory=dict)
-    ids_from: DeviceTokenIds | None = None
-    # residency `keys` policy: request id -> token row whose queries score its blocks, and
-    # (a copy of its block table, number of full blocks before the step's tail)
-    score_rows: dict[str, int] = field(default_factory=dict)
-    score_tables: dict[str, tuple[list[int], int]] = field(default_factory=dict)
-    kv_scores: dict | None = None  # filled by `execute`
-    # whether the step computes tokens already known (a prompt, or a recompute) rather than
-    # only the last sampled token and its drafts: on the CPU such rows always take the dense
-    # path, so a prompt token's KV and logits do not depend on how its prefill was chunked
-    # (a prefix-cache hit leaves a short tail) -- see kernels/quant_cpu.py `prefill_rows`
-    prefill: bool = False
-    kept: object = None  # hybrid models' verifying sequences (`models.hybrid_verify`)
 
 
 class ModelRunner:
@@ -235,10 +180,12 @@ class ModelRunner:
         bs = self.block_size
         # per request, the loop below runs every step: plain rows take no method calls
         block_tables = kv.block_tables if kv.residency is None else None
+        one_token_each = True  # a decode step: its slots are found without numpy
         for s in out.scheduled:
             r = s.req
             start = r.num_computed_tokens
             end = start + s.num_new_tokens
+            one_token_each = one_token_each and s.num_new_tokens == 1
             n_all = len(r.all_token_ids)
             # a prompt token to compute (or an older token: a recomputed request)
             prefill = prefill or start < n_all - 1 or \
@@ -275,18 +222,24 @@ class ModelRunner:
                 n_rows = 1 + len(s.spec_token_ids)
                 rows[r.request_id] = slice(len(logits_idx), len(logits_idx) + n_rows)
                 logits_idx.extend(range(len(ids) - n_rows, len(ids)))
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        bt = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
-        bt[np.arange(bt.shape[1]) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-        pos_np = np.asarray(pos, dtype=np.int64)
-        q_lens = np.diff(q_starts)
-        seq_of_tok = np.repeat(np.arange(len(tables)), q_lens)
-        # cache index of each token (its rotary position may differ: speculative prefill)
-        cache_idx = np.asarray(seq_lens, dtype=np.int64)[seq_of_tok] - \
-            np.repeat(np.asarray(q_starts[1:], dtype=np.int64), q_lens) + np.arange(len(ids))
-        slots = bt[seq_of_tok, cache_idx // bs].astype(np.int64) * bs + cache_idx % bs
-        host = HostBatch(np.asarray(ids, dtype=np.int64), pos_np, slots, bt,
+        if len(tables) == 1:
+            bt = np.array(tables, dtype=np.int32)
+        else:
+            lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+            bt = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
+            bt[np.arange(bt.shape[1]) < lens[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        if one_token_each:  # a sequence's only token sits at cache index seq_len - 1
+            slots = np.array([t[(n - 1) // bs] * bs + (n - 1) % bs
+                              for t, n in zip(tables, seq_lens)], dtype=np.int64)
+        else:
+            q_lens = np.diff(q_starts)
+            seq_of_tok = np.repeat(np.arange(len(tables)), q_lens)
+            # cache index of each token (its rotary position may differ: speculative prefill)
+            cache_idx = np.asarray(seq_lens, dtype=np.int64)[seq_of_tok] - \
+                np.repeat(np.asarray(q_starts[1:], dtype=np.int64), q_lens) + np.arange(len(ids))
+            slots = bt[seq_of_tok, cache_idx // bs].astype(np.int64) * bs + cache_idx % bs
+        host = HostBatch(np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), slots, bt,
                          np.asarray(seq_lens, dtype=np.int32), np.asarray(q_starts, dtype=np.int32),
                          np.asarray(logits_idx, dtype=np.int64))
         if trees:
@@ -310,7 +263,7 @@ class ModelRunner:
         return inp
 
     # forward -----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @in_inference_mode
     def execute(self, inp: StepInputs, probe=None) -> torch.Tensor:
         """Returns fp32 logits [num_rows, vocab] for the batch's `logits_indices`. A `probe`
         (called per layer with the rotated queries) forces the eager path."""
