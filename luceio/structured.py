@@ -313,6 +313,8 @@ class StructuredOutputs:
         """Feeds each constrained request's new tokens to its matcher; ends the request through
         `finish(request_id, status)` when the grammar terminates (tokens after that, which only
         speculation could add, are dropped)."""
+        if not self._matchers:
+            return
         from .request import RequestStatus
         for req in changed:
             matcher = self.matcher(req.request_id)
