@@ -44,7 +44,8 @@ def write_gguf(folder: str, path: str, base: str, rope_freqs=None, qtype=None) -
     `num_global_key_value_heads` the converter reads (transformers saves them folded into
     `per_layer_config`). Each key is written once, with the value the converter's last write
     leaves (TextModel, then Gemma3Model, then Gemma4Model `set_gguf_parameters`). No tokenizer:
-    the converter's is `tokenizer.ggml.model` "gemma4", which luceio does not read (ids only).
+    the converter's `tokenizer.ggml.model` "gemma4" vocabulary is tested on its own
+    (tests/test_gguf_tokenizer_gemma4.py).
     `qtype`: a GGMLQuantizationType for the 2-D tensors whose rows it divides (as
     llama-quantize would leave the others)."""
     from safetensors.torch import load_file

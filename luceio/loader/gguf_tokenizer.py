@@ -1,7 +1,7 @@
 """A GGUF file's vocabulary (`tokenizer.ggml.*` metadata) as a `tokenizers.Tokenizer`:
 GPT-2-style byte-level BPE with the split its merges were learned with, or SentencePiece-style
-BPE, plus its special tokens and post-processor, and the tokenizer config (chat template,
-named special tokens, BOS/EOS flags)."""
+BPE (`llama`, and Gemma 4's `gemma4`), plus its special tokens and post-processor, and the
+tokenizer config (chat template, named special tokens, BOS/EOS flags)."""
 from __future__ import annotations
 
 import logging
@@ -43,6 +43,11 @@ def gguf_tokenizer(meta: dict):
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    if kind == "gemma4":
+        # llama.cpp adds BOS to every Gemma 4 file, whatever its flag says (ggml-org/llama.cpp
+        # #21500; converters before it wrote False): its base models need it. A chat prompt,
+        # whose template writes `<bos>` itself, is encoded without special tokens.
+        add_bos = True
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     named = {}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
@@ -54,7 +59,13 @@ def gguf_tokenizer(meta: dict):
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(meta)
     elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(meta)
+        tokenizer = _sentencepiece_bpe(meta, meta.get("tokenizer.ggml.add_space_prefix", True))
+    elif kind == "gemma4":
+        # Gemma 4's tokenizer.json, as llama.cpp's converter writes it (`Gemma4Model.set_vocab`:
+        # its vocabulary, `<0xNN>` byte tokens, and merges): BPE with byte fallback over the text
+        # with spaces as "▁", no dummy prefix, no split (transformers' `GemmaTokenizer`). llama.cpp
+        # splits newline runs off first, and keeps one whole where the vocabulary has it.
+        tokenizer = _sentencepiece_bpe(meta, space_prefix=False)
     else:
         logger.warning("GGUF tokenizer model %r is not supported; serving token ids only", kind)
         return None, config
@@ -95,33 +106,42 @@ def _byte_level_bpe(meta: dict):
     return tokenizer
 
 
-def _sentencepiece_bpe(meta: dict):
-    """A SentencePiece BPE vocabulary (Llama 1/2, Mistral, Phi-3): `▁` for spaces, byte fallback,
-    merges from the file or, when it has none, ranked by the pieces' scores. Like SentencePiece
-    and llama.cpp, and unlike `Metaspace`, the dummy prefix is added even before a leading space
-    (" hi" -> "▁▁hi"), and again after each special token."""
+def _sentencepiece_bpe(meta: dict, space_prefix: bool):
+    """A SentencePiece BPE vocabulary (Llama 1/2, Mistral, Phi-3, Gemma 4): `▁` for spaces, byte
+    fallback, merges from the file or, when it has none, ranked by the pieces' scores. With
+    `space_prefix`, like SentencePiece and llama.cpp, and unlike `Metaspace`, the dummy prefix is
+    added even before a leading space (" hi" -> "▁▁hi"), and again after each special token."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = {token: index for index, token in enumerate(tokens)}
     if meta.get("tokenizer.ggml.merges"):
-        merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
+        merges = _file_merges(meta["tokenizer.ggml.merges"], vocab)
     else:
         merges = _merges_from_scores(vocab, dict(zip(tokens, meta["tokenizer.ggml.scores"])))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=True,
                                      byte_fallback=True,
                                      unk_token=tokens[unk_id] if unk_id is not None else None))
-    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
     steps = [normalizers.Replace(" ", "▁")]
-    if add_prefix:
+    if space_prefix:
         steps.insert(0, normalizers.Prepend("▁"))
     tokenizer.normalizer = normalizers.Sequence(steps)
     decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
+    if space_prefix:
         decode.append(decoders.Strip(content=" ", left=1))
     tokenizer.decoder = decoders.Sequence(decode)
     return tokenizer
+
+
+def _file_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The file's "left right" merges as pairs. gguf's `SpecialVocab` writes a space inside a
+    piece as "Ġ" (U+0120), so that the pair splits on its one space: a piece the vocabulary does
+    not have that way gets its spaces back."""
+    def piece(text: str) -> str:
+        return text if text in vocab or "Ġ" not in text else text.replace("Ġ", " ")
+
+    return [tuple(piece(part) for part in merge.split(" ")) for merge in merges]
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
