@@ -163,7 +163,11 @@ def test_split_attention_equals_one_thread(splits, window, io_dtype):
             decode_cpu.decode_attention(*args)
         outs.append(out)
         caches.append(cache)
-    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], kv)
+    # the same `_rope_write` writes both caches, but numba compiles it into each caller with
+    # fastmath (the norm's sum may be reassociated differently): one full-suite run in session
+    # 17 saw fp32 writes differ in the last bits, so written KV is compared to fp32 rounding
+    assert not torch.equal(caches[0], kv)
+    torch.testing.assert_close(caches[1], caches[0], rtol=1e-6, atol=1e-6)
     if io_dtype == torch.float32:
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     else:
