@@ -20,8 +20,13 @@ bench/spec_tree.py --draft ...`; chains of k it did not measure: its k = 4 accep
 per-draft probability) times `plain_step_ms` over `spec_step_ms`. Random weights make the
 drafts wrong here: only the times are measured.
 
+With `--profile`, torch.profiler (CUPTI) also records, per call, the kernels, the GPU's busy
+time and the wall time of: the draft model's k = 4 chain proposal, a tree proposal at each
+budget (levels on the device, and on the host), and whole engine steps (plain, chain k = 4,
+tree): where a tree step's time goes (`profiles` in the JSON).
+
     python bench/draft_cost.py [--out bench/results/h200] [--repeats 20]
-                               [--tree-budgets 8,16,22] [--tree-levels 8]
+                               [--tree-budgets 8,16,22] [--tree-levels 8] [--profile]
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info  # noqa: E402
 from decode_gguf import random_model  # noqa: E402
 from gpu_bench import make_engine  # noqa: E402
+from step_profile import _busy_us  # noqa: E402
 
 from luceio import SamplingParams  # noqa: E402
 from luceio.spec import _draft_proposer  # noqa: E402
@@ -72,6 +78,32 @@ def timed(fn, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
+
+
+def profiled(fn, calls: int) -> dict:
+    """Kernels, GPU busy time and wall time per call of `fn` (after one warm call)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]
+    busy = _busy_us([(e.time_range.start, e.time_range.end) for e in gpu])
+    return {"calls": calls, "wall_us": round(wall * 1e6 / calls, 1),
+            "gpu_busy_us": round(busy / calls, 1),
+            "kernels": round(len(kernels) / calls, 1),
+            "copies": round((len(gpu) - len(kernels)) / calls, 1),
+            "top_kernels": [(n[:80], round(len(v) / calls, 1), round(sum(v) / calls, 1))
+                            for n, v in top]}
 
 
 def tokens_per_verify(k: int, measured: dict) -> float:
@@ -121,7 +153,9 @@ def main() -> None:
     ap.add_argument("--acceptance", default=ACCEPTANCE_JSON)
     ap.add_argument("--tree-budgets", default="8,16,22")
     ap.add_argument("--tree-levels", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="profile proposals and steps")
     a = ap.parse_args()
+    profiles: dict = {}
     measured = measured_acceptance(a.acceptance)
     eng, spec, pin, req = build()
 
@@ -143,7 +177,17 @@ def main() -> None:
                "projected_speedup": round(tpv * plain / s, 2)}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    del eng, spec
+    if a.profile:
+        try:
+            profiles["chain_k4_propose"] = profiled(lambda: propose(4), 10)
+            for name, mode, k in (("plain_step", None, 0), ("chain_k4_step", "chain", 4)):
+                pin["mode"], pin["k"] = mode, k
+                profiles[name] = profiled(eng.step, 10)
+        except Exception as e:  # noqa: BLE001 - the timings above still count
+            profiles["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(json.dumps({n: {f: v for f, v in p.items() if f != "top_kernels"}
+                          if isinstance(p, dict) else p for n, p in profiles.items()}), flush=True)
+    eng = spec = None  # the chain engine freed before the trees
     trees = []
     for budget in (int(b) for b in a.tree_budgets.split(",") if b):
         if ("tree", budget) not in measured:
@@ -166,6 +210,22 @@ def main() -> None:
                 proposer.tree_graph = graph
                 row.update(host_levels_spec_step_ms=round(h, 3),
                            host_levels_projected_speedup=round(tpv * t_plain / h, 2))
+            if a.profile:
+                t_req = t_eng.scheduler.running[0]
+
+                def tree_propose():
+                    return proposer.propose_trees([ProposalInput(
+                        list(t_req.all_token_ids), a.tree_levels, t_req)])
+                t_pin["mode"], t_pin["k"] = "tree", a.tree_levels
+                got = {f"tree{budget}_propose": profiled(tree_propose, 10),
+                       f"tree{budget}_step": profiled(t_eng.step, 10)}
+                if proposer.tree_graph is not None:
+                    graph, proposer.tree_graph = proposer.tree_graph, None
+                    got[f"tree{budget}_propose_host_levels"] = profiled(tree_propose, 5)
+                    proposer.tree_graph = graph
+                print(json.dumps({n: {f: v for f, v in p.items() if f != "top_kernels"}
+                                  for n, p in got.items()}), flush=True)
+                profiles.update(got)
             chain = next((r for r in rows if r["k"] == 4), None)
             if chain is not None:  # the issue's goal: a tree >= 1.3x the k = 4 chain
                 row["vs_chain_k4"] = round(row["projected_speedup"] / chain["projected_speedup"], 2)
@@ -179,7 +239,7 @@ def main() -> None:
                "draft": "qwen2.5-0.5b shape, random Q4_K_M", "batch": 1, "prompt_tokens": 512,
                "acceptance_source": os.path.relpath(a.acceptance, os.path.dirname(__file__)),
                "measured_tokens_per_verify": {f"{m} {n}": v for (m, n), v in measured.items()},
-               "rows": rows, "trees": trees, "best": best}
+               "rows": rows, "trees": trees, "best": best, "profiles": profiles}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "draft_cost.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -18,6 +18,8 @@ written once per shape as an HF folder (in /dev/shm when it has room). Writes
 
     python bench/stages_bench.py [--quick] [--shapes qwen2.5-coder-1.5b,llama-3.1-8b]
         [--types bf16[,int4]] [--configs one_gpu_graphs,...] [--out bench/results/h200x2]
+    python bench/stages_bench.py --one-gpu --configs one_gpu_graphs,one_gpu_eager,host,host_mb2
+        --out bench/results/h200   # one GPU: both stages on cuda:0 (host transport only)
     python bench/stages_bench.py --device cpu --shapes tiny   # a dry run of the harness
 """
 from __future__ import annotations
@@ -110,7 +112,7 @@ def engine_options(config: str, shape: str, a) -> dict | None:
     """EngineArgs fields of a configuration, or None where it does not apply."""
     cpu = a.device == "cpu"
     one = "cpu" if cpu else "cuda:0"
-    two = "cpu,cpu" if cpu else "cuda:0,cuda:1"
+    two = "cpu,cpu" if cpu else "cuda:0,cuda:0" if a.one_gpu else "cuda:0,cuda:1"
     kv = dict(kv_cache_memory=int(a.kv_gib * 2**30))
     if config == "one_gpu_graphs":
         return None if cpu else dict(device=one, **kv)
@@ -118,12 +120,12 @@ def engine_options(config: str, shape: str, a) -> dict | None:
     if config == "one_gpu_eager":
         return dict(device=one, enforce_eager=True, **kv, **threads)
     if config in ("nccl", "host", "nccl_mb2", "host_mb2"):
-        if cpu and config.startswith("nccl"):
-            return None
+        if (cpu or a.one_gpu) and config.startswith("nccl"):
+            return None  # NCCL needs a GPU per stage
         return dict(devices=two, stage_transport=config.split("_")[0], **kv, **threads,
                     **({"stage_micro_batches": 2} if config.endswith("_mb2") else {}))
     if config == "capped":
-        if cpu or shape != "llama-3.1-8b":
+        if cpu or a.one_gpu or shape != "llama-3.1-8b":
             return None
         total = torch.cuda.get_device_properties(0).total_memory
         return dict(devices=two, gpu_memory_utilization=round(
@@ -164,7 +166,7 @@ def main(a) -> None:
         results["gpus"] = [{"name": torch.cuda.get_device_name(i), "total_bytes":
                             torch.cuda.get_device_properties(i).total_memory}
                            for i in range(torch.cuda.device_count())]
-    path = os.path.join(a.out, "stages_bench.json")
+    path = os.path.join(a.out, "stages_bench_one_gpu.json" if a.one_gpu else "stages_bench.json")
     for shape in a.shapes.split(","):
         nbytes = weight_bytes(shape)
         t = time.perf_counter()
@@ -277,6 +279,9 @@ def parse_args(argv=None):
     p.add_argument("--limit-s", type=float, default=150, help="per configuration")
     p.add_argument("--budget-s", type=float, default=450, help="the whole run")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--one-gpu", action="store_true",
+                   help="both stages on cuda:0 (two processes, host transport): a batch-1 step "
+                        "is the same serial sum of stages and transfers as on two GPUs")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "h200x2"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -114,6 +114,11 @@ def plan_stages(args, num_layers: int) -> StagePlan | None:
     if args.stage_transport == "nccl" and any(torch.device(d).type != "cuda" for d in devices):
         raise ValueError(f"--stage-transport nccl needs every stage on a CUDA device; --devices "
                          f"{args.devices} has another: pass --stage-transport host (or auto)")
+    if (args.stage_transport == "nccl" and args.world_size is None
+            and len({torch.device(d).index or 0 for d in devices}) < len(devices)):
+        raise ValueError(f"--stage-transport nccl needs every stage on a CUDA device of its own "
+                         f"(two ranks on one GPU cannot join one NCCL group); --devices "
+                         f"{args.devices} repeats one: pass --stage-transport host (or auto)")
     return StagePlan(devices, layer_ranges(args.layer_split, len(devices), num_layers),
                      args.dist_init or f"tcp://127.0.0.1:{free_port()}",
                      spawn=args.world_size is None, transport=args.stage_transport)

@@ -1,7 +1,10 @@
-"""Pipeline stages on two GPUs (cuda:0, cuda:1): two stages joined by NCCL (what auto chooses)
-and by the forced host path give greedy output token for token equal to one process on cuda:0
-(fp32, chunked prefill, preemption and an abort; the staged runs are eager, so the reference is
-too: the same kernels); a stage killed on the NCCL path fails the next step at once."""
+"""Pipeline stages on GPUs. Two GPUs (cuda:0, cuda:1): two stages joined by NCCL (what auto
+chooses) and by the forced host path give greedy output token for token equal to one process on
+cuda:0 (fp32, chunked prefill, preemption and an abort; the staged runs are eager, so the
+reference is too: the same kernels); a stage killed on the NCCL path fails the next step at
+once. One GPU (cuda:0 twice: two processes, one GPU; auto takes the host path, as two ranks on
+one GPU cannot join one NCCL group): the same equality, with micro-batches too, and a killed
+stage on the host path."""
 import pytest
 import torch
 
@@ -10,8 +13,8 @@ from luceio import LLM, SamplingParams
 from test_stages import (GREEDY, killed_stage_fails_at_once, no_stage_left, prompts,
                          run_with_abort, stage_kwargs)
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 SCHED = dict(max_num_batched_tokens=32, num_kv_blocks=12)  # chunked prefill and preemption
 
@@ -26,6 +29,7 @@ def one_gpu(tiny_llama):
     return out
 
 
+@two_gpus
 @pytest.mark.parametrize("transport, chosen", [("auto", "nccl"), ("nccl", "nccl"),
                                                ("host", "host")])
 def test_two_gpu_stages_equal_one_gpu(tiny_llama, one_gpu, transport, chosen):
@@ -44,6 +48,35 @@ def test_two_gpu_stages_equal_one_gpu(tiny_llama, one_gpu, transport, chosen):
     assert no_stage_left()
 
 
+@two_gpus
 def test_a_killed_stage_fails_the_nccl_step_at_once(tiny_llama):
     killed_stage_fails_at_once(LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:1",
                                                               stage_transport="nccl")))
+
+
+@pytest.mark.parametrize("transport, micro", [("auto", 1), ("host", 1), ("host", 2)])
+def test_two_stages_on_one_gpu_equal_one_process(tiny_llama, one_gpu, transport, micro):
+    llm = LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:0", stage_transport=transport,
+                                         stage_micro_batches=micro, **SCHED))
+    try:
+        eng = llm.engine
+        assert eng.stages.transport == "host"
+        got = run_with_abort(llm, prompts(6), SamplingParams(max_tokens=20, **GREEDY))
+        assert got == one_gpu
+        assert eng.scheduler.num_preemptions > 0
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+        assert eng.runner.kv_pool.device == torch.device("cuda:0")
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
+def test_nccl_on_one_gpu_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="CUDA device of its own .* repeats one"):
+        LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:0", stage_transport="nccl"))
+    assert no_stage_left()
+
+
+def test_a_killed_stage_fails_the_host_step_on_a_gpu_at_once(tiny_llama):
+    killed_stage_fails_at_once(LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:0",
+                                                              stage_transport="host")))
