@@ -5,6 +5,7 @@ scheduling as the engine defaults), after the same steps timed without the profi
     python bench/host_profile.py [--shape qwen2.5-0.5b] [--types bf16,Q4_K_M] [--context 512]
                                  [--steps 200] [--batch 1] [--out bench/results/h200]
 
+`--eager`: without CUDA graphs (every kernel launched from Python each step).
 `--batch N`: N requests decode together (the step's host work grows with it: scheduling,
 batch building, output processing).
 
@@ -87,14 +88,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--json-name", default="host_profile.json")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (--enforce-eager)")
     a = ap.parse_args()
     results = {"env": env_info(), "shape": a.shape, "context": a.context, "batch": a.batch,
-               "rows": []}
+               "eager": a.eager, "rows": []}
     os.makedirs(a.out, exist_ok=True)
     for kind in a.types.split(","):
         model = random_model(a.shape, kind, a.context + 2048)
         eng = make_engine(model, a.context + 1024, kv_gib=2 if a.batch <= 8 else 8,
-                          max_num_seqs=max(8, a.batch))
+                          max_num_seqs=max(8, a.batch), enforce_eager=a.eager)
         row = {"type": kind, **profile(eng, a.context, a.steps, a.batch)}
         results["rows"].append(row)
         print(json.dumps({k: row[k] for k in ("type", "step_us", "profiled_step_us")}), flush=True)

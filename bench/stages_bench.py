@@ -294,7 +294,7 @@ if __name__ == "__main__":
     a = parse_args()
     if a.child is not None:
         child(json.loads(a.child))
-    elif a.device == "cuda" and torch.cuda.device_count() < 2:
-        sys.exit(f"stages_bench: needs two GPUs; PyTorch sees {torch.cuda.device_count()}")
+    elif a.device == "cuda" and torch.cuda.device_count() < (1 if a.one_gpu else 2):
+        sys.exit(f"stages_bench: needs two GPUs (or --one-gpu); PyTorch sees {torch.cuda.device_count()}")
     else:
         main(a)

@@ -162,21 +162,24 @@ def test_qkv_rope_cache_equals_the_sequence(gen, dtype, head_dim, heads, kv_head
         assert torch.equal(q, q_ref) and torch.equal(kc, kc_ref), f"seed {gen.seed_value}"
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("layouts", [(True,), (False,), (False, True)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_producers_also_write_the_gemv_input(gen, layouts, dtype):
+def test_producers_also_write_the_gemv_input(gen, layouts, dtype, rows):
     """`rms_norm` and `silu_and_mul` given `xqs` write the same output as without, and the
-    int8 forms `quantize_x` makes of that output (both layouts, bit for bit)."""
+    int8 forms `quantize_x` makes of that output's rows flattened (what one GEMV launch over
+    the rows reads; both layouts, bit for bit)."""
     from luceio.kernels.elementwise_triton import xq_layouts
     from luceio.kernels.quant_x import quantize_x
     n, d = 224, 1088  # 7 groups (one norm program, masked tail); 34 groups over two programs
-    x, r, w = rnd(gen, 1, n, dtype=dtype), rnd(gen, 1, n, dtype=dtype), rnd(gen, n, dtype=dtype)
-    gu = rnd(gen, 1, 2 * d, dtype=dtype)
-    xqs = xq_layouts(layouts, 1, n, DEVICE)
+    x, r = rnd(gen, rows, n, dtype=dtype), rnd(gen, rows, n, dtype=dtype)
+    w = rnd(gen, n, dtype=dtype)
+    gu = rnd(gen, rows, 2 * d, dtype=dtype)
+    xqs = xq_layouts(layouts, rows, n, DEVICE)
     out, res = triton_ops.rms_norm(x, w, 1e-6, r, xqs=xqs)
     plain, plain_res = triton_ops.rms_norm(x, w, 1e-6, r)
     assert torch.equal(out, plain) and torch.equal(res, plain_res)
-    act_xqs = xq_layouts(layouts, 1, d, DEVICE)
+    act_xqs = xq_layouts(layouts, rows, d, DEVICE)
     act = triton_ops.silu_and_mul(gu, xqs=act_xqs)
     assert torch.equal(act, triton_ops.silu_and_mul(gu))
     for y, made in ((out, xqs), (act, act_xqs)):
@@ -184,8 +187,8 @@ def test_producers_also_write_the_gemv_input(gen, layouts, dtype):
         for planes, got in made.items():
             want = quantize_x(y.reshape(-1), planes=planes)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (planes, gen.seed_value)
-    with pytest.raises(ValueError, match="one row"):
-        xq_layouts((True,), 2, n, DEVICE)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        xq_layouts((True,), rows, n + 16, DEVICE)
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -84,10 +84,11 @@ def test_gguf_refuses_requantization(tmp_path):
 
 @pytest.mark.parametrize("heads", [4, 2])
 def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
-    """On the Triton kernels (interpreted here), the norms, SiLU and (head_dim 32: heads=2) the
-    decode attention writing the one-row GEMV's int8 input themselves (`Linear.int8_input`)
-    give the same logits, bit for bit, as the GEMV quantizing it in its own launch: the decode
-    steps of a mixed-type GGUF (a q4_0 + q8_0 fused QKV, so both int8 layouts) produce
+    """On the Triton kernels (interpreted here), the norms, SiLU and (head_dim 32: heads=2, one
+    row) the decode attention writing the quantized GEMV's int8 input themselves
+    (`Linear.int8_input`) give the same logits, bit for bit, as the GEMV quantizing it in its
+    own launch: the decode steps of a mixed-type GGUF (a q4_0 + q8_0 fused QKV, so both int8
+    layouts), two requests decoding together (two-row steps) and then one alone, produce
     identical greedy tokens and log-probabilities."""
     import luceio.kernels as K
     from luceio.kernels import triton_ops
@@ -98,17 +99,28 @@ def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
     made, attention_xqs = [], []
     buffers, attention = K.gemv_input_buffers, triton_ops.paged_attention
-    monkeypatch.setattr(K, "gemv_input_buffers", lambda *a: made.append(buffers(*a)) or made[-1])
+    made_rows = set()  # the rows of the inputs whose producers quantized them
+
+    def recorded(*a):
+        made.append(buffers(*a))
+        if made[-1]:
+            made_rows.add(a[1])
+        return made[-1]
+    monkeypatch.setattr(K, "gemv_input_buffers", recorded)
     monkeypatch.setattr(triton_ops, "paged_attention",
                         lambda *a, **kw: attention_xqs.append(bool(kw.get("xqs"))) or
                         attention(*a, **kw))
+    prompts = [{"prompt_token_ids": PROMPT[:9]}, {"prompt_token_ids": PROMPT[2:9]}]
+    both = [params, SamplingParams(max_tokens=2, temperature=0, logprobs=3, ignore_eos=True)]
     llm = LLM(str(path), quantization="auto", **engine_kwargs(max_model_len=128))
-    fused = llm.generate([{"prompt_token_ids": PROMPT[:9]}], params)[0].outputs[0]
+    fused = [o.outputs[0] for o in llm.generate(prompts, both)]
     assert any(len(m) == 2 for m in made)  # the q4_0 + q8_0 QKV asked for both layouts
+    assert made_rows == {1, 2}, made_rows  # two-row decode steps, then one-row ones
     assert any(attention_xqs) == (heads == 2)  # head_dim 16 is no whole 32-group
     monkeypatch.setattr(K, "gemv_input_buffers", lambda *a: {})
     llm = LLM(str(path), quantization="auto", **engine_kwargs(max_model_len=128))
-    plain = llm.generate([{"prompt_token_ids": PROMPT[:9]}], params)[0].outputs[0]
-    assert fused.token_ids == plain.token_ids
-    assert [{t: lp.logprob for t, lp in d.items()} for d in fused.logprobs] == \
-        [{t: lp.logprob for t, lp in d.items()} for d in plain.logprobs]
+    plain = [o.outputs[0] for o in llm.generate(prompts, both)]
+    for f, p in zip(fused, plain):
+        assert f.token_ids == p.token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in f.logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in p.logprobs]

@@ -85,7 +85,7 @@ def prepare_weight(w, act_dtype: torch.dtype):
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
            xqs: dict | None = None) -> torch.Tensor:
     """y = x @ W^T + bias for a dense weight, a QuantWeight or a CPU-packed weight. `xqs`: x
-    already quantized for the one-row GEMV (`gemv_input_buffers`), filled by x's producer."""
+    already quantized for the quantized GEMV (`gemv_input_buffers`), filled by x's producer."""
     if isinstance(w, torch.Tensor):
         if use_triton(x):
             from .dense_gemv import applies, dense_gemv
@@ -220,15 +220,21 @@ def linear_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
 
 
 def gemv_input_buffers(parts: list, rows: int, k: int, device: torch.device) -> dict:
-    """Empty buffers for the int8 forms of a [rows, K] input that the one-row quantized GEMV
-    of `parts` reads (`quant_x.quantize_x`: True = two planes, False = q8_0's group order),
-    when that GEMV is what will run (one row, quantized parts, Triton); else {}. The kernel
+    """Empty buffers for the int8 forms of a [rows, K] input that the quantized GEMV of
+    `parts` reads (`quant_x.quantize_x` of the rows flattened: True = two planes, False =
+    q8_0's group order), when that GEMV is what will run and takes all the rows in one launch
+    (quantized parts, Triton, rows <= gemv_max_m and gemv_rows_per_launch); else {}. The kernel
     that produces the input (`rms_norm`, `silu_and_mul` with `xqs=`) fills them in the same
     launch, which saves the GEMV's own quantizing launch."""
     from .quant import QuantWeight
-    if rows != 1 or not parts or k % 32 or not use_triton(torch.device(device)) or \
+    if rows < 1 or not parts or k % 32 or not use_triton(torch.device(device)) or \
             not all(isinstance(p, QuantWeight) for p in parts):
         return {}
+    if rows > 1:
+        from .configs import get_config
+        cfg = get_config(torch.device(device))
+        if rows > min(cfg.gemv_max_m, cfg.skinny_max_m, 16, max(1, cfg.gemv_rows_per_launch)):
+            return {}
     from .elementwise_triton import xq_layouts
     return xq_layouts(sorted({p.qtype != "q8_0" for p in parts}), rows, k, device)
 

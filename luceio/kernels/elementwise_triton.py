@@ -20,7 +20,7 @@ def _warps(block: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
-                     xq0, xs0, xsum0, xq1, xs1, xsum1,
+                     xq0, xs0, xsum0, xq1, xs1, xsum1, kg_all,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
                      XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
                      PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
@@ -47,14 +47,16 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         o = (w * y).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * s_o + offs, o, mask=mask)
-    emit_xq(o.to(tl.float32), 0, N // 32, N // 32, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK,
-            XQ_PLANES, XQ_GROUPS)
+    # row t's groups of the rows' int8 forms: t * N / 32 .. of kg_all (quantize_x's layout of
+    # the rows flattened)
+    emit_xq(o.to(tl.float32), t * (N // 32), (t + 1) * (N // 32), kg_all, xq0, xs0, xsum0,
+            xq1, xs1, xsum1, BLOCK, XQ_PLANES, XQ_GROUPS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, xqs: dict | None = None):
     """Same contract as `rms_norm_ref`: `out`, or `(out, x + residual)` with a residual.
-    Inputs are not modified. `xqs` (from `xq_layouts`, one row only): filled with `out`
+    Inputs are not modified. `xqs` (from `xq_layouts`, for x's rows): filled with `out`
     quantized for the GEMV that reads it, in the same launch."""
     return _norm(x, weight, eps, residual, xqs or {})
 
@@ -93,7 +95,7 @@ def _norm(x, weight, eps, residual, xqs: dict, gemma_offset: float | None = None
             if gemma else {}
         _rms_norm_kernel[(rows,)](x2, r2, w, out, res_out, float(eps),
                                   x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-                                  *xq_args(xqs, out), N=n, BLOCK=block,
+                                  *xq_args(xqs, out), rows * (n // 32), N=n, BLOCK=block,
                                   HAS_RES=residual is not None, num_warps=_warps(block),
                                   **xq_flags(xqs), **mode,
                                   **pdl_kwargs(x.device, get_config(x.device), rows))
@@ -103,13 +105,15 @@ def _norm(x, weight, eps, residual, xqs: dict, gemma_offset: float | None = None
 
 def xq_layouts(layouts, rows: int, n: int, device) -> dict:
     """The int8 forms (`quant_x.quantize_x` layouts: True = two planes, False = group
-    order) that a one-row output is also written in, as empty buffers for the kernel to fill."""
+    order) that a [rows, n] output is also written in, as empty buffers for the kernel to
+    fill: the forms `quantize_x` makes of the rows flattened, which one GEMV launch over all
+    the rows reads."""
     if not layouts:
         return {}
-    if rows != 1 or n % 32:
-        raise ValueError(f"a quantized GEMV input is one row of a multiple of 32 elements, "
+    if rows < 1 or n % 32:
+        raise ValueError(f"a quantized GEMV input is rows of a multiple of 32 elements, "
                          f"got [{rows}, {n}]")
-    return {planes: xq_buffers(n, device) for planes in layouts}
+    return {planes: xq_buffers(rows * n, device) for planes in layouts}
 
 
 @triton.jit
@@ -122,7 +126,7 @@ def silu_mul(g, u, out_ptr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1,
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1, kg_all,
                          D: tl.constexpr, BLOCK: tl.constexpr,
                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
                          PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
@@ -134,8 +138,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xs
     u = tl.load(x_ptr + t * s_x + D + offs, mask=mask, other=0.0).to(tl.float32)
     o = silu_mul(g, u, out_ptr)
     tl.store(out_ptr + t * s_o + offs, o, mask=mask)
-    emit_xq(o.to(tl.float32), tl.program_id(1) * (BLOCK // 32), D // 32, D // 32,
-            xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK, XQ_PLANES, XQ_GROUPS)
+    emit_xq(o.to(tl.float32), t * (D // 32) + tl.program_id(1) * (BLOCK // 32),
+            (t + 1) * (D // 32), kg_all, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK,
+            XQ_PLANES, XQ_GROUPS)
 
 
 def silu_and_mul(x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
@@ -149,7 +154,8 @@ def silu_and_mul(x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
     if x2.shape[0] and d:
         block = max(32, min(1024, triton.next_power_of_2(d)))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), *xq_args(xqs, out), D=d, BLOCK=block,
+            x2, out, x2.stride(0), out.stride(0), *xq_args(xqs, out), x2.shape[0] * (d // 32),
+            D=d, BLOCK=block,
             num_warps=_warps(block), **xq_flags(xqs),
             **pdl_kwargs(x.device, get_config(x.device), x2.shape[0] * triton.cdiv(d, block)))
     return out.view(*x.shape[:-1], d)

@@ -329,7 +329,7 @@ def prepare_launch(weights: tuple, strides: tuple, qtype: str, n: int, k: int, n
 def x_forms(x_r, qtype: str, num_m: int, r0: int, rows: int, xqs: dict | None):
     """x rows r0 .. r0 + rows quantized for `qtype` (shared through `xqs`, see `gemv`)."""
     planes = qtype != "q8_0"
-    key = planes if num_m == 1 else (planes, r0, rows)  # one row: what producers fill
+    key = planes if rows == num_m else (planes, r0, rows)  # all rows: what producers fill
     if xqs is not None and key in xqs:
         return xqs[key]
     forms = quantize_x(x_r.reshape(-1), planes=planes)

@@ -340,7 +340,7 @@ def quant_matmul_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | No
                         ) -> torch.Tensor:
     """x [..., K] (at most 16 rows; fp16, bf16 or fp32) @ w^T + bias -> [..., N] in x's dtype,
     into `out` when given (a [..., N] tensor with a contiguous last dim). `xqs`: x's int8 forms
-    when its producer made them (one row; see `kernels.gemv_input_buffers`)."""
+    when its producer made them (see `kernels.gemv_input_buffers`)."""
     n, k = w.shape
     weights, strides = _weight_args(w)
     return _skinny(x, weights, strides, w.qtype, n, k, bias, out, xqs)

@@ -96,7 +96,7 @@ class Linear(nn.Module):
 
     # forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
-        """`xqs`: x's int8 forms for the one-row GEMV, made by x's producer (`int8_input`)."""
+        """`xqs`: x's int8 forms for the quantized GEMV, made by x's producer (`int8_input`)."""
         if not self.parts:
             return kernels.linear(x, self.weight, self.bias)
         if len(self.parts) == 1:
@@ -119,7 +119,7 @@ class Linear(nn.Module):
         return self.silu_and_mul_forward(x) if glu else self(x), residual
 
     def int8_input(self, rows: int, device: torch.device) -> dict:
-        """Buffers for the int8 forms of a [rows, in_features] input that this layer's one-row
+        """Buffers for the int8 forms of a [rows, in_features] input that this layer's
         quantized GEMV reads, for the kernel producing that input to fill; {} when no such
         GEMV runs (see `kernels.gemv_input_buffers`)."""
         return kernels.gemv_input_buffers(self.parts, rows, self.in_features, device)

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         if probe is not None:  # speculative prefill reads the attention of the last window
             probe(q, k_cache, meta, self.scale)
         o_xqs = self.o_proj.int8_input(n, q.device) \
-            if self.attn_quantizes_o_input and meta.max_query_len == 1 else {}
+            if self.attn_quantizes_o_input and meta.max_query_len == 1 and n == 1 else {}
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len,
                                     self.scale, tree_mask=meta.tree_mask,
@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None):
-        # at one row on quantized weights the norms also write their output in int8 for the
+        # at a few rows on quantized weights the norms also write their output in int8 for the
         # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch; on dense
         # weights each norm is done in the loads of the projection after it, and RoPE and
         # the KV write in the QKV projection's epilogue (kernels.rms_norm_linear,

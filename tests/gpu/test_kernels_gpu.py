@@ -199,24 +199,26 @@ def test_qkv_rope_cache(seed, dtype, heads, kv_heads, norm):
     assert torch.equal(vc, vc_ref), f"v cache (seed {seed})"
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_producers_write_the_gemv_input(seed, dtype):
-    """rms_norm and silu_and_mul with `xqs` (one row): their output unchanged, and its int8
-    forms equal to what the GEMV's own quantizing launch makes of it, bit for bit."""
+def test_producers_write_the_gemv_input(seed, dtype, rows):
+    """rms_norm and silu_and_mul with `xqs` (one row, and several: a tree level's or a small
+    batch's): their output unchanged, and its int8 forms equal to what the GEMV's own
+    quantizing launch makes of the rows, bit for bit."""
     from luceio.kernels.elementwise_triton import xq_layouts
     from luceio.kernels.quant_x import quantize_x
     for n in (896, 3584, 5120):
-        x, r = (torch.randn(1, n, device=DEV).to(dtype) for _ in range(2))
+        x, r = (torch.randn(rows, n, device=DEV).to(dtype) for _ in range(2))
         w = torch.randn(n, device=DEV).to(dtype)
-        xqs = xq_layouts((False, True), 1, n, DEV)
+        xqs = xq_layouts((False, True), rows, n, DEV)
         out, _ = triton_ops.rms_norm(x, w, 1e-6, r, xqs=xqs)
         assert torch.equal(out, triton_ops.rms_norm(x, w, 1e-6, r)[0])
         for planes, got in xqs.items():
             want = quantize_x(out.reshape(-1), planes=planes)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (n, planes, seed)
     for d in (4864, 18944):
-        gu = torch.randn(1, 2 * d, device=DEV).to(dtype)
-        xqs = xq_layouts((True,), 1, d, DEV)
+        gu = torch.randn(rows, 2 * d, device=DEV).to(dtype)
+        xqs = xq_layouts((True,), rows, d, DEV)
         act = triton_ops.silu_and_mul(gu, xqs=xqs)
         want = quantize_x(act.reshape(-1), planes=True)
         assert all(torch.equal(a, b) for a, b in zip(xqs[True], want)), (d, seed)
