@@ -2,11 +2,13 @@
 (a 512-token prompt) and the aggregate decode tok/s of 64 concurrent requests, for
   one_gpu_graphs   one GPU, CUDA graphs (the normal engine)
   one_gpu_eager    one GPU, eager (staged runs are eager: this separates the graphs' share)
-  nccl             two stages, cuda:0 + cuda:1, hidden states over NCCL
+  nccl             two stages, cuda:0 + cuda:1, hidden states over NCCL (decode steps replay
+                   each stage's CUDA graphs, stages/graphs.py)
   host             two stages, the same, hidden states host-staged over Gloo
+  host_eager       the same without CUDA graphs (--enforce-eager)
   nccl_mb2,        the same with each step's requests cut into two micro-batches
   host_mb2         (--stage-micro-batches 2): a stage runs one while the one before computes
-                   the next
+                   the next (eager: micro-batches take no graphs)
   capped           two stages (auto transport), each GPU capped by --gpu-memory-utilization
                    below the model's weight bytes, so neither GPU alone may hold the model
                    (the 8B shape only: the smaller ones leave no room for the 1 GiB headroom)
@@ -40,7 +42,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import SHAPES, env_info, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["one_gpu_graphs", "one_gpu_eager", "nccl", "host", "nccl_mb2", "host_mb2", "capped"]
+CONFIGS = ["one_gpu_graphs", "one_gpu_eager", "nccl", "host", "nccl_mb2", "host_mb2", "capped",
+           "host_eager"]
 CAP_OF_WEIGHTS = 0.9  # capped: each GPU may use this share of the model's weight bytes
 RESULT = "RESULT "  # the child's last line: RESULT {json}
 
@@ -119,11 +122,12 @@ def engine_options(config: str, shape: str, a) -> dict | None:
     threads = {"cpu_threads": 1} if cpu else {}  # CPU: a thread per process, cores = stages
     if config == "one_gpu_eager":
         return dict(device=one, enforce_eager=True, **kv, **threads)
-    if config in ("nccl", "host", "nccl_mb2", "host_mb2"):
+    if config in ("nccl", "host", "nccl_mb2", "host_mb2", "host_eager"):
         if (cpu or a.one_gpu) and config.startswith("nccl"):
             return None  # NCCL needs a GPU per stage
         return dict(devices=two, stage_transport=config.split("_")[0], **kv, **threads,
-                    **({"stage_micro_batches": 2} if config.endswith("_mb2") else {}))
+                    **({"stage_micro_batches": 2} if config.endswith("_mb2") else {}),
+                    **({"enforce_eager": True} if config.endswith("_eager") else {}))
     if config == "capped":
         if cpu or a.one_gpu or shape != "llama-3.1-8b":
             return None
@@ -248,6 +252,7 @@ def child(spec: dict) -> None:
         out["load_s"] = round(time.perf_counter() - t, 1)
         out["num_blocks"] = engine.runner.num_blocks
         out["graphs"] = engine.runner.graphs is not None
+        out["stage_graphs"] = getattr(engine.runner, "stage_graphs", None) is not None
         if engine.stages is not None:
             out["transport"] = engine.stages.transport
             out["layer_ranges"] = [list(r) for r in engine.stages.plan.layer_ranges]

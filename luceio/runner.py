@@ -44,7 +44,8 @@ class ModelRunner:
         shrinks to what a memory-sized KV pool holds. The context used: `self.max_model_len`.
         `tree_rows`: rows of the largest tree-speculation step (its own CUDA graphs).
         `stages`: a `stages.StageGroup`: this runner holds stage 0's layers and their KV, and
-        every forward goes through the group (eager, no CPU decode path). Its pool is sized as
+        every forward goes through the group (no CPU decode path; on GPUs, decode steps replay
+        CUDA graphs of each stage's layers, `stages/graphs.py`). Its pool is sized as
         if it held every layer, and the other stages allocate as many blocks.
         `expert_offload`: --expert-memory's experts in host memory (`models/expert_offload.py`;
         the model then runs eagerly); its counters are `self.expert_offload.stats()`."""
@@ -80,9 +81,20 @@ class ModelRunner:
             self.kv_pool = None
             self.kv_caches = [zeros_pool((2, *shape[:2], heads, dim), dtype, device)
                               for heads, dim in per_layer]
-        if stages is not None:
-            stages.connect(self.model, ckpt.config, self.num_blocks, self.block_size)
         self.staging = Staging(device)
+        self.stage_graphs = None  # pipeline stages: CUDA graphs of stage 0's layers
+        if stages is not None:
+            from .stages.graphs import StageGraphs, wanted
+            graphed = wanted(device, enforce_eager, self.stateful, self.kv_caches[0],
+                             stages.micro_batches)
+            stages.connect(self.model, ckpt.config, self.num_blocks, self.block_size,
+                           dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+                           if graphed else None)
+            if graphed:
+                self.stage_graphs = StageGraphs(
+                    self.model, self.kv_caches, stages.layer_range, True, max_num_seqs,
+                    self.max_model_len, self.block_size, device, dtype, self.staging)
+                self.stage_graphs.capture()
         # host copies of KV blocks (bounded residency, swap preemption): the engine applies
         # each step's `KVMoves` here before its forward; pooled keys for the keys policy only
         self.host_store = HostKVStore(self.kv_caches, device, pool_keys=bool(
@@ -322,8 +334,11 @@ class ModelRunner:
                 elif self.stages is not None:
                     if probe is not None:
                         raise ValueError("pipeline stages cannot run a per-layer probe")
+                    graphs = self.stage_graphs
+                    layers = (lambda: graphs.run_first(h, inp.ids_from)) \
+                        if graphs is not None and graphs.fits(h) else None
                     hidden = self.stages.forward(self.model, ids, pos, self.kv_caches, meta,
-                                                 inp.prefill)
+                                                 inp.prefill, layers)
                 else:
                     hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])

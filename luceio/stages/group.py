@@ -91,11 +91,14 @@ class StageGroup:
         keep_layers(model, self.layer_range, 0)
         return model
 
-    def connect(self, model, config: dict, num_blocks: int, block_size: int) -> None:
-        """The handshake; then frees stage 0's copy of the other stages' layers."""
+    def connect(self, model, config: dict, num_blocks: int, block_size: int,
+                graphs: dict | None = None) -> None:
+        """The handshake; then frees stage 0's copy of the other stages' layers. `graphs`:
+        {max_num_seqs, max_model_len} when the stages capture CUDA graphs (`graphs.py`)."""
         dist.broadcast_object_list([{"identity": model_identity(config),
                                      "layer_ranges": self.plan.layer_ranges,
-                                     "num_blocks": num_blocks, "block_size": block_size}], src=0)
+                                     "num_blocks": num_blocks, "block_size": block_size,
+                                     "graphs": graphs}], src=0)
         statuses = [None] * self.plan.num_stages
         dist.all_gather_object(statuses, None)
         errors = [s for s in statuses if s is not None]
@@ -108,8 +111,12 @@ class StageGroup:
             f"layers {s}-{e - 1} on {d}" for d, (s, e) in zip(self.plan.devices,
                                                             self.plan.layer_ranges)))
 
-    def forward(self, model, input_ids, positions, kv_caches, meta, prefill: bool) -> torch.Tensor:
-        """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device."""
+    def forward(self, model, input_ids, positions, kv_caches, meta, prefill: bool,
+                layers=None) -> torch.Tensor:
+        """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device.
+        `layers`: a function giving stage 0's output for the whole step (its CUDA graph's
+        replay, `graphs.StageGraphs.run_first`), used in place of the eager layers when the
+        step is not cut into micro-batches."""
         if self.broken:
             raise StageError(self.broken)
         if any(p.exitcode is not None for p in self.procs):
@@ -126,7 +133,8 @@ class StageGroup:
                 # process computes the next (one part: the whole step)
                 header, ints = pack_step(pos, sub, prefill, self._moves)
                 self._moves = ([], [])
-                hidden = model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
+                hidden = layers() if layers is not None and len(parts) == 1 else \
+                    model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
                 if len(parts) > 1 and not waits:  # every result's receive posted before a send
                     waits = [self.link.post_final(last, p[1].numel(), hidden[0].shape[-1],
                                                   hidden[0].dtype) for p in parts]

@@ -131,11 +131,17 @@ def run_worker(spec: WorkerSpec) -> None:
                 error = kv_budget_error(spec.args, device, rank)
             except RuntimeError as e:  # out of memory
                 error = f"stage {rank} on {device}: no room for the KV pool: {e}"
+        graphs = None
+        if error is None and engine_plan.get("graphs") and device.type == "cuda":
+            try:
+                graphs = _capture(model, kv_caches, plan, rank, engine_plan, device, dtype)
+            except RuntimeError as e:
+                error = f"stage {rank} on {device}: CUDA graph capture failed: {e}"
         statuses = [None] * plan.num_stages
         dist.all_gather_object(statuses, error)
         if any(s is not None for s in statuses):
             sys.exit(1)
-        _serve(model, kv_caches, plan, rank, link, dtype)
+        _serve(model, kv_caches, plan, rank, link, dtype, graphs)
         healthy = True
     except SystemExit:
         raise
@@ -196,8 +202,22 @@ def _check_plan(engine_plan: dict, identity: str, own_ranges, rank: int) -> str 
     return None
 
 
+def _capture(model, kv_caches, plan: StagePlan, rank: int, engine_plan: dict,
+             device: torch.device, dtype: torch.dtype):
+    """This stage's decode graphs (`graphs.py`), for the buckets and context stage 0 gave."""
+    from ..memory import Staging
+    from .graphs import StageGraphs
+    g = engine_plan["graphs"]
+    graphs = StageGraphs(model, kv_caches, plan.layer_ranges[rank], False, g["max_num_seqs"],
+                         g["max_model_len"], engine_plan["block_size"], device, dtype,
+                         Staging(device))
+    graphs.capture()
+    return graphs
+
+
 @torch.inference_mode()
-def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torch.dtype) -> None:
+def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torch.dtype,
+           graphs=None) -> None:
     from ..runner import _prefill_rows
     from ..spec.commit import move_kv
     from .wire import send_shutdown, unpack_step
@@ -212,9 +232,12 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
         positions, meta, prefill, moves = unpack_step(msg, link.device)
         if moves is not None:  # the last tree verify's accepted KV, before anything reads it
             move_kv(kv_caches, *moves)
-        with _prefill_rows(prefill and link.device.type == "cpu"):
-            out = model(None, positions, kv_caches, meta, layer_range=layer_range,
-                        hidden=msg.hidden)
+        out = graphs.run_received(msg.header.tolist(), msg.ints, msg.hidden) \
+            if graphs is not None else None
+        if out is None:
+            with _prefill_rows(prefill and link.device.type == "cpu"):
+                out = model(None, positions, kv_caches, meta, layer_range=layer_range,
+                            hidden=msg.hidden)
         if last:
             link.send_final(out)
         else:

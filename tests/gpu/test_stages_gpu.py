@@ -20,6 +20,36 @@ SCHED = dict(max_num_batched_tokens=32, num_kv_blocks=12)  # chunked prefill and
 
 
 @pytest.fixture(scope="module")
+def one_gpu_graphs(tiny_llama):
+    """The reference of staged runs with CUDA graphs: one process on cuda:0 with graphs."""
+    llm = LLM(tiny_llama, **engine_kwargs(device="cuda:0", **SCHED))
+    assert llm.engine.runner.graphs is not None
+    out = run_with_abort(llm, prompts(6), SamplingParams(max_tokens=20, **GREEDY))
+    assert out[1][1] == "abort" and len(out[1][0]) < 20
+    return out
+
+
+def graphed_stages_equal(tiny_llama, devices, reference, **kw):
+    """Staged with CUDA graphs (stages/graphs.py): stage 0 replays its graphs for the decode
+    steps, and the output equals one GPU with graphs token for token."""
+    llm = LLM(tiny_llama, **stage_kwargs(devices, **kw, **SCHED))
+    try:
+        eng = llm.engine
+        graphs = eng.runner.stage_graphs
+        assert graphs is not None and graphs.graphs
+        replays = []
+        run_first = graphs.run_first
+        graphs.run_first = lambda *a: replays.append(1) or run_first(*a)
+        got = run_with_abort(llm, prompts(6), SamplingParams(max_tokens=20, **GREEDY))
+        assert got == reference
+        assert len(replays) > 20 and eng.scheduler.num_preemptions > 0
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+    finally:
+        llm.shutdown()
+    assert no_stage_left()
+
+
+@pytest.fixture(scope="module")
 def one_gpu(tiny_llama):
     """The reference: one process on cuda:0, eager (staged runs capture no CUDA graphs)."""
     llm = LLM(tiny_llama, **engine_kwargs(device="cuda:0", enforce_eager=True, **SCHED))
@@ -33,7 +63,8 @@ def one_gpu(tiny_llama):
 @pytest.mark.parametrize("transport, chosen", [("auto", "nccl"), ("nccl", "nccl"),
                                                ("host", "host")])
 def test_two_gpu_stages_equal_one_gpu(tiny_llama, one_gpu, transport, chosen):
-    llm = LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:1", stage_transport=transport, **SCHED))
+    llm = LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:1", stage_transport=transport,
+                                         enforce_eager=True, **SCHED))
     try:
         eng = llm.engine
         assert eng.stages.transport == chosen
@@ -57,7 +88,7 @@ def test_a_killed_stage_fails_the_nccl_step_at_once(tiny_llama):
 @pytest.mark.parametrize("transport, micro", [("auto", 1), ("host", 1), ("host", 2)])
 def test_two_stages_on_one_gpu_equal_one_process(tiny_llama, one_gpu, transport, micro):
     llm = LLM(tiny_llama, **stage_kwargs("cuda:0,cuda:0", stage_transport=transport,
-                                         stage_micro_batches=micro, **SCHED))
+                                         stage_micro_batches=micro, enforce_eager=True, **SCHED))
     try:
         eng = llm.engine
         assert eng.stages.transport == "host"
@@ -69,6 +100,15 @@ def test_two_stages_on_one_gpu_equal_one_process(tiny_llama, one_gpu, transport,
     finally:
         llm.shutdown()
     assert no_stage_left()
+
+
+def test_graphed_stages_on_one_gpu_equal_one_gpu_with_graphs(tiny_llama, one_gpu_graphs):
+    graphed_stages_equal(tiny_llama, "cuda:0,cuda:0", one_gpu_graphs)
+
+
+@two_gpus
+def test_graphed_stages_on_two_gpus_equal_one_gpu_with_graphs(tiny_llama, one_gpu_graphs):
+    graphed_stages_equal(tiny_llama, "cuda:0,cuda:1", one_gpu_graphs)
 
 
 def test_nccl_on_one_gpu_is_refused(tiny_llama):
