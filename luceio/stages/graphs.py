@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..cuda_graphs import StepGraphs, gc_paused
+from .wire import split_ints
 
 
 def wanted(device: torch.device, enforce_eager: bool, stateful: bool, kv_cache,
@@ -89,12 +90,9 @@ class StageGraphs(StepGraphs):
         bs = next((b for b in self.buckets[1, False] if b >= n), None)
         if bs is None:
             return None
-        a = ints.numpy()
-        pos, slots = a[:n], a[n:2 * n]
-        tables = a[2 * n:2 * n + n * max_blocks].reshape(n, max_blocks)
-        seq_lens = a[2 * n + n * max_blocks:2 * n + n * max_blocks + n]
-        self._fill(*self._pad(np.zeros(n, np.int64), pos, slots, tables, seq_lens,
-                              np.ones(n, np.int64), bs, 1))
+        pos, slots, tables, seq_lens, *_ = (t.numpy() for t in split_ints(header, ints))
+        self._fill(*self._pad(np.zeros(n, np.int64), pos, slots, tables.reshape(n, max_blocks),
+                              seq_lens, np.ones(n, np.int64), bs, 1))
         self.hidden[0, :n].copy_(hidden[0])
         self.hidden[1, :n].copy_(hidden[1])
         self.graphs[bs, 1, False].replay()

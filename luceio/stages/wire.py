@@ -94,14 +94,22 @@ def ints_length(header: list[int]) -> int:
     return 2 * n + num_seqs * max_blocks + 2 * num_seqs + 1 + tree * n + 2 * num_moves
 
 
+def split_ints(header: list[int], ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A step's ints (message 2) as (positions, slot_mapping, block_tables (flat), seq_lens,
+    query_start_loc, tree_mask (empty without a tree), move sources, move destinations)."""
+    _, n, num_seqs, max_blocks, _, _, _, tree, num_moves = header
+    return ints.split([n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1, tree * n,
+                       num_moves, num_moves])
+
+
 def unpack_step(msg: StepMessage, device: torch.device):
     """(positions, meta, prefill, moves) of a received step, on `device`. `prefill`: rows
     computing known tokens (the CPU's dense path, runner._prefill_rows); `moves`: (source,
     destination) KV slots to move before the step's layers, or None."""
-    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, num_moves = \
-        msg.header.tolist()
-    pos, slots, tables, seq_lens, qsl, tree_mask, src, dst = msg.ints.to(device).split(
-        [n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1, tree * n, num_moves, num_moves])
+    header = msg.header.tolist()
+    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, num_moves = header
+    pos, slots, tables, seq_lens, qsl, tree_mask, src, dst = split_ints(header,
+                                                                        msg.ints.to(device))
     meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
                         qsl.int(), max_query_len, max_seq_len)
     if tree:
