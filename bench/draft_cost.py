@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info  # noqa: E402
 from decode_gguf import random_model  # noqa: E402
 from gpu_bench import make_engine  # noqa: E402
-from step_profile import _busy_us  # noqa: E402
+from step_profile import kernel_summary  # noqa: E402
 
 from luceio import SamplingParams  # noqa: E402
 from luceio.spec import _draft_proposer  # noqa: E402
@@ -91,19 +91,10 @@ def profiled(fn, calls: int) -> dict:
             fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]
-    busy = _busy_us([(e.time_range.start, e.time_range.end) for e in gpu])
+    k = kernel_summary(prof, calls, top=14, width=80)
     return {"calls": calls, "wall_us": round(wall * 1e6 / calls, 1),
-            "gpu_busy_us": round(busy / calls, 1),
-            "kernels": round(len(kernels) / calls, 1),
-            "copies": round((len(gpu) - len(kernels)) / calls, 1),
-            "top_kernels": [(n[:80], round(len(v) / calls, 1), round(sum(v) / calls, 1))
-                            for n, v in top]}
+            "gpu_busy_us": k["gpu_busy_us"], "kernels": k["kernels"], "copies": k["copies"],
+            "top_kernels": k["top_kernels"]}
 
 
 def tokens_per_verify(k: int, measured: dict) -> float:

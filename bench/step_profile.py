@@ -61,24 +61,31 @@ def profile_decode(eng, ctx: int, steps: int) -> dict:
         wall = time.perf_counter() - t
     while eng.has_unfinished_requests():
         eng.step()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
-    copies = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-              and e.name.startswith(("Memcpy", "Memset"))]
-    spans = [(e.time_range.start, e.time_range.end) for e in kernels + copies]
-    busy = _busy_us(spans)
+    k = kernel_summary(prof, steps, top=12, width=90)
+    step_us = wall * 1e6 / steps
+    return {"steps": steps, "step_us": round(step_us, 1), "tok_s": round(steps / wall, 1),
+            "kernels_per_step": k["kernels"], "copies_per_step": k["copies"],
+            "gpu_busy_us_per_step": k["gpu_busy_us"],
+            "idle_fraction": round(max(0.0, 1 - k["gpu_busy_us"] / step_us), 3),
+            "top_kernels": k["top_kernels"]}
+
+
+def kernel_summary(prof, calls: int, top: int = 12, width: int = 90) -> dict:
+    """Per call of what a torch.profiler run recorded: kernels, copies (Memcpy / Memset), the
+    GPU's busy time (the union of their spans) and the `top` kernels by time as (name, launches,
+    microseconds)."""
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
-    step_us = wall * 1e6 / steps
-    return {"steps": steps, "step_us": round(step_us, 1), "tok_s": round(steps / wall, 1),
-            "kernels_per_step": round(len(kernels) / steps, 1),
-            "copies_per_step": round(len(copies) / steps, 1),
-            "gpu_busy_us_per_step": round(busy / steps, 1),
-            "idle_fraction": round(max(0.0, 1 - busy / steps / step_us), 3),
-            "top_kernels": [(name[:90], round(len(v) / steps, 1), round(sum(v) / steps, 1))
-                            for name, v in top]}
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    busy = _busy_us([(e.time_range.start, e.time_range.end) for e in gpu])
+    return {"kernels": round(len(kernels) / calls, 1),
+            "copies": round((len(gpu) - len(kernels)) / calls, 1),
+            "gpu_busy_us": round(busy / calls, 1),
+            "top_kernels": [(name[:width], round(len(v) / calls, 1), round(sum(v) / calls, 1))
+                            for name, v in ranked]}
 
 
 def main() -> None:
