@@ -15,7 +15,9 @@
 Each configuration runs in a subprocess with its own time limit (a hang or a crash is recorded
 as that row's error and the others still run); the whole run stops starting new ones when
 --budget-s is spent. Staged runs load a checkpoint in every process, so the random weights are
-written once per shape as an HF folder (in /dev/shm when it has room). Writes
+written once per shape as an HF folder (in /dev/shm when it has room). A staged row's
+`stage_timing` is where each stage's steps went (luceio/stages/timing.py: µs a step by phase,
+batch-1 decode steps apart from the others). Writes
 <out>/stages_bench.json and prints a table.
 
     python bench/stages_bench.py [--quick] [--shapes qwen2.5-coder-1.5b,llama-3.1-8b]
@@ -237,11 +239,14 @@ def sync() -> None:
 
 def child(spec: dict) -> None:
     from luceio import EngineArgs, LLMEngine
+    from luceio.stages.timing import ENV as timing_env
     o = spec["options"]
     args = EngineArgs(model=spec["model"], dtype=spec["dtype"],
                       max_model_len=spec["prompt"] + spec["new"] + 64,
                       max_num_seqs=spec["concurrent"], max_num_batched_tokens=8192, **o)
     out: dict = {}
+    timing = tempfile.mkdtemp(prefix="stage_timing")
+    os.environ[timing_env] = os.path.join(timing, "t")  # the stages' phases (stages/timing.py)
     t = time.perf_counter()
     try:
         engine = LLMEngine(args)
@@ -268,6 +273,10 @@ def child(spec: dict) -> None:
         out["error"] = repr(e)[:500]
     finally:
         engine.close()
+    for name in sorted(os.listdir(timing)):  # written as each stage ended
+        with open(os.path.join(timing, name)) as f:
+            out.setdefault("stage_timing", {})[name.split(".")[1]] = json.load(f)
+    shutil.rmtree(timing, ignore_errors=True)
     print(RESULT + json.dumps(out), flush=True)
 
 

@@ -310,6 +310,17 @@ class ModelRunner:
             hidden, rows, logits = self.graphs.run(h, inp.ids_from)
             if logits is not None:
                 return logits[rows]
+        elif self._stage_graphed(h, probe):
+            # stage 0's graph reads the host batch and the message is packed from it: no
+            # inputs go to the device for eager layers, and none come back for the message
+            rows, = self.staging.to_device(np.int64, [h.logits_indices])
+            meta = AttnMetadata(*(torch.from_numpy(a) for a in (
+                h.slot_mapping, h.block_tables, h.seq_lens, h.query_start_loc)),
+                1, int(h.seq_lens.max()))
+            graphs = self.stage_graphs
+            hidden = self.stages.forward(self.model, None, torch.from_numpy(h.positions),
+                                         self.kv_caches, meta, inp.prefill,
+                                         lambda: graphs.run_first(h, inp.ids_from))
         else:
             gather = [inp.ids_from.src, inp.ids_from.dst] if inp.ids_from is not None else []
             state = [h.state_slots, h.fresh_slots] if h.state_slots is not None else []
@@ -334,14 +345,16 @@ class ModelRunner:
                 elif self.stages is not None:
                     if probe is not None:
                         raise ValueError("pipeline stages cannot run a per-layer probe")
-                    graphs = self.stage_graphs
-                    layers = (lambda: graphs.run_first(h, inp.ids_from)) \
-                        if graphs is not None and graphs.fits(h) else None
                     hidden = self.stages.forward(self.model, ids, pos, self.kv_caches, meta,
-                                                 inp.prefill, layers)
+                                                 inp.prefill)
                 else:
                     hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])
+
+    def _stage_graphed(self, h: HostBatch, probe) -> bool:
+        """Whether stage 0's layers replay their CUDA graph for this step (`stages/graphs.py`);
+        the step's message and the later stages' graphs follow from the host batch."""
+        return self.stage_graphs is not None and probe is None and self.stage_graphs.fits(h)
 
     def _cpu_decode(self, h: HostBatch, probe) -> bool:
         """Whether the CPU decode path takes this step: one query token per request, no probe,

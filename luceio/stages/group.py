@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from ..errors import EngineDeadError
 from .model import keep_layers
 from .plan import StagePlan, model_identity
+from .timing import PhaseTimer, step_kind
 from .wire import Link, pack_step, send_shutdown, split_step
 from .worker import WorkerSpec, close_link, end_nccl, join_group, run_worker
 
@@ -66,6 +67,7 @@ class StageGroup:
         self.broken: str | None = None
         self._moves: tuple[list[int], list[int]] = ([], [])  # KV slots for the next step
         self.micro_batches = args.stage_micro_batches
+        self.timer = PhaseTimer(0)
 
     def queue_moves(self, src: list[int], dst: list[int]) -> None:
         """KV moves (flat slots) that stage 0 made in its own cache after a tree verify: the
@@ -126,6 +128,8 @@ class StageGroup:
             raise StageError(self.broken)
         # the ints reach the host before the layers are queued, so the next stage gets them
         # (and, on NCCL, queues its own layers) while this device still computes
+        timer = self.timer
+        timer.start()
         parts = split_step(input_ids, positions, meta, self.micro_batches)
         last, waits = self.plan.num_stages - 1, []
         try:
@@ -133,16 +137,19 @@ class StageGroup:
                 # process computes the next (one part: the whole step)
                 header, ints = pack_step(pos, sub, prefill, self._moves)
                 self._moves = ([], [])
+                timer.mark("pack")
                 hidden = layers() if layers is not None and len(parts) == 1 else \
                     model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
-                if len(parts) > 1 and not waits:  # every result's receive posted before a send
+                timer.mark("layers")
+                if not waits:  # every result's receive posted before a send
                     waits = [self.link.post_final(last, p[1].numel(), hidden[0].shape[-1],
-                                                  hidden[0].dtype) for p in parts]
+                                                  hidden[0].dtype, own=len(parts) > 1)
+                             for p in parts]
                 self.link.send_step(1, header, ints, hidden)
-            if not waits:
-                return self.link.recv_final(last, positions.numel(), hidden[0].shape[-1],
-                                            hidden[0].dtype)
-            return torch.cat([wait() for wait in waits])
+                timer.mark("send")
+            out = waits[0]() if len(waits) == 1 else torch.cat([wait() for wait in waits])
+            timer.step("final", step_kind(len(meta.seq_lens), meta.max_query_len))
+            return out
         except RuntimeError as e:
             self.broken = self._failure(e)
             raise StageError(self.broken) from e
@@ -155,6 +162,7 @@ class StageGroup:
         return "pipeline stage failed: " + ("; ".join(dead) if dead else str(error))
 
     def close(self) -> None:
+        self.timer.write()
         if self._finalizer.detach() is not None:  # only the first close ends the stages
             _shut_down(self.procs, self.link, self.broken is None)
 

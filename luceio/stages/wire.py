@@ -7,7 +7,7 @@
 - nccl: device to device on an NCCL group of every stage (CUDA devices of one vendor). The
   receiving buffer is allocated on the device for each step (from the caching allocator).
 
-One step, stage r -> stage r + 1, is three messages in this order:
+One step, stage r -> stage r + 1, is one Gloo message of bytes (`Link.send_step`):
   1. header: int64 [HEADER_LEN] = op, num_tokens, num_seqs, max_blocks, max_query_len,
      max_seq_len, prefill, tree, num_moves (op SHUTDOWN: the rest is unused and nothing
      follows);
@@ -17,11 +17,13 @@ One step, stage r -> stage r + 1, is three messages in this order:
      slots [num_moves] | destination slots [num_moves]. The moves are the last tree verify's
      accepted rows (`spec.commit`), which every stage applies to its own cache before the
      step's layers;
-  3. hidden: the model dtype, [2, num_tokens, hidden_size] = the last layer's output and the
-     residual stream.
-Middle stages relay 1 and 2 unchanged. The last stage sends rank 0 two messages: num_tokens
-(int64 [1], Gloo), then the final normalised hidden states [num_tokens, hidden_size]; rank 0
-computes the logits.
+  3. hidden (host transport): the model dtype, [2, num_tokens, hidden_size] = the last layer's
+     output and the residual stream.
+A step larger than CAPACITY bytes (a long prefill chunk) sends the header alone, then 2 and 3
+as a second message; on NCCL the hidden states follow as an NCCL transfer. Middle stages relay
+1 and 2 unchanged. The last stage sends rank 0 one message: num_tokens (int64), then (host) the
+final normalised hidden states [num_tokens, hidden_size] (on NCCL: an NCCL transfer after it);
+rank 0 checks the count and computes the logits.
 
 Why Gloo first: a peer that died is reported by Gloo at once (its connection closed), while an
 NCCL transfer with a dead peer waits until the group's timeout. Every NCCL transfer is preceded
@@ -38,6 +40,7 @@ from ..models import AttnMetadata
 
 OP_SHUTDOWN, OP_STEP = 0, 1
 HEADER_LEN = 9
+CAPACITY = 4 << 20  # bytes: a step message up to this size travels whole (`Link`)
 
 
 @dataclass
@@ -103,18 +106,25 @@ def split_ints(header: list[int], ints: torch.Tensor) -> tuple[torch.Tensor, ...
 
 
 def unpack_step(msg: StepMessage, device: torch.device):
-    """(positions, meta, prefill, moves) of a received step, on `device`. `prefill`: rows
-    computing known tokens (the CPU's dense path, runner._prefill_rows); `moves`: (source,
-    destination) KV slots to move before the step's layers, or None."""
+    """(positions, meta, prefill) of a received step, on `device`. `prefill`: rows computing
+    known tokens (the CPU's dense path, runner._prefill_rows)."""
     header = msg.header.tolist()
-    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, num_moves = header
-    pos, slots, tables, seq_lens, qsl, tree_mask, src, dst = split_ints(header,
-                                                                        msg.ints.to(device))
+    _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, _ = header
+    pos, slots, tables, seq_lens, qsl, tree_mask, _, _ = split_ints(header, msg.ints.to(device))
     meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
                         qsl.int(), max_query_len, max_seq_len)
     if tree:
         meta.tree_mask = tree_mask
-    return pos, meta, bool(prefill), (src, dst) if num_moves else None
+    return pos, meta, bool(prefill)
+
+
+def step_moves(header: list[int], ints: torch.Tensor, device: torch.device):
+    """(source, destination) KV slots of a received step, on `device`, to move before its
+    layers run; None when it has none."""
+    if not header[-1]:
+        return None
+    src, dst = split_ints(header, ints)[-2:]
+    return src.to(device), dst.to(device)
 
 
 def send_shutdown(dst: int) -> None:
@@ -125,96 +135,136 @@ def send_shutdown(dst: int) -> None:
 
 class Link:
     """One process's ends of its stage boundaries: sends and receives of steps, on `device`.
-    `nccl`: the NCCL group the hidden states travel on, or None for host-staged Gloo."""
+    `nccl`: the NCCL group the hidden states travel on, or None for host-staged Gloo.
+
+    Gloo sends only once the receiver has posted its receive (a round trip between the two
+    processes' Gloo threads before any data moves, ~0.2 ms on a 2-core VM), so every message a
+    step needs is posted ahead where its size is known: a stage posts the next step's receive
+    (CAPACITY bytes, which takes any smaller message) as soon as it has sent the last one on,
+    and stage 0 posts the final hidden states' receive before it sends the step. On a GPU the
+    host buffers are pinned and reused (each copy in or out is synchronous, so a buffer is free
+    once its message is sent or copied out); on the CPU every message gets its own."""
 
     def __init__(self, device: torch.device, nccl: dist.ProcessGroup | None = None):
         self.device, self.nccl = device, nccl
-        self._pinned: dict[str, torch.Tensor] = {}  # "send" / "recv" -> grow-only buffer
+        self._buffers: dict[str, torch.Tensor] = {}  # use -> grow-only pinned buffer
+        self._posted: tuple | None = None  # (work, buffer) of the next step's receive
 
     @property
     def transport(self) -> str:
         return "host" if self.nccl is None else "nccl"
 
+    def _hidden_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes of hidden states in a Gloo message: none when they travel on NCCL."""
+        return 0 if self.nccl is not None else numel * dtype.itemsize
+
     def send_step(self, dst: int, header: torch.Tensor, ints: torch.Tensor,
                   hidden: tuple[torch.Tensor, torch.Tensor]) -> None:
-        dist.send(header, dst)
-        dist.send(ints, dst)
-        self._send_hidden(torch.stack(hidden), dst)
+        x = hidden[0]
+        head, ib = HEADER_LEN * 8, ints.numel() * 8
+        hb = self._hidden_bytes(2 * x.numel(), x.dtype)
+        inline = head + ib + hb <= CAPACITY
+        if not inline:
+            dist.send(header, dst)
+        buf = self._buffer("send", head + ib + hb)
+        buf[:head].view(torch.int64).copy_(header)
+        buf[head:head + ib].view(torch.int64).copy_(ints)
+        if self.nccl is not None:
+            dist.send(buf[0 if inline else head:head + ib], dst)
+            dist.send(torch.stack(hidden), dst, group=self.nccl)
+            return
+        out = buf[head + ib:].view(x.dtype).view(2, *x.shape)
+        if x.device.type == "cpu":
+            out[0].copy_(x)
+            out[1].copy_(hidden[1])
+        else:  # one copy out of the device: it waits for this stage's layers
+            out.copy_(torch.stack(hidden))
+        dist.send(buf[0 if inline else head:], dst)
 
-    def recv_step(self, src: int, dtype: torch.dtype, hidden_size: int) -> StepMessage | None:
+    def post_step(self, src: int) -> None:
+        """Posts the receive of the next step from `src` (`recv_step` posts it if not)."""
+        buf = self._buffer("recv", CAPACITY)
+        self._posted = (dist.irecv(buf, src), buf)
+
+    def recv_step(self, src: int, dtype: torch.dtype, hidden_size: int,
+                  timer=None) -> StepMessage | None:
         """The next step from `src`, its hidden states on this stage's device; None when
-        `src` shuts the pipeline down."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, src)
+        `src` shuts the pipeline down. `timer` (`timing.PhaseTimer`): the wait for the
+        message is its phase "wait", the rest "recv"."""
+        if self._posted is None:
+            self.post_step(src)
+        work, buf = self._posted
+        self._posted = None
+        work.wait()
+        if timer is not None:
+            timer.mark("wait")
+        head = HEADER_LEN * 8
+        header = buf[:head].view(torch.int64).clone()
         fields = header.tolist()
         if fields[0] == OP_SHUTDOWN:
             return None
         n = fields[1]
-        ints = torch.empty(ints_length(fields), dtype=torch.int64)
-        dist.recv(ints, src)
-        x, residual = self._recv_hidden((2, n, hidden_size), dtype, src).unbind(0)
-        return StepMessage(header, ints, (x, residual))
+        ib, hb = ints_length(fields) * 8, self._hidden_bytes(2 * n * hidden_size, dtype)
+        if head + ib + hb <= CAPACITY:
+            body = buf[head:head + ib + hb]
+        else:  # a step too large to come whole: the rest follows the header
+            body = self._buffer("recv_large", ib + hb)
+            dist.recv(body, src)
+        ints = body[:ib].view(torch.int64).clone()
+        if hb:
+            hidden = body[ib:ib + hb].view(dtype).view(2, n, hidden_size)
+            if self.device.type != "cpu":  # synchronous: the buffer is free after
+                hidden = hidden.to(self.device)
+        else:
+            hidden = torch.empty((2, n, hidden_size), dtype=dtype, device=self.device)
+            dist.recv(hidden, src, group=self.nccl)
+        if timer is not None:
+            timer.mark("recv")
+        return StepMessage(header, ints, (hidden[0], hidden[1]))
 
     def send_final(self, hidden: torch.Tensor) -> None:
-        dist.send(torch.tensor([hidden.shape[0]], dtype=torch.int64), 0)
-        self._send_hidden(hidden.contiguous(), 0)
+        """The last stage's output to rank 0: its row count, then the rows."""
+        hb = self._hidden_bytes(hidden.numel(), hidden.dtype)
+        buf = self._buffer("send", 8 + hb)
+        buf[:8].view(torch.int64)[0] = hidden.shape[0]
+        if hb:
+            buf[8:8 + hb].view(hidden.dtype).view(hidden.shape).copy_(hidden)
+        dist.send(buf[:8 + hb], 0)
+        if self.nccl is not None:
+            dist.send(hidden.contiguous(), 0, group=self.nccl)
 
-    def recv_final(self, src: int, num_tokens: int, hidden_size: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-        count = torch.empty(1, dtype=torch.int64)
-        dist.recv(count, src)
-        if count.item() != num_tokens:
-            raise RuntimeError(f"stage {src} returned {count.item()} rows for a step of "
-                               f"{num_tokens} tokens")
-        return self._recv_hidden((num_tokens, hidden_size), dtype, src)
-
-    def post_final(self, src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype):
-        """`recv_final` posted ahead (micro-batches: the last stage may send one micro-batch's
-        result while this process still sends it the next). Returns a function that waits for
-        it and gives the hidden states [num_tokens, hidden_size] on this stage's device."""
-        count = torch.empty(1, dtype=torch.int64)
-        works = [dist.irecv(count, src)]
-        nccl = self.nccl is not None
-        out = torch.empty((num_tokens, hidden_size), dtype=dtype,
-                          device=self.device if nccl else "cpu")
-        works.append(dist.irecv(out, src, group=self.nccl) if nccl else dist.irecv(out, src))
+    def post_final(self, src: int, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                   own: bool = False):
+        """Posts the receive of the last stage's output for `num_tokens` rows, before the step
+        (or micro-batch) is sent, so that the last stage sends it at once. Returns a function
+        that waits for it and gives the hidden states [num_tokens, hidden_size] on this stage's
+        device. `own`: a buffer of its own (micro-batches: several are posted at a time)."""
+        hb = self._hidden_bytes(num_tokens * hidden_size, dtype)
+        buf = torch.empty(8 + hb, dtype=torch.uint8) if own else self._buffer("final", 8 + hb)
+        works = [dist.irecv(buf, src)]
+        if self.nccl is not None:
+            out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=self.device)
+            works.append(dist.irecv(out, src, group=self.nccl))
 
         def wait() -> torch.Tensor:
             for w in works:  # the Gloo count first: a dead stage is reported there at once
                 w.wait()
-            if count.item() != num_tokens:
-                raise RuntimeError(f"stage {src} returned {count.item()} rows for a "
-                                   f"micro-batch of {num_tokens} tokens")
-            return out.to(self.device)
+            count = int(buf[:8].view(torch.int64)[0])
+            if count != num_tokens:
+                raise RuntimeError(f"stage {src} returned {count} rows for a step of "
+                                   f"{num_tokens} tokens")
+            if self.nccl is not None:
+                return out
+            rows = buf[8:8 + hb].view(dtype).view(num_tokens, hidden_size)
+            return rows.to(self.device) if self.device.type != "cpu" else rows
         return wait
 
-    def _send_hidden(self, t: torch.Tensor, dst: int) -> None:
-        if self.nccl is not None:
-            dist.send(t, dst, group=self.nccl)
-        elif t.device.type == "cpu":
-            dist.send(t, dst)
-        else:  # the copy into pinned memory is synchronous: the buffer is ours again after
-            host = self._host_buffer("send", t.shape, t.dtype)
-            host.copy_(t)
-            dist.send(host, dst)
-
-    def _recv_hidden(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
-        if self.nccl is not None:
-            out = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(out, src, group=self.nccl)
-            return out
-        if self.device.type == "cpu":  # a new tensor per step: the model reads it as is
-            out = torch.empty(shape, dtype=dtype)
-            dist.recv(out, src)
-            return out
-        host = self._host_buffer("recv", shape, dtype)
-        dist.recv(host, src)
-        return host.to(self.device)  # synchronous from pinned memory: the buffer is free after
-
-    def _host_buffer(self, use: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        numel = torch.Size(shape).numel()
-        buf = self._pinned.get(use)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1 << 20), dtype=dtype, pin_memory=True)
-            self._pinned[use] = buf
-        return buf[:numel].view(shape)
+    def _buffer(self, use: str, nbytes: int) -> torch.Tensor:
+        """A host byte buffer: a fresh one on the CPU, a reused pinned one for a GPU."""
+        if self.device.type == "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        buf = self._buffers.get(use)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self._buffers[use] = buf
+        return buf[:nbytes]

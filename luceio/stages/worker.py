@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .plan import StagePlan, choose_transport, layer_ranges, nccl_vendor, parse_dist_init
+from .timing import PhaseTimer, step_kind
 from .wire import Link
 
 # a step may be a long prefill on a slow stage; a dead local peer is reported at once anyway
@@ -220,28 +221,39 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
            graphs=None) -> None:
     from ..runner import _prefill_rows
     from ..spec.commit import move_kv
-    from .wire import send_shutdown, unpack_step
+    from .wire import send_shutdown, step_moves, unpack_step
     layer_range = plan.layer_ranges[rank]
     last = rank == plan.num_stages - 1
-    while True:
-        msg = link.recv_step(rank - 1, dtype, model.cfg.hidden_size)
-        if msg is None:
-            if not last:
-                send_shutdown(rank + 1)
-            return
-        positions, meta, prefill, moves = unpack_step(msg, link.device)
-        if moves is not None:  # the last tree verify's accepted KV, before anything reads it
-            move_kv(kv_caches, *moves)
-        out = graphs.run_received(msg.header.tolist(), msg.ints, msg.hidden) \
-            if graphs is not None else None
-        if out is None:
-            with _prefill_rows(prefill and link.device.type == "cpu"):
-                out = model(None, positions, kv_caches, meta, layer_range=layer_range,
-                            hidden=msg.hidden)
-        if last:
-            link.send_final(out)
-        else:
-            link.send_step(rank + 1, msg.header, msg.ints, out)
+    timer = PhaseTimer(rank)
+    try:
+        while True:
+            timer.start()
+            msg = link.recv_step(rank - 1, dtype, model.cfg.hidden_size, timer)
+            if msg is None:
+                if not last:
+                    send_shutdown(rank + 1)
+                return
+            header = msg.header.tolist()
+            moves = step_moves(header, msg.ints, link.device)
+            if moves is not None:  # the last tree verify's accepted KV, before anything reads it
+                move_kv(kv_caches, *moves)
+            # a step a graph takes reads the host's ints only: nothing else goes to the device
+            out = graphs.run_received(header, msg.ints, msg.hidden) \
+                if graphs is not None else None
+            if out is None:
+                positions, meta, prefill = unpack_step(msg, link.device)
+                with _prefill_rows(prefill and link.device.type == "cpu"):
+                    out = model(None, positions, kv_caches, meta, layer_range=layer_range,
+                                hidden=msg.hidden)
+            timer.mark("layers")
+            if last:
+                link.send_final(out)
+            else:
+                link.send_step(rank + 1, msg.header, msg.ints, out)
+            link.post_step(rank - 1)  # the next step may come as soon as it is ready
+            timer.step("send", step_kind(header[2], header[4]))
+    finally:
+        timer.write()
 
 
 def make_parser(parser=None):
