@@ -311,16 +311,14 @@ class ModelRunner:
             if logits is not None:
                 return logits[rows]
         elif self._stage_graphed(h, probe):
-            # stage 0's graph reads the host batch and the message is packed from it: no
-            # inputs go to the device for eager layers, and none come back for the message
-            rows, = self.staging.to_device(np.int64, [h.logits_indices])
+            # stage 0's graph is queued, then the message is packed from the host batch while
+            # it runs: no inputs go to the device for eager layers, none come back
+            first, rows = self.stage_graphs.run_first(h, inp.ids_from)
             meta = AttnMetadata(*(torch.from_numpy(a) for a in (
                 h.slot_mapping, h.block_tables, h.seq_lens, h.query_start_loc)),
                 1, int(h.seq_lens.max()))
-            graphs = self.stage_graphs
             hidden = self.stages.forward(self.model, None, torch.from_numpy(h.positions),
-                                         self.kv_caches, meta, inp.prefill,
-                                         lambda: graphs.run_first(h, inp.ids_from))
+                                         self.kv_caches, meta, inp.prefill, first)
         else:
             gather = [inp.ids_from.src, inp.ids_from.dst] if inp.ids_from is not None else []
             state = [h.state_slots, h.fresh_slots] if h.state_slots is not None else []

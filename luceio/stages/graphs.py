@@ -8,8 +8,8 @@ whole model (the same buckets and padding: a padded request writes no KV and its
 dropped), with one token a request only: prefill chunks, verify steps and trees stay eager, and
 so do runs cut into micro-batches (`--stage-micro-batches` > 1).
 - Stage 0 (the engine's runner): the graph embeds the step's ids and runs the stage's layers;
-  it replays in the place of the eager layers (`StageGroup.forward(..., layers=)`), so the
-  step message, the transfers and the logits after the last stage are as before.
+  it is queued first, and the step's message is packed from the host batch while it runs
+  (`StageGroup.forward(..., first=)`); nothing of the step is staged for eager layers.
 - Every other stage (`worker._serve`): the graph reads the received hidden states from static
   buffers; a step message that fits (one token a request, a bucket, the captured context) is
   copied in and replayed, any other runs eagerly.
@@ -76,13 +76,15 @@ class StageGraphs(StepGraphs):
         return out[:n] if isinstance(out, torch.Tensor) else (out[0][:n], out[1][:n])
 
     def run_first(self, h, ids_from=None):
-        """Stage 0: the stage's output for host batch `h` (which `fits`), its real rows."""
-        out, _, _ = self.run(h, ids_from)
-        return self._rows(out, len(h.input_ids))
+        """Stage 0: (the stage's output for host batch `h` (which `fits`), its real rows; the
+        device index of the batch's logits rows among them)."""
+        out, rows, _ = self.run(h, ids_from)
+        return self._rows(out, len(h.input_ids)), rows
 
-    def run_received(self, header: list[int], ints: torch.Tensor, hidden):
+    def run_received(self, header: list[int], ints: torch.Tensor, hidden: torch.Tensor):
         """A later stage: its output for a received step, its real rows; None where the step
-        does not fit a graph (it then runs eagerly)."""
+        does not fit a graph (it then runs eagerly). `hidden`: the received [2, n, hidden_size]
+        (host memory, pinned: copied in as the graph's first work, or on the device)."""
         _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, _ = header
         if prefill or tree or max_query_len != 1 or n != num_seqs or \
                 max_blocks > self.max_blocks or max_seq_len > self.max_model_len:
@@ -93,7 +95,6 @@ class StageGraphs(StepGraphs):
         pos, slots, tables, seq_lens, *_ = (t.numpy() for t in split_ints(header, ints))
         self._fill(*self._pad(np.zeros(n, np.int64), pos, slots, tables.reshape(n, max_blocks),
                               seq_lens, np.ones(n, np.int64), bs, 1))
-        self.hidden[0, :n].copy_(hidden[0])
-        self.hidden[1, :n].copy_(hidden[1])
+        self.hidden[:, :n].copy_(hidden, non_blocking=True)  # from pinned memory, in order
         self.graphs[bs, 1, False].replay()
         return self._rows(self.outputs[bs, 1, False], n)

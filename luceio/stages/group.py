@@ -114,11 +114,11 @@ class StageGroup:
                                                             self.plan.layer_ranges)))
 
     def forward(self, model, input_ids, positions, kv_caches, meta, prefill: bool,
-                layers=None) -> torch.Tensor:
+                first=None) -> torch.Tensor:
         """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device.
-        `layers`: a function giving stage 0's output for the whole step (its CUDA graph's
-        replay, `graphs.StageGraphs.run_first`), used in place of the eager layers when the
-        step is not cut into micro-batches."""
+        `first`: stage 0's output for the whole step, already queued (its CUDA graph's replay,
+        `graphs.StageGraphs.run_first`; then `positions` and `meta` may be on the host), in
+        place of the eager layers; only for steps not cut into micro-batches."""
         if self.broken:
             raise StageError(self.broken)
         if any(p.exitcode is not None for p in self.procs):
@@ -138,7 +138,7 @@ class StageGroup:
                 header, ints = pack_step(pos, sub, prefill, self._moves)
                 self._moves = ([], [])
                 timer.mark("pack")
-                hidden = layers() if layers is not None and len(parts) == 1 else \
+                hidden = first if first is not None else \
                     model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
                 timer.mark("layers")
                 if not waits:  # every result's receive posted before a send

@@ -47,7 +47,12 @@ CAPACITY = 4 << 20  # bytes: a step message up to this size travels whole (`Link
 class StepMessage:
     header: torch.Tensor  # int64 [HEADER_LEN], host
     ints: torch.Tensor  # int64, host: positions | slot_mapping | block_tables | seq_lens | qsl
-    hidden: tuple[torch.Tensor, torch.Tensor]  # (x, residual), each [num_tokens, hidden_size]
+    hidden: torch.Tensor  # [2, num_tokens, hidden_size]: x and the residual stream
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) on `device`."""
+        x, residual = self.hidden.to(device).unbind(0)
+        return x, residual
 
 
 def pack_step(positions: torch.Tensor, meta: AttnMetadata, prefill: bool,
@@ -186,11 +191,13 @@ class Link:
         buf = self._buffer("recv", CAPACITY)
         self._posted = (dist.irecv(buf, src), buf)
 
-    def recv_step(self, src: int, dtype: torch.dtype, hidden_size: int,
-                  timer=None) -> StepMessage | None:
+    def recv_step(self, src: int, dtype: torch.dtype, hidden_size: int, timer=None,
+                  on_host: bool = False) -> StepMessage | None:
         """The next step from `src`, its hidden states on this stage's device; None when
-        `src` shuts the pipeline down. `timer` (`timing.PhaseTimer`): the wait for the
-        message is its phase "wait", the rest "recv"."""
+        `src` shuts the pipeline down. `on_host`: host-staged hidden states stay in the
+        pinned buffer they came in (until the next `post_step`; `StepMessage.on_device`
+        moves them). `timer` (`timing.PhaseTimer`): the wait for the message is its phase
+        "wait", the rest "recv"."""
         if self._posted is None:
             self.post_step(src)
         work, buf = self._posted
@@ -213,14 +220,14 @@ class Link:
         ints = body[:ib].view(torch.int64).clone()
         if hb:
             hidden = body[ib:ib + hb].view(dtype).view(2, n, hidden_size)
-            if self.device.type != "cpu":  # synchronous: the buffer is free after
+            if self.device.type != "cpu" and not on_host:  # synchronous: the buffer is free
                 hidden = hidden.to(self.device)
         else:
             hidden = torch.empty((2, n, hidden_size), dtype=dtype, device=self.device)
             dist.recv(hidden, src, group=self.nccl)
         if timer is not None:
             timer.mark("recv")
-        return StepMessage(header, ints, (hidden[0], hidden[1]))
+        return StepMessage(header, ints, hidden)
 
     def send_final(self, hidden: torch.Tensor) -> None:
         """The last stage's output to rank 0: its row count, then the rows."""

@@ -228,7 +228,8 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
     try:
         while True:
             timer.start()
-            msg = link.recv_step(rank - 1, dtype, model.cfg.hidden_size, timer)
+            msg = link.recv_step(rank - 1, dtype, model.cfg.hidden_size, timer,
+                                 on_host=graphs is not None)
             if msg is None:
                 if not last:
                     send_shutdown(rank + 1)
@@ -244,7 +245,7 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
                 positions, meta, prefill = unpack_step(msg, link.device)
                 with _prefill_rows(prefill and link.device.type == "cpu"):
                     out = model(None, positions, kv_caches, meta, layer_range=layer_range,
-                                hidden=msg.hidden)
+                                hidden=msg.on_device(link.device))
             timer.mark("layers")
             if last:
                 link.send_final(out)
