@@ -305,6 +305,54 @@ def test_a_step_cut_into_micro_batches():
     assert len(split_step(ids, pos, meta, 9)) == 5  # at most one request each
 
 
+def _wire_peer(rank: int, port: int, capacity: int, steps: list) -> None:
+    """One end of `test_the_wire_carries_steps_whole_and_split`: rank 0 sends `steps` and
+    checks the finals that come back; rank 1 checks each step and returns its hidden rows."""
+    import torch
+    import torch.distributed as dist
+    from luceio.stages import wire
+    wire.CAPACITY = capacity
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        link = wire.Link(torch.device("cpu"))
+        for header, ints, hidden in steps:
+            if rank == 0:
+                wait = link.post_final(1, hidden.shape[1], hidden.shape[2], hidden.dtype)
+                link.send_step(1, header, ints, (hidden[0], hidden[1]))
+                assert torch.equal(wait(), hidden[0] * 2)
+            else:
+                msg = link.recv_step(0, hidden.dtype, hidden.shape[2])
+                assert torch.equal(msg.header, header) and torch.equal(msg.ints, ints)
+                assert torch.equal(msg.hidden, hidden)
+                link.send_final(msg.hidden[0] * 2)
+                link.post_step(0)
+        if rank == 0:
+            wire.send_shutdown(1)
+        else:
+            assert link.recv_step(0, torch.float32, 8) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_wire_carries_steps_whole_and_split():
+    """`wire.Link` on Gloo: steps that fit CAPACITY travel as one message, larger ones as the
+    header and then the rest; either way the header, ints and hidden states arrive as sent, the
+    final rows come back with their count checked, and a shutdown ends the receiver."""
+    import torch
+    import torch.multiprocessing as mp
+    from luceio.stages.wire import HEADER_LEN, OP_STEP, ints_length
+    g = torch.Generator().manual_seed(0)
+    steps = []
+    for n, num_seqs, max_blocks in [(1, 1, 2), (60, 3, 4), (2, 2, 1), (300, 1, 24)]:
+        header = torch.tensor([OP_STEP, n, num_seqs, max_blocks, n, 64, 1, 0, 0])
+        assert header.numel() == HEADER_LEN
+        ints = torch.randint(0, 1000, (ints_length(header.tolist()),), generator=g)
+        steps.append((header, ints, torch.randn(2, n, 8, generator=g)))
+    capacity = 4096  # the 1- and 2-token steps travel whole, the others split
+    mp.spawn(_wire_peer, args=(free_port(), capacity, steps), nprocs=2, join=True)
+
+
 def test_auto_split_gives_the_remainder_to_later_stages():
     assert layer_ranges("auto", 3, 8) == ((0, 2), (2, 5), (5, 8))
     assert layer_ranges("auto", 2, 2) == ((0, 1), (1, 2))
