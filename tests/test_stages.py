@@ -79,8 +79,8 @@ def test_two_stages_equal_one_process(tiny_llama, sched, micro):
                                          stage_micro_batches=micro, **sched))
     sends = []
     link = llm.engine.stages.link
-    real = link.send_step
-    link.send_step = lambda *a: sends.append(1) or real(*a)
+    real = link.send_hidden
+    link.send_hidden = lambda *a: sends.append(1) or real(*a)
     try:
         assert run_with_abort(llm, batch, params) == expected
         steps = llm.engine.counters["steps"]
@@ -319,26 +319,29 @@ def _wire_peer(rank: int, port: int, capacity: int, steps: list) -> None:
         for header, ints, hidden in steps:
             if rank == 0:
                 wait = link.post_final(1, hidden.shape[1], hidden.shape[2], hidden.dtype)
-                link.send_step(1, header, ints, (hidden[0], hidden[1]))
+                link.send_ints(1, header, ints)
+                link.send_hidden(1, (hidden[0], hidden[1]))
                 assert torch.equal(wait(), hidden[0] * 2)
             else:
-                msg = link.recv_step(0, hidden.dtype, hidden.shape[2])
-                assert torch.equal(msg.header, header) and torch.equal(msg.ints, ints)
-                assert torch.equal(msg.hidden, hidden)
-                link.send_final(msg.hidden[0] * 2)
+                got_header, got_ints = link.recv_ints(0, hidden.dtype, hidden.shape[2])
+                assert torch.equal(got_header, header) and torch.equal(got_ints, ints)
+                got = link.recv_hidden()
+                assert torch.equal(got, hidden)
+                link.send_final(got[0] * 2)
                 link.post_step(0)
         if rank == 0:
             wire.send_shutdown(1)
         else:
-            assert link.recv_step(0, torch.float32, 8) is None
+            assert link.recv_ints(0, torch.float32, 8) is None
     finally:
         dist.destroy_process_group()
 
 
 def test_the_wire_carries_steps_whole_and_split():
-    """`wire.Link` on Gloo: steps that fit CAPACITY travel as one message, larger ones as the
-    header and then the rest; either way the header, ints and hidden states arrive as sent, the
-    final rows come back with their count checked, and a shutdown ends the receiver."""
+    """`wire.Link` on Gloo: a step's header and ints travel as one message where they fit
+    CAPACITY, else the header and then the ints; either way they and the hidden states after
+    them arrive as sent, the final rows come back with their count checked, and a shutdown
+    ends the receiver."""
     import torch
     import torch.multiprocessing as mp
     from luceio.stages.wire import HEADER_LEN, OP_STEP, ints_length
@@ -349,7 +352,7 @@ def test_the_wire_carries_steps_whole_and_split():
         assert header.numel() == HEADER_LEN
         ints = torch.randint(0, 1000, (ints_length(header.tolist()),), generator=g)
         steps.append((header, ints, torch.randn(2, n, 8, generator=g)))
-    capacity = 4096  # the 1- and 2-token steps travel whole, the others split
+    capacity = 1024  # the 300-token step's ints (5,016 bytes) come after its header
     mp.spawn(_wire_peer, args=(free_port(), capacity, steps), nprocs=2, join=True)
 
 

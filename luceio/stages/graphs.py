@@ -11,8 +11,9 @@ so do runs cut into micro-batches (`--stage-micro-batches` > 1).
   it is queued first, and the step's message is packed from the host batch while it runs
   (`StageGroup.forward(..., first=)`); nothing of the step is staged for eager layers.
 - Every other stage (`worker._serve`): the graph reads the received hidden states from static
-  buffers; a step message that fits (one token a request, a bucket, the captured context) is
-  copied in and replayed, any other runs eagerly.
+  buffers; a step that fits (one token a request, a bucket, the captured context) has its
+  inputs filled from its ints while its hidden states are still on their way (`prepare`),
+  then they are copied in and the graph replays (`replay`); any other runs eagerly.
 The last stage's graph ends in the final norm, the others hand on (hidden, residual). Rows are
 computed as the eager layers compute them, with the kernels' graph-time bounds (attention
 sized for the whole context, `StepGraphs`), so a staged run with graphs equals one GPU with
@@ -81,10 +82,10 @@ class StageGraphs(StepGraphs):
         out, rows, _ = self.run(h, ids_from)
         return self._rows(out, len(h.input_ids)), rows
 
-    def run_received(self, header: list[int], ints: torch.Tensor, hidden: torch.Tensor):
-        """A later stage: its output for a received step, its real rows; None where the step
-        does not fit a graph (it then runs eagerly). `hidden`: the received [2, n, hidden_size]
-        (host memory, pinned: copied in as the graph's first work, or on the device)."""
+    def prepare(self, header: list[int], ints: torch.Tensor) -> int | None:
+        """A later stage: fills the graph's inputs for a received step from its ints (before
+        its hidden states are in) and returns the batch bucket to `replay`; None where the
+        step does not fit a graph (it then runs eagerly)."""
         _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, _ = header
         if prefill or tree or max_query_len != 1 or n != num_seqs or \
                 max_blocks > self.max_blocks or max_seq_len > self.max_model_len:
@@ -95,6 +96,13 @@ class StageGraphs(StepGraphs):
         pos, slots, tables, seq_lens, *_ = (t.numpy() for t in split_ints(header, ints))
         self._fill(*self._pad(np.zeros(n, np.int64), pos, slots, tables.reshape(n, max_blocks),
                               seq_lens, np.ones(n, np.int64), bs, 1))
-        self.hidden[:, :n].copy_(hidden, non_blocking=True)  # from pinned memory, in order
+        return bs
+
+    def replay(self, bs: int, hidden: torch.Tensor):
+        """The prepared step's output, its real rows. `hidden`: the received [2, n,
+        hidden_size] (pinned host memory: copied in as the graph's first work; or on the
+        device)."""
+        n = hidden.shape[1]
+        self.hidden[:, :n].copy_(hidden, non_blocking=True)  # in stream order
         self.graphs[bs, 1, False].replay()
         return self._rows(self.outputs[bs, 1, False], n)

@@ -68,6 +68,7 @@ class StageGroup:
         self._moves: tuple[list[int], list[int]] = ([], [])  # KV slots for the next step
         self.micro_batches = args.stage_micro_batches
         self.timer = PhaseTimer(0)
+        self.dtype = torch.float32  # the model's, from build_model
 
     def queue_moves(self, src: list[int], dst: list[int]) -> None:
         """KV moves (flat slots) that stage 0 made in its own cache after a tree verify: the
@@ -89,6 +90,7 @@ class StageGroup:
     def build_model(self, ckpt, dtype: torch.dtype, device: torch.device, quantization: str):
         """Stage 0's model: the checkpoint's, less the other stages' layers."""
         from ..models import build_model
+        self.dtype = dtype  # the hidden states' too
         model = build_model(ckpt, dtype, device, quantization)
         keep_layers(model, self.layer_range, 0)
         return model
@@ -126,8 +128,8 @@ class StageGroup:
             # than fail (seen once in the CPU suite), so it is not tried
             self.broken = self._failure(RuntimeError("a stage process exited"))
             raise StageError(self.broken)
-        # the ints reach the host before the layers are queued, so the next stage gets them
-        # (and, on NCCL, queues its own layers) while this device still computes
+        # the ints go out before this stage's layers run or are waited for, so the next stage
+        # prepares its step (fills its graph's inputs) while this device still computes
         timer = self.timer
         timer.start()
         parts = split_step(input_ids, positions, meta, self.micro_batches)
@@ -137,15 +139,16 @@ class StageGroup:
                 # process computes the next (one part: the whole step)
                 header, ints = pack_step(pos, sub, prefill, self._moves)
                 self._moves = ([], [])
+                if not waits:  # every result's receive posted before a send
+                    waits = [self.link.post_final(last, p[1].numel(), model.cfg.hidden_size,
+                                                  self.dtype, own=len(parts) > 1)
+                             for p in parts]
+                self.link.send_ints(1, header, ints)  # the next stage prepares meanwhile
                 timer.mark("pack")
                 hidden = first if first is not None else \
                     model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
                 timer.mark("layers")
-                if not waits:  # every result's receive posted before a send
-                    waits = [self.link.post_final(last, p[1].numel(), hidden[0].shape[-1],
-                                                  hidden[0].dtype, own=len(parts) > 1)
-                             for p in parts]
-                self.link.send_step(1, header, ints, hidden)
+                self.link.send_hidden(1, hidden)
                 timer.mark("send")
             out = waits[0]() if len(waits) == 1 else torch.cat([wait() for wait in waits])
             timer.step("final", step_kind(len(meta.seq_lens), meta.max_query_len))

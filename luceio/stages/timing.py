@@ -5,12 +5,14 @@ ends: {kind: {"steps": n, "us_per_step": {phase: mean µs}}} for the kinds of st
 timed (the phases are then one attribute test each).
 
 Phases, in each stage's order:
-- stage 0 (`StageGroup.forward`): pack (the step message), layers (its eager layers' launches;
-  a step that replays stage 0's CUDA graph queued it before, outside these phases), send (the
-  hidden states' copy to the host waits for the layers on a GPU, then the message), final
-  (waiting for the last stage's hidden states: the later stages' time plus the transfers);
-- a later stage (`worker._serve`): wait (idle until the step arrives: the stages before), recv
-  (the rest of the message and its hidden states), layers, send."""
+- stage 0 (`StageGroup.forward`): pack (the step's ints, packed and sent ahead), layers (its
+  eager layers' launches; a step that replays stage 0's CUDA graph queued it before, outside
+  these phases), send (the hidden states' copy to the host waits for the layers on a GPU, then
+  their message), final (waiting for the last stage's hidden states: the later stages' time
+  plus the transfers);
+- a later stage (`worker._serve`): wait (idle until the step's ints arrive), prepare (relaying
+  them on, filling its graph's inputs), recv (waiting for the hidden states: the stage
+  before's layers), layers, send."""
 from __future__ import annotations
 
 import json

@@ -7,7 +7,9 @@
 - nccl: device to device on an NCCL group of every stage (CUDA devices of one vendor). The
   receiving buffer is allocated on the device for each step (from the caching allocator).
 
-One step, stage r -> stage r + 1, is one Gloo message of bytes (`Link.send_step`):
+One step, stage r -> stage r + 1, is two Gloo messages of bytes: the first as soon as it is
+known, before stage r's layers are done, so stage r + 1 prepares its step meanwhile
+(`Link.send_ints`), the second once they are (`Link.send_hidden`):
   1. header: int64 [HEADER_LEN] = op, num_tokens, num_seqs, max_blocks, max_query_len,
      max_seq_len, prefill, tree, num_moves (op SHUTDOWN: the rest is unused and nothing
      follows);
@@ -17,21 +19,19 @@ One step, stage r -> stage r + 1, is one Gloo message of bytes (`Link.send_step`
      slots [num_moves] | destination slots [num_moves]. The moves are the last tree verify's
      accepted rows (`spec.commit`), which every stage applies to its own cache before the
      step's layers;
-  3. hidden (host transport): the model dtype, [2, num_tokens, hidden_size] = the last layer's
-     output and the residual stream.
-A step larger than CAPACITY bytes (a long prefill chunk) sends the header alone, then 2 and 3
-as a second message; on NCCL the hidden states follow as an NCCL transfer. Middle stages relay
-1 and 2 unchanged. The last stage sends rank 0 one message: num_tokens (int64), then (host) the
-final normalised hidden states [num_tokens, hidden_size] (on NCCL: an NCCL transfer after it);
-rank 0 checks the count and computes the logits.
+  3. hidden: the model dtype, [2, num_tokens, hidden_size] = the last layer's output and the
+     residual stream (on NCCL: an NCCL transfer).
+1 and 2 travel as one message (a step whose ints pass CAPACITY bytes sends its header first).
+Middle stages relay 1 and 2 unchanged, as soon as they have them. The last stage sends rank 0
+one message: num_tokens (int64), then (host) the final normalised hidden states
+[num_tokens, hidden_size] (on NCCL: an NCCL transfer after it); rank 0 checks the count and
+computes the logits.
 
 Why Gloo first: a peer that died is reported by Gloo at once (its connection closed), while an
 NCCL transfer with a dead peer waits until the group's timeout. Every NCCL transfer is preceded
 by a Gloo message from the same sender, so a stage that dies is seen on Gloo by whoever waits
 for it; only a death between the two messages of one step is left to the NCCL timeout."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,18 +41,6 @@ from ..models import AttnMetadata
 OP_SHUTDOWN, OP_STEP = 0, 1
 HEADER_LEN = 9
 CAPACITY = 4 << 20  # bytes: a step message up to this size travels whole (`Link`)
-
-
-@dataclass
-class StepMessage:
-    header: torch.Tensor  # int64 [HEADER_LEN], host
-    ints: torch.Tensor  # int64, host: positions | slot_mapping | block_tables | seq_lens | qsl
-    hidden: torch.Tensor  # [2, num_tokens, hidden_size]: x and the residual stream
-
-    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) on `device`."""
-        x, residual = self.hidden.to(device).unbind(0)
-        return x, residual
 
 
 def pack_step(positions: torch.Tensor, meta: AttnMetadata, prefill: bool,
@@ -110,12 +98,11 @@ def split_ints(header: list[int], ints: torch.Tensor) -> tuple[torch.Tensor, ...
                        num_moves, num_moves])
 
 
-def unpack_step(msg: StepMessage, device: torch.device):
+def unpack_step(header: list[int], ints: torch.Tensor, device: torch.device):
     """(positions, meta, prefill) of a received step, on `device`. `prefill`: rows computing
     known tokens (the CPU's dense path, runner._prefill_rows)."""
-    header = msg.header.tolist()
     _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, _ = header
-    pos, slots, tables, seq_lens, qsl, tree_mask, _, _ = split_ints(header, msg.ints.to(device))
+    pos, slots, tables, seq_lens, qsl, tree_mask, _, _ = split_ints(header, ints.to(device))
     meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
                         qsl.int(), max_query_len, max_seq_len)
     if tree:
@@ -146,7 +133,8 @@ class Link:
     processes' Gloo threads before any data moves, ~0.2 ms on a 2-core VM), so every message a
     step needs is posted ahead where its size is known: a stage posts the next step's receive
     (CAPACITY bytes, which takes any smaller message) as soon as it has sent the last one on,
-    and stage 0 posts the final hidden states' receive before it sends the step. On a GPU the
+    the hidden states' receive as soon as the step's ints are in, and stage 0 posts the final
+    hidden states' receive before it sends the step. On a GPU the
     host buffers are pinned and reused (each copy in or out is synchronous, so a buffer is free
     once its message is sent or copied out); on the CPU every message gets its own."""
 
@@ -154,6 +142,7 @@ class Link:
         self.device, self.nccl = device, nccl
         self._buffers: dict[str, torch.Tensor] = {}  # use -> grow-only pinned buffer
         self._posted: tuple | None = None  # (work, buffer) of the next step's receive
+        self._hidden: tuple | None = None  # (work, tensor) of this step's hidden states
 
     @property
     def transport(self) -> str:
@@ -163,41 +152,43 @@ class Link:
         """Bytes of hidden states in a Gloo message: none when they travel on NCCL."""
         return 0 if self.nccl is not None else numel * dtype.itemsize
 
-    def send_step(self, dst: int, header: torch.Tensor, ints: torch.Tensor,
-                  hidden: tuple[torch.Tensor, torch.Tensor]) -> None:
-        x = hidden[0]
+    def send_ints(self, dst: int, header: torch.Tensor, ints: torch.Tensor) -> None:
+        """Messages 1 and 2 of a step: as soon as they are known (before this stage's layers
+        are done), so the next stage prepares its step meanwhile."""
         head, ib = HEADER_LEN * 8, ints.numel() * 8
-        hb = self._hidden_bytes(2 * x.numel(), x.dtype)
-        inline = head + ib + hb <= CAPACITY
+        inline = head + ib <= CAPACITY
         if not inline:
             dist.send(header, dst)
-        buf = self._buffer("send", head + ib + hb)
+        buf = self._buffer("send", head + ib)
         buf[:head].view(torch.int64).copy_(header)
-        buf[head:head + ib].view(torch.int64).copy_(ints)
+        buf[head:].view(torch.int64).copy_(ints)
+        dist.send(buf if inline else buf[head:], dst)
+
+    def send_hidden(self, dst: int, hidden: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Message 3 of a step: (x, residual), each [num_tokens, hidden_size]."""
+        x = hidden[0]
         if self.nccl is not None:
-            dist.send(buf[0 if inline else head:head + ib], dst)
             dist.send(torch.stack(hidden), dst, group=self.nccl)
             return
-        out = buf[head + ib:].view(x.dtype).view(2, *x.shape)
+        buf = self._buffer("send", self._hidden_bytes(2 * x.numel(), x.dtype))
+        out = buf.view(x.dtype).view(2, *x.shape)
         if x.device.type == "cpu":
             out[0].copy_(x)
             out[1].copy_(hidden[1])
         else:  # one copy out of the device: it waits for this stage's layers
             out.copy_(torch.stack(hidden))
-        dist.send(buf[0 if inline else head:], dst)
+        dist.send(buf, dst)
 
     def post_step(self, src: int) -> None:
-        """Posts the receive of the next step from `src` (`recv_step` posts it if not)."""
+        """Posts the receive of the next step from `src` (`recv_ints` posts it if not)."""
         buf = self._buffer("recv", CAPACITY)
         self._posted = (dist.irecv(buf, src), buf)
 
-    def recv_step(self, src: int, dtype: torch.dtype, hidden_size: int, timer=None,
-                  on_host: bool = False) -> StepMessage | None:
-        """The next step from `src`, its hidden states on this stage's device; None when
-        `src` shuts the pipeline down. `on_host`: host-staged hidden states stay in the
-        pinned buffer they came in (until the next `post_step`; `StepMessage.on_device`
-        moves them). `timer` (`timing.PhaseTimer`): the wait for the message is its phase
-        "wait", the rest "recv"."""
+    def recv_ints(self, src: int, dtype: torch.dtype, hidden_size: int,
+                  timer=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(header, ints) of the next step from `src`, or None when `src` shuts the pipeline
+        down; the receive of its hidden states is posted at once (`recv_hidden` waits for
+        it). `timer` (`timing.PhaseTimer`): the wait for the message is its phase "wait"."""
         if self._posted is None:
             self.post_step(src)
         work, buf = self._posted
@@ -210,24 +201,32 @@ class Link:
         fields = header.tolist()
         if fields[0] == OP_SHUTDOWN:
             return None
-        n = fields[1]
-        ib, hb = ints_length(fields) * 8, self._hidden_bytes(2 * n * hidden_size, dtype)
-        if head + ib + hb <= CAPACITY:
-            body = buf[head:head + ib + hb]
-        else:  # a step too large to come whole: the rest follows the header
-            body = self._buffer("recv_large", ib + hb)
-            dist.recv(body, src)
-        ints = body[:ib].view(torch.int64).clone()
-        if hb:
-            hidden = body[ib:ib + hb].view(dtype).view(2, n, hidden_size)
-            if self.device.type != "cpu" and not on_host:  # synchronous: the buffer is free
-                hidden = hidden.to(self.device)
+        ib = ints_length(fields) * 8
+        if head + ib <= CAPACITY:
+            ints = buf[head:head + ib].view(torch.int64).clone()
+        else:  # too large to come whole: the ints follow the header
+            ints = torch.empty(ib // 8, dtype=torch.int64)
+            dist.recv(ints, src)
+        shape = (2, fields[1], hidden_size)
+        if self.nccl is not None:
+            hidden = torch.empty(shape, dtype=dtype, device=self.device)
+            self._hidden = (dist.irecv(hidden, src, group=self.nccl), hidden)
         else:
-            hidden = torch.empty((2, n, hidden_size), dtype=dtype, device=self.device)
-            dist.recv(hidden, src, group=self.nccl)
-        if timer is not None:
-            timer.mark("recv")
-        return StepMessage(header, ints, hidden)
+            raw = self._buffer("recv_hidden", self._hidden_bytes(2 * shape[1] * hidden_size,
+                                                                 dtype))
+            self._hidden = (dist.irecv(raw, src), raw.view(dtype).view(shape))
+        return header, ints
+
+    def recv_hidden(self, on_host: bool = False) -> torch.Tensor:
+        """The hidden states [2, num_tokens, hidden_size] of the step `recv_ints` gave, on this
+        stage's device. `on_host`: host-staged ones stay in the pinned buffer they came in
+        (valid until the next step's `recv_ints`)."""
+        work, hidden = self._hidden
+        self._hidden = None
+        work.wait()
+        if self.nccl is None and self.device.type != "cpu" and not on_host:
+            hidden = hidden.to(self.device)  # synchronous: the buffer is free after
+        return hidden
 
     def send_final(self, hidden: torch.Tensor) -> None:
         """The last stage's output to rank 0: its row count, then the rows."""

@@ -228,29 +228,36 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
     try:
         while True:
             timer.start()
-            msg = link.recv_step(rank - 1, dtype, model.cfg.hidden_size, timer,
-                                 on_host=graphs is not None)
-            if msg is None:
+            got = link.recv_ints(rank - 1, dtype, model.cfg.hidden_size, timer)
+            if got is None:
                 if not last:
                     send_shutdown(rank + 1)
                 return
-            header = msg.header.tolist()
-            moves = step_moves(header, msg.ints, link.device)
+            header_t, ints = got
+            if not last:  # the next stage prepares its step while this one computes
+                link.send_ints(rank + 1, header_t, ints)
+            header = header_t.tolist()
+            moves = step_moves(header, ints, link.device)
             if moves is not None:  # the last tree verify's accepted KV, before anything reads it
                 move_kv(kv_caches, *moves)
-            # a step a graph takes reads the host's ints only: nothing else goes to the device
-            out = graphs.run_received(header, msg.ints, msg.hidden) \
-                if graphs is not None else None
-            if out is None:
-                positions, meta, prefill = unpack_step(msg, link.device)
+            # a step a graph takes has its inputs filled from the host's ints while the hidden
+            # states are still on their way; nothing else of it goes to the device
+            bs = graphs.prepare(header, ints) if graphs is not None else None
+            timer.mark("prepare")
+            hidden = link.recv_hidden(on_host=bs is not None)
+            timer.mark("recv")
+            if bs is not None:
+                out = graphs.replay(bs, hidden)
+            else:
+                positions, meta, prefill = unpack_step(header, ints, link.device)
                 with _prefill_rows(prefill and link.device.type == "cpu"):
                     out = model(None, positions, kv_caches, meta, layer_range=layer_range,
-                                hidden=msg.on_device(link.device))
+                                hidden=tuple(hidden.unbind(0)))
             timer.mark("layers")
             if last:
                 link.send_final(out)
             else:
-                link.send_step(rank + 1, msg.header, msg.ints, out)
+                link.send_hidden(rank + 1, out)
             link.post_step(rank - 1)  # the next step may come as soon as it is ready
             timer.step("send", step_kind(header[2], header[4]))
     finally:
