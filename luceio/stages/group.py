@@ -128,8 +128,8 @@ class StageGroup:
             # than fail (seen once in the CPU suite), so it is not tried
             self.broken = self._failure(RuntimeError("a stage process exited"))
             raise StageError(self.broken)
-        # the ints go out before this stage's layers run or are waited for, so the next stage
-        # prepares its step (fills its graph's inputs) while this device still computes
+        # the ints go out before this stage's layers run or are waited for (host path), so the
+        # next stage prepares its step (fills its graph's inputs) while this device computes
         timer = self.timer
         timer.start()
         parts = split_step(input_ids, positions, meta, self.micro_batches)
@@ -143,11 +143,15 @@ class StageGroup:
                     waits = [self.link.post_final(last, p[1].numel(), model.cfg.hidden_size,
                                                   self.dtype, own=len(parts) > 1)
                              for p in parts]
-                self.link.send_ints(1, header, ints)  # the next stage prepares meanwhile
+                ahead = self.link.ints_ahead
+                if ahead:
+                    self.link.send_ints(1, header, ints)  # the next stage prepares meanwhile
                 timer.mark("pack")
                 hidden = first if first is not None else \
                     model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
                 timer.mark("layers")
+                if not ahead:
+                    self.link.send_ints(1, header, ints)
                 self.link.send_hidden(1, hidden)
                 timer.mark("send")
             out = waits[0]() if len(waits) == 1 else torch.cat([wait() for wait in waits])

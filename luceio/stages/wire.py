@@ -7,9 +7,10 @@
 - nccl: device to device on an NCCL group of every stage (CUDA devices of one vendor). The
   receiving buffer is allocated on the device for each step (from the caching allocator).
 
-One step, stage r -> stage r + 1, is two Gloo messages of bytes: the first as soon as it is
+One step, stage r -> stage r + 1, is two messages: the first (Gloo, bytes) as soon as it is
 known, before stage r's layers are done, so stage r + 1 prepares its step meanwhile
-(`Link.send_ints`), the second once they are (`Link.send_hidden`):
+(`Link.send_ints`; on NCCL right before the second, see below), the second once they are
+(`Link.send_hidden`):
   1. header: int64 [HEADER_LEN] = op, num_tokens, num_seqs, max_blocks, max_query_len,
      max_seq_len, prefill, tree, num_moves (op SHUTDOWN: the rest is unused and nothing
      follows);
@@ -30,7 +31,9 @@ computes the logits.
 Why Gloo first: a peer that died is reported by Gloo at once (its connection closed), while an
 NCCL transfer with a dead peer waits until the group's timeout. Every NCCL transfer is preceded
 by a Gloo message from the same sender, so a stage that dies is seen on Gloo by whoever waits
-for it; only a death between the two messages of one step is left to the NCCL timeout."""
+for it; only a death between the two messages of one step is left to the NCCL timeout. So
+on NCCL the ints are not sent ahead of a stage's layers (`Link.ints_ahead`): a stage that died
+during them would leave the next one waiting on NCCL, and with it the engine."""
 from __future__ import annotations
 
 import torch
@@ -147,6 +150,13 @@ class Link:
     @property
     def transport(self) -> str:
         return "host" if self.nccl is None else "nccl"
+
+    @property
+    def ints_ahead(self) -> bool:
+        """Whether a step's ints go before the stage's layers run (host path), or just before
+        its hidden states (NCCL: a stage that dies during its layers is then still seen on
+        Gloo, as the ints it has not sent, rather than at the NCCL transfer's timeout)."""
+        return self.nccl is None
 
     def _hidden_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """Bytes of hidden states in a Gloo message: none when they travel on NCCL."""

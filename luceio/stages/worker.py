@@ -234,7 +234,7 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
                     send_shutdown(rank + 1)
                 return
             header_t, ints = got
-            if not last:  # the next stage prepares its step while this one computes
+            if not last and link.ints_ahead:  # the next stage prepares its step meanwhile
                 link.send_ints(rank + 1, header_t, ints)
             header = header_t.tolist()
             moves = step_moves(header, ints, link.device)
@@ -257,6 +257,8 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
             if last:
                 link.send_final(out)
             else:
+                if not link.ints_ahead:
+                    link.send_ints(rank + 1, header_t, ints)
                 link.send_hidden(rank + 1, out)
             link.post_step(rank - 1)  # the next step may come as soon as it is ready
             timer.step("send", step_kind(header[2], header[4]))
