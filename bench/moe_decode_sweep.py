@@ -30,9 +30,11 @@ from luceio.kernels.moe_decode_triton import moe_decode, route_topk  # noqa: E40
 
 SHAPES = {"qwen3.5-35b-a3b": (2048, 512, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 8)}
 GATE_UP = [dict(moe_decode_gu_block_n=n, moe_decode_gu_block_k=k, moe_decode_gu_num_warps=w)
-           for n in (4, 8, 16, 32) for k in (256, 512) for w in (1, 2, 4)]
+           for n in (2, 4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (1, 2, 4, 8)
+           if n * k <= 16384]
 DOWN = [dict(moe_decode_down_block_n=n, moe_decode_down_block_k=k, moe_decode_down_num_warps=w)
-        for n in (4, 8, 16) for k in (256, 512) for w in (1, 2, 4)]
+        for n in (2, 4, 8, 16, 32) for k in (128, 256, 512) for w in (1, 2, 4, 8)
+        if n * k <= 8192]
 
 
 def time_call(fn, calls: int = 64, replays: int = 5) -> float:

@@ -154,6 +154,9 @@ TABLE: dict[str, KernelConfig] = {
                           dense_gemv_split_min_programs=132, dense_gemv_wide_min_n=8192,
                           dense_gemv_wide_block_n=8, dense_gemv_wide_block_k=256,
                           dense_gemv_wide_num_warps=2,
+                          moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
+                          moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,
+                          moe_decode_down_block_k=256, moe_decode_down_num_warps=1,
                           source="measured by luceio.kernels.tune on NVIDIA H200 (sm_90), bf16, "
                                  "triton 3.6.0, torch 2.11.0+cu130, 2026-11-30; qgemm_*: one-field "
                                  "sweeps of bench/qgemm.py --quick around the defaults, same card; "
@@ -172,7 +175,11 @@ TABLE: dict[str, KernelConfig] = {
                                  "over 12 bf16 projections of 3 models; the wide tile: best on "
                                  "the gate/up matrices; the 0.5B's LM head took 76 us against "
                                  "cuBLAS's 66, hence max_n), results/h200/dense_gemv_sweep_m1*.json, "
-                                 "2026-12-02"),
+                                 "2026-12-02; moe_decode_*: bench/moe_decode_sweep.py (one "
+                                 "token's top-8 experts in a CUDA graph, geometric mean over the "
+                                 "Qwen3.5-35B-A3B and Qwen3-30B-A3B layer shapes: 0.23 -> 0.70 "
+                                 "of copy bandwidth), results/h200/moe_decode_sweep_session20"
+                                 ".json, 2026-12-03"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
