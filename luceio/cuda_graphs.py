@@ -176,12 +176,15 @@ class StepGraphs:
 
     def _pad(self, ids, pos, slots, bt, seq_lens, q_lens, bs: int, q: int):
         """Host arrays padded to q tokens per request and bs requests: (tokens [3, bs*q],
-        block tables [bs, max_blocks], seq lens [bs])."""
+        block tables [bs, the batch's widest table], seq lens [bs]). Only the columns the
+        batch uses are staged (`_fill`): the kernels read a request's table only as far as its
+        length, so the static table's columns past them may keep an earlier step's ids. With
+        a context of 32K that is 8 KB a request a step not copied."""
         n = len(seq_lens)
         tok = np.zeros((3, bs, q), dtype=np.int64)
         tok[1] = np.arange(q)[None, :]  # padded requests: positions 0..q-1
         tok[2] = -1  # padding writes no KV
-        tables = np.zeros((bs, self.max_blocks), dtype=np.int64)
+        tables = np.zeros((bs, max(bt.shape[1], 1)), dtype=np.int64)
         lens = np.full(bs, q, dtype=np.int64)
         if n and q == 1 and len(ids) == n:  # one token a request (decode): no scatter
             tok[:, :n, 0] = ids, pos, slots
@@ -201,9 +204,9 @@ class StepGraphs:
         """One pinned host→device copy (the runner's staging), then on-device copies into the
         static inputs. Returns the `extra` int64 arrays, copied along, on the device."""
         t, b, l_, *extra = self.staging.to_device(np.int64, [tok, tables, lens, *extra])
-        n_tok, bs = tok.shape[1], lens.size
+        n_tok, bs, width = tok.shape[1], lens.size, tables.shape[1]
         self.tok[:, :n_tok].copy_(t.view(3, n_tok))
-        self.tables[:bs].copy_(b.view(bs, self.max_blocks))
+        self.tables[:bs, :width].copy_(b.view(bs, width))
         self.lens[:bs].copy_(l_)
         return extra
 

@@ -11,6 +11,17 @@ from luceio.models import AttnMetadata
 from luceio.scheduler import ScheduledRequest, SchedulerOutput
 
 
+def graph_tables(g, tables, num_blocks):
+    """The graph's static block table as a replay sees it: `_fill` stages only the batch's
+    columns, so the columns past them hold whatever block ids earlier steps left (random
+    ones here: a kernel reading past a request's length would read another block's keys)."""
+    gen = torch.Generator().manual_seed(7)
+    static = torch.randint(0, num_blocks, (tables.shape[0], g.max_blocks), generator=gen,
+                           dtype=torch.int32)
+    static[:, :tables.shape[1]] = torch.from_numpy(tables.astype(np.int32))
+    return static
+
+
 def test_padded_batch_gives_the_same_hidden_states(tiny_llama):
     llm = LLM(tiny_llama, **engine_kwargs(max_model_len=256))
     eng = llm.engine
@@ -45,7 +56,9 @@ def test_padded_batch_gives_the_same_hidden_states(tiny_llama):
     tok, tables, lens = g._pad(h.input_ids, h.positions, h.slot_mapping, h.block_tables,
                                h.seq_lens, h.q_lens, bs, q)
     qsl = torch.arange(bs + 1, dtype=torch.int32) * q
-    pmeta = AttnMetadata(t(tok[2]), t(tables.astype(np.int32)), t(lens.astype(np.int32)), qsl, q, 256)
+    assert tables.shape == (bs, h.block_tables.shape[1])  # only the columns in use are staged
+    pmeta = AttnMetadata(t(tok[2]), graph_tables(g, tables, runner.num_blocks),
+                         t(lens.astype(np.int32)), qsl, q, 256)
     out = model(t(tok[0]), t(tok[1]), runner.kv_caches, pmeta)
     r = np.repeat(np.arange(len(h.q_lens)), h.q_lens)
     rows = r * q + (np.arange(len(r)) - np.repeat(h.query_start_loc[:-1], h.q_lens))
@@ -105,8 +118,8 @@ def test_padded_tree_batch_gives_the_same_hidden_states(tiny_llama):
     words = np.full(bs * q, -1, dtype=np.int64)  # as StepGraphs.run fills them
     words[rows] = h.tree_mask
     qsl = torch.arange(bs + 1, dtype=torch.int32) * q
-    pmeta = AttnMetadata(t(tok[2]), t(tables.astype(np.int32)), t(lens.astype(np.int32)), qsl, q,
-                         256, t(words))
+    pmeta = AttnMetadata(t(tok[2]), graph_tables(g, tables, runner.num_blocks),
+                         t(lens.astype(np.int32)), qsl, q, 256, t(words))
     out = model(t(tok[0]), t(tok[1]), runner.kv_caches, pmeta)
     torch.testing.assert_close(out[t(rows)], ref, rtol=1e-5, atol=1e-5)
     plain = AttnMetadata(*(getattr(pmeta, f) for f in ("slot_mapping", "block_tables", "seq_lens",
@@ -126,7 +139,7 @@ def test_decode_padding_is_the_general_padding():
     tok, tables, lens = StepGraphs._pad(SimpleNamespace(max_blocks=4), ids, pos, slots, bt,
                                         seq_lens, q_lens, 4, 1)
     assert tok.tolist() == [[5, 6, 7, 0], [9, 30, 2, 0], [41, 87, 18, -1]]
-    assert tables.tolist() == [[2, 0, 0, 0], [3, 5, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    assert tables.tolist() == [[2, 0], [3, 5], [1, 0], [0, 0]]  # the batch's columns only
     assert lens.tolist() == [10, 31, 3, 1]
     # the general path (two tokens for one request) pads the same way around its rows
     ids2, pos2, slots2 = np.array([5, 6, 6, 7]), np.array([9, 29, 30, 2]), np.array([41, 86, 87, 18])

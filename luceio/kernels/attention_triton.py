@@ -7,9 +7,10 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   from `max_seq_len` (`decode_splits`). A program holds the whole GQA group of query heads of
   one KV head (padded to >= 16 rows for tl.dot), walks its split of the sequence's real length
   (cut evenly, at least `decode_min_tokens_per_split` keys, whole BLOCK_N tiles: a CUDA graph
-  captured for the model's whole context still spreads a short context over its splits) with
-  an online softmax and writes its normalised partial output and log-sum-exp;
-  `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges the splits. With one split the
+  captured for the model's whole context still spreads a short context over its splits, and
+  the splits past its end return at once) with an online softmax and writes its normalised
+  partial output and log-sum-exp; `_decode_reduce_kernel`, grid (num_seqs, num_heads), merges
+  the splits in use. With one split the
   first kernel writes the output directly. (Merging the splits in the decode launch, by the
   last split to finish, was slower on the H200: step_profile_session10_fused_merge.json.)
 * prefill (max_query_len > 1): grid (cdiv(max_query_len * group, BLOCK_M), num_seqs,
@@ -116,6 +117,17 @@ def _attend_tile(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, n0, lim, row_pos, sca
 
 
 @triton.jit
+def _split_range(seq_len, window, num_splits, min_tokens_per_split, BLOCK_N: tl.constexpr):
+    """(first key, keys per split, splits in use, >= 1) of one decode query: its keys from
+    `lo` cut evenly over the splits, at least `min_tokens_per_split` and whole tiles each."""
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len - lo, num_splits),
+                                          min_tokens_per_split), BLOCK_N) * BLOCK_N
+    used = tl.minimum(tl.maximum(tl.cdiv(seq_len - lo, tokens_per_split), 1), num_splits)
+    return lo, tokens_per_split, used
+
+
+@triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
                    scale_log2, min_tokens_per_split, num_splits, window,
                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
@@ -147,11 +159,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         q = q.to(tl.float32)
 
     # this sequence's own split of its real length (a graph's grid is sized for the longest
-    # context it may see): splits past its end find nothing and are weighted 0 by the reduce.
-    # A sliding window: the splits cut only the keys the query sees, from `lo`
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len - lo, num_splits),
-                                          min_tokens_per_split), BLOCK_N) * BLOCK_N
+    # context it may see): splits past its end return at once, and the reduce reads only the
+    # splits in use (`_split_range`). A sliding window: the splits cut only the keys the
+    # query sees, from `lo`
+    lo, tokens_per_split, used = _split_range(seq_len, window, num_splits, min_tokens_per_split,
+                                              BLOCK_N)
+    if split >= used:
+        return
     start = lo + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
@@ -189,9 +203,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_oh,
+def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, seq_lens_ptr, out_ptr, num_splits,
+                          min_tokens_per_split, window, s_ot, s_oh,
                           xq0, xs0, xsum0, xq1, xs1, xsum1,
                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_N: tl.constexpr,
                           XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
                           PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     pdl_enter(PDL, PDL_EARLY)
@@ -200,8 +216,10 @@ def _decode_reduce_kernel(po_ptr, pl_ptr, qsl_ptr, out_ptr, num_splits, s_ot, s_
     q_start = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - q_start == 0:
         return
+    _, _, used = _split_range(tl.load(seq_lens_ptr + b), window, num_splits,
+                              min_tokens_per_split, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < num_splits
+    smask = offs_s < used  # the splits past the sequence's end wrote nothing
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
@@ -374,10 +392,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             **pdl_kwargs(q.device, cfg, num_seqs * num_kv_heads * splits))
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
-                po, pl, query_start_loc, out, splits, out.stride(0), out.stride(1),
+                po, pl, query_start_loc, seq_lens, out, splits, cfg.decode_min_tokens_per_split,
+                window, out.stride(0), out.stride(1),
                 *xq_args(xqs, out),
                 HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                BLOCK_D=block_d, num_warps=cfg.reduce_num_warps, **xq_flags(xqs),
+                BLOCK_D=block_d, BLOCK_N=block_n, num_warps=cfg.reduce_num_warps, **xq_flags(xqs),
                 **pdl_kwargs(q.device, cfg, num_seqs * num_heads))
         return out
 

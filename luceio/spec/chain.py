@@ -104,9 +104,11 @@ class DraftChain:
         pos0 = np.zeros(bs, np.int64)
         lens0 = np.ones(bs, np.int64)  # padded rows: a one-token sequence at position 0
         slots = np.full((steps, bs), -1, np.int64)
-        tables = np.zeros((bs, self.max_blocks), np.int64)
+        attn = [kv.attention_table(s.request_id) for s in seqs]
+        # only the columns in use (the kernels read a table only as far as its length)
+        tables = np.zeros((bs, max(1, max(len(t) for t, _ in attn))), np.int64)
         for i, (s, m) in enumerate(zip(seqs, num_steps)):
-            table, skipped = kv.attention_table(s.request_id)
+            table, skipped = attn[i]
             first_idx = len(s.all_token_ids)  # cache index of draft 1, fed by step 1
             pos0[i] = first_idx
             lens0[i] = first_idx + 1 - skipped
@@ -118,7 +120,7 @@ class DraftChain:
         self.pos0[:bs].copy_(p)
         self.lens0[:bs].copy_(l_)
         self.slots[:steps, :bs].copy_(sl.view(steps, bs))
-        self.tables[:bs].copy_(t.view(bs, self.max_blocks))
+        self.tables[:bs, :tables.shape[1]].copy_(t.view(bs, -1))
         if graphed:
             self.graphs[bs, steps].replay()
         else:

@@ -170,9 +170,11 @@ class DraftTreeGraph:
         root_pos = np.zeros(bs, np.int64)
         base = np.zeros(bs, np.int64)
         slots = np.full((bs, self.slot.shape[1]), -1, np.int64)
-        tables = np.zeros((bs, self.max_blocks), np.int64)
+        attn = [kv.attention_table(s.request_id) for s in seqs]
+        # only the columns in use (the kernels read a table only as far as its length)
+        tables = np.zeros((bs, max(1, max(len(t) for t, _ in attn))), np.int64)
         for i, s in enumerate(seqs):
-            table, skipped = kv.attention_table(s.request_id)
+            table, skipped = attn[i]
             root = len(s.all_token_ids) - 1
             root_pos[i], base[i] = root, root - skipped
             idx = root + 1 - skipped + np.arange(fed)
@@ -182,7 +184,7 @@ class DraftTreeGraph:
         self.root_pos[:bs].copy_(p)
         self.base_len[:bs].copy_(b_)
         self.slot[:bs].copy_(sl.view(bs, -1))
-        self.tables[:bs].copy_(t.view(bs, self.max_blocks))
+        self.tables[:bs, :tables.shape[1]].copy_(t.view(bs, -1))
         logits = root_logits
         if bs > n:
             logits = torch.cat([root_logits, root_logits[:1].expand(bs - n, -1)])
