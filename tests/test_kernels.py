@@ -425,6 +425,16 @@ def test_decode_split_choice():
     assert s <= 32 and s * t >= 1_000_000 and t % 64 == 0
 
 
+def test_decode_warps_by_head_dim():
+    """The table's wide-head warps apply from head_dim 128 up; unset, every head_dim takes
+    decode_num_warps (sm_90's row: 2 for head_dim 64, 8 for 128 and 256)."""
+    assert configs.decode_warps(KernelConfig(decode_num_warps=4), 256) == 4
+    cfg = KernelConfig(decode_num_warps=2, decode_num_warps_wide=8)
+    assert [configs.decode_warps(cfg, d) for d in (64, 96, 128, 256)] == [2, 2, 8, 8]
+    sm90 = configs.TABLE["sm_90"]
+    assert (configs.decode_warps(sm90, 64), configs.decode_warps(sm90, 128)) == (2, 8)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 

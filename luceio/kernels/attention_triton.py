@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import decode_splits, fit_shared, get_config, num_sms
+from .configs import decode_splits, decode_warps, fit_shared, get_config, num_sms
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import emit_xq, xq_args, xq_flags
 
@@ -387,7 +387,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *xq_args(xqs if direct else {}, out),
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=block_h,
             BLOCK_D=block_d, BLOCK_N=block_n, DIRECT_OUT=direct, DOT_F32=dot_f32,
-            DOT_IEEE=dot_ieee, num_warps=cfg.decode_num_warps, num_stages=stages,
+            DOT_IEEE=dot_ieee, num_warps=decode_warps(cfg, head_dim), num_stages=stages,
             **xq_flags(xqs if direct else {}),
             **pdl_kwargs(q.device, cfg, num_seqs * num_kv_heads * splits))
         if not direct:

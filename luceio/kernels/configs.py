@@ -28,6 +28,7 @@ class KernelConfig:
     # paged decode (one query token per request): split-KV ("flash-decoding") + a reduce kernel
     decode_block_n: int = 64             # keys per inner iteration
     decode_num_warps: int = 4
+    decode_num_warps_wide: int = 0       # for head_dim >= 128 (0: decode_num_warps)
     decode_num_stages: int = 2
     decode_min_tokens_per_split: int = 512  # never give a split less context than this
     decode_max_splits: int = 32
@@ -141,7 +142,8 @@ TABLE: dict[str, KernelConfig] = {
                           prefill_num_stages=2, max_shared_kb=96,
                           qgemm_num_stages=3, qgemm_split_k_min_programs=256),
     # Hopper (H100 / H200): 132 SMs, 228 KiB shared memory per SM, HBM3(e)
-    "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=2, decode_num_stages=2,
+    "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=2, decode_num_warps_wide=8,
+                          decode_num_stages=2,
                           decode_min_tokens_per_split=64, decode_max_splits=64,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220,
@@ -179,7 +181,14 @@ TABLE: dict[str, KernelConfig] = {
                                  "token's top-8 experts in a CUDA graph, geometric mean over the "
                                  "Qwen3.5-35B-A3B and Qwen3-30B-A3B layer shapes: 0.23 -> 0.70 "
                                  "of copy bandwidth), results/h200/moe_decode_sweep_session20"
-                                 ".json, 2026-12-03"),
+                                 ".json, 2026-12-03; decode_num_warps_wide 8 (head_dim >= "
+                                 "128): bench/decode_attn_sweep.py (batch 1, ctx 512 and 8192, "
+                                 "in a CUDA graph: head_dim 256 at ctx 512 11.8 -> 7.9 us, 1.5B "
+                                 "7.2 -> 5.6 us), results/h200/decode_attn_sweep_session20.json; "
+                                 "in the engine 8 warps gave 1.5B 645.9 -> 668.4 tok/s but 0.5B "
+                                 "(head_dim 64) 1306.5 -> 1250.2, hence head_dim 64 keeps 2, "
+                                 "results/h200/step_profile_session20_decode_warps_ab.json, "
+                                 "2026-12-03"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
@@ -217,6 +226,14 @@ def fit_shared(block_m: int, block_n: int, stages: int, block_d: int, elt: int,
     while need(block_n, stages) > budget_kb * 1024 and stages > 1:
         stages -= 1
     return block_n, stages
+
+
+def decode_warps(cfg, head_dim: int) -> int:
+    """num_warps of a decode attention launch: `decode_num_warps_wide` for head_dim >= 128
+    where the table sets it."""
+    if head_dim >= 128 and cfg.decode_num_warps_wide:
+        return cfg.decode_num_warps_wide
+    return cfg.decode_num_warps
 
 
 def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
