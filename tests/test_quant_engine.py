@@ -6,6 +6,7 @@ checkpoint's layer weights at load."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import engine_kwargs
 from luceio import LLM, SamplingParams
@@ -90,12 +91,18 @@ def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
     own launch: the decode steps of a mixed-type GGUF (a q4_0 + q8_0 fused QKV, so both int8
     layouts), two requests decoding together (two-row steps) and then one alone, produce
     identical greedy tokens and log-probabilities."""
+    from dataclasses import replace
+
     import luceio.kernels as K
-    from luceio.kernels import triton_ops
+    from luceio.kernels import configs, triton_ops
     from test_gguf import _write_gguf
     path = tmp_path / "q.gguf"
     _write_gguf(path, "qwen2", MIXED, heads=heads)
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    # the interpreter's time goes by programs: 32 columns a GEMV program instead of 4 (both
+    # runs alike; the producers' int8 layouts do not depend on the tile)
+    cfg = replace(configs.get_config(torch.device("cpu")), gemv_block_n=32)
+    monkeypatch.setattr(configs, "_override", cfg)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
     made, attention_xqs = [], []
     buffers, attention = K.gemv_input_buffers, triton_ops.paged_attention
