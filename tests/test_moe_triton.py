@@ -121,6 +121,29 @@ def test_moe_decode_matches_reference(gen, dtype, num_tokens, num_experts, top_k
     check(out, ref, TOL[dtype], gen, f"moe_decode {dtype} T={num_tokens} k={top_k}")
 
 
+@pytest.mark.parametrize("arch", ["sm_90"])
+def test_moe_decode_on_a_table_rows_tiles(gen, arch):
+    """The few-token path with an arch's own tiles (sm_90: 4 gate/up columns a program and K in
+    steps of 1024, past hidden here; down 8 columns, K in 256s): a tile shape is checked here
+    before a GPU runs it."""
+    from dataclasses import replace
+
+    from luceio.kernels.moe_decode_triton import moe_decode
+    row = configs.TABLE[arch]
+    cfg = replace(configs.TABLE["default"], **{f: getattr(row, f) for f in (
+        "moe_decode_gu_block_n", "moe_decode_gu_block_k", "moe_decode_gu_num_warps",
+        "moe_decode_down_block_n", "moe_decode_down_block_k", "moe_decode_down_num_warps")})
+    hidden, inter, num_tokens, num_experts, top_k = 200, 150, 3, 6, 3
+    x = rnd(gen, num_tokens, hidden)
+    w_gate_up = rnd(gen, num_experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w_down = rnd(gen, num_experts, hidden, inter, scale=inter ** -0.5)
+    weights, expert_ids = _routing(gen, num_tokens, num_experts, top_k, torch.float32)
+    with configs.use_config(cfg):
+        out = moe_decode(x, w_gate_up, w_down, weights, expert_ids)
+    check(out, fused_moe_ref(x, w_gate_up, w_down, weights, expert_ids), TOL[torch.float32], gen,
+          f"moe_decode on {arch}'s tiles")
+
+
 def test_greedy_on_triton_kernels_matches_torch_path(moe_models, monkeypatch):
     """A tiny Qwen3-MoE (4 experts, top-2) with LUCEIO_KERNELS=triton: the sparse blocks run
     the fused kernel, and prefill and decode give the torch path's greedy tokens."""
