@@ -100,9 +100,10 @@ class ModelRunner:
         self.host_store = HostKVStore(self.kv_caches, device, pool_keys=bool(
             cache_config.resident_tokens) and cache_config.resident_policy == "keys")
         self.graphs = None
-        self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) \
-            if device.type == "cpu" and CpuDecoder.supports(dtype) and stages is None \
-            and not self.stateful else None
+        self.cpu_decoder = None
+        if device.type == "cpu" and CpuDecoder.supports(dtype) and not self.stateful:
+            self.cpu_decoder = CpuDecoder(self.model, self.kv_caches) if stages is None else \
+                CpuDecoder.for_stage(self.model, self.kv_caches, stages.layer_range)
         if device.type == "cpu":
             return_freed_heap()
         offloaded = (self.expert_offload is not None and self.expert_offload.active) or \
@@ -338,13 +339,14 @@ class ModelRunner:
                 if len(h.fresh_slots):
                     self.model.reset_state(state[1])
             with _prefill_rows(inp.prefill and self.device.type == "cpu"):
-                if self._cpu_decode(h, probe):
-                    hidden = self.cpu_decoder(ids, pos, meta)
-                elif self.stages is not None:
+                if self.stages is not None:
                     if probe is not None:
                         raise ValueError("pipeline stages cannot run a per-layer probe")
-                    hidden = self.stages.forward(self.model, ids, pos, self.kv_caches, meta,
-                                                 inp.prefill)
+                    hidden = self.stages.forward(
+                        self.model, ids, pos, self.kv_caches, meta, inp.prefill,
+                        decoder=self.cpu_decoder if self._cpu_decode(h, probe) else None)
+                elif self._cpu_decode(h, probe):
+                    hidden = self.cpu_decoder(ids, pos, meta)
                 else:
                     hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
         return self.model.compute_logits(hidden[rows])

@@ -77,12 +77,18 @@ def test_two_stages_equal_one_process(tiny_llama, sched, micro):
     expected = run_with_abort(LLM(tiny_llama, **engine_kwargs(**sched)), batch, params)
     llm = LLM(tiny_llama, **stage_kwargs("cpu,cpu", layer_split="1,1",
                                          stage_micro_batches=micro, **sched))
-    sends = []
+    sends, decoded = [], []
     link = llm.engine.stages.link
     real = link.send_hidden
     link.send_hidden = lambda *a: sends.append(1) or real(*a)
+    decoder = llm.engine.runner.cpu_decoder  # stage 0's decode steps on the CPU decode path
+    if decoder is not None:
+        assert (decoder.start, decoder.end) == (0, 1)
+        llm.engine.runner.cpu_decoder = lambda *a, **kw: decoded.append(1) or decoder(*a, **kw)
     try:
         assert run_with_abort(llm, batch, params) == expected
+        from luceio.kernels import decode_cpu
+        assert bool(decoded) == decode_cpu.available()
         steps = llm.engine.counters["steps"]
         assert len(sends) == steps if micro == 1 else len(sends) > steps
         assert expected[1][1] == "abort" and len(expected[1][0]) < 20

@@ -66,20 +66,25 @@ _EMPTY = np.zeros(0, np.float32)
 
 
 class CpuDecoder:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]):
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor | None],
+                 layer_range: tuple[int, int] | None = None):
+        """`layer_range` (a pipeline stage's layers, `stages/`): only those run; a stage after
+        the first takes the (x, residual) pair the stage before handed on, and a stage before
+        the last hands on its own, as `LlamaForCausalLM.forward` does with a layer range."""
         cfg = model.cfg
         self.model, self.num_heads, self.eps = model, cfg.num_heads, cfg.rms_norm_eps
+        self.start, self.end = layer_range or (0, len(model.layers))
         self.gemma = type(model) is Gemma3ForCausalLM
         self.module_forward = isinstance(model, Gemma3ForCausalLM) and not self.gemma
         if self.module_forward:
             self.kv_caches = kv_caches
             return
-        self.kv = [kv.numpy() for kv in kv_caches]
+        self.kv = [kv.numpy() if kv is not None else None for kv in kv_caches]
         self.cos_sin = model.cos_sin.numpy()
         self.scale = cfg.head_dim ** -0.5
-        self.layers = [_GemmaLayer(layer, model) if self.gemma else _Layer(layer)
-                       for layer in model.layers]
-        table = model.embed_tokens.qweight
+        self.layers = [_GemmaLayer(model.layers[i], model) if self.gemma
+                       else _Layer(model.layers[i]) for i in range(self.start, self.end)]
+        table = model.embed_tokens.qweight if self.start == 0 else None
         self.embed_rows = qdot_cpu.prepare(table) \
             if table is not None and table.qtype in qdot_cpu.KINDS else None
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
@@ -90,23 +95,38 @@ class CpuDecoder:
     def supports(dtype: torch.dtype) -> bool:
         return decode_cpu.available() and dtype == torch.float32
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttnMetadata) -> torch.Tensor:
-        """fp32 hidden states [num_seqs, hidden] after the final norm, as `model.forward`."""
+    @classmethod
+    def for_stage(cls, model, kv_caches, layer_range: tuple[int, int]) -> "CpuDecoder | None":
+        """The decoder of a pipeline stage's layers, or None where this path has no stage
+        form (Gemma's own step and the module-forward models run the module)."""
+        if isinstance(model, Gemma3ForCausalLM):
+            return None
+        return cls(model, kv_caches, layer_range)
+
+    def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                 meta: AttnMetadata, hidden: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """fp32 hidden states [num_seqs, hidden] after the final norm, as `model.forward`; with
+        a layer range, `hidden` in and (x, residual) out as there."""
         if self.module_forward:
             return self.model(input_ids, positions, self.kv_caches, meta)
         qdot_cpu.use_torch_threads()  # for attention; the matmuls ask too
         if self.gemma:
             return self._gemma_step(input_ids, positions, meta)
         batch = self._batch(positions, meta)
-        residual = self._embed(input_ids)  # fp32 [num_seqs, hidden]
-        rows, hidden = residual.shape
-        x = residual.numpy()  # what the next norm adds to the residual (nothing before layer 0)
-        for i, layer in enumerate(self.layers):
-            h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(rows, hidden))
+        if self.start == 0:
+            residual = self._embed(input_ids)  # fp32 [num_seqs, hidden]
+            x, add = residual.numpy(), False  # nothing to add before layer 0
+        else:  # the next norm adds x to the residual handed on (its own copy: added in place)
+            x, residual = hidden[0].numpy(), hidden[1].float().clone()
+            add = True
+        rows, width = residual.shape
+        for i, layer in enumerate(self.layers, self.start):
+            h = self._norm(x, residual, add, layer.input_norm, self._scratch(rows, width))
             attn = self._attend(layer, h, i, batch, self.cos_sin, self.scale, 0)
-            h = self._norm(attn[1], residual, True, layer.post_norm, self._scratch(rows, hidden))
-            x = self._mlp(layer, h, rows)
+            h = self._norm(attn[1], residual, True, layer.post_norm, self._scratch(rows, width))
+            x, add = self._mlp(layer, h, rows), True
+        if self.end < len(self.model.layers):  # x leaves the scratch buffers (sent, not kept)
+            return torch.from_numpy(x).clone(), residual
         out = torch.empty_like(residual)
         return self._norm(x, residual, True, self.final_norm, (out, out.numpy()))[0]
 
@@ -119,7 +139,7 @@ class CpuDecoder:
         residual = self.model._embed(input_ids).float().contiguous()  # its scale, as the model
         rows, hidden = residual.shape
         x = residual.numpy()  # what the next norm adds (nothing before layer 0)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, self.start):
             h = self._norm(x, residual, i > 0, layer.input_norm, self._scratch(rows, hidden))
             attn = self._attend(layer, h, i, batch, layer.cos_sin, layer.scale, layer.window)[1]
             post = self._norm(attn, attn, False, layer.post_attn_norm,

@@ -116,11 +116,12 @@ class StageGroup:
                                                             self.plan.layer_ranges)))
 
     def forward(self, model, input_ids, positions, kv_caches, meta, prefill: bool,
-                first=None) -> torch.Tensor:
+                first=None, decoder=None) -> torch.Tensor:
         """The final normalised hidden states [num_tokens, hidden_size], on stage 0's device.
         `first`: stage 0's output for the whole step, already queued (its CUDA graph's replay,
         `graphs.StageGraphs.run_first`; then `positions` and `meta` may be on the host), in
-        place of the eager layers; only for steps not cut into micro-batches."""
+        place of the eager layers; only for steps not cut into micro-batches. `decoder`: runs
+        stage 0's layers of a decode step (the CPU decode path, `models/cpu_decode.py`)."""
         if self.broken:
             raise StageError(self.broken)
         if any(p.exitcode is not None for p in self.procs):
@@ -147,8 +148,12 @@ class StageGroup:
                 if ahead:
                     self.link.send_ints(1, header, ints)  # the next stage prepares meanwhile
                 timer.mark("pack")
-                hidden = first if first is not None else \
-                    model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
+                if first is not None:
+                    hidden = first
+                elif decoder is not None:
+                    hidden = decoder(ids, pos, sub)
+                else:
+                    hidden = model(ids, pos, kv_caches, sub, layer_range=self.layer_range)
                 timer.mark("layers")
                 if not ahead:
                     self.link.send_ints(1, header, ints)

@@ -216,6 +216,24 @@ def _capture(model, kv_caches, plan: StagePlan, rank: int, engine_plan: dict,
     return graphs
 
 
+def _cpu_decoder(model, kv_caches, layer_range, device: torch.device, dtype: torch.dtype):
+    """The CPU decode path for this stage's layers (`models/cpu_decode.py`), as stage 0's
+    runner builds its own, or None."""
+    from ..models.cpu_decode import CpuDecoder
+    stateful = getattr(model, "has_state", False)
+    if device.type != "cpu" or not CpuDecoder.supports(dtype) or stateful:
+        return None
+    return CpuDecoder.for_stage(model, kv_caches, layer_range)
+
+
+def _decodes(header) -> bool:
+    """A step of one query token a request, no tree, on the default kernels: what the CPU
+    decode path runs (the runner's `_cpu_decode` rule, from the step's header)."""
+    from .. import kernels
+    _, n, num_seqs, _, max_query_len, _, _, tree, _ = header
+    return max_query_len == 1 and n == num_seqs and not tree and kernels.kernel_mode() == "auto"
+
+
 @torch.inference_mode()
 def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torch.dtype,
            graphs=None) -> None:
@@ -225,6 +243,7 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
     layer_range = plan.layer_ranges[rank]
     last = rank == plan.num_stages - 1
     timer = PhaseTimer(rank)
+    decoder = _cpu_decoder(model, kv_caches, layer_range, link.device, dtype)
     try:
         while True:
             timer.start()
@@ -250,9 +269,12 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
                 out = graphs.replay(bs, hidden)
             else:
                 positions, meta, prefill = unpack_step(header, ints, link.device)
-                with _prefill_rows(prefill and link.device.type == "cpu"):
-                    out = model(None, positions, kv_caches, meta, layer_range=layer_range,
-                                hidden=tuple(hidden.unbind(0)))
+                if decoder is not None and _decodes(header):
+                    out = decoder(None, positions, meta, hidden=tuple(hidden.unbind(0)))
+                else:
+                    with _prefill_rows(prefill and link.device.type == "cpu"):
+                        out = model(None, positions, kv_caches, meta, layer_range=layer_range,
+                                    hidden=tuple(hidden.unbind(0)))
             timer.mark("layers")
             if last:
                 link.send_final(out)
