@@ -179,7 +179,7 @@ class StepGraphs:
         block tables [bs, the batch's widest table], seq lens [bs]). Only the columns the
         batch uses are staged (`_fill`): the kernels read a request's table only as far as its
         length, so the static table's columns past them may keep an earlier step's ids. With
-        a context of 32K that is 8 KB a request a step not copied."""
+        a 32K context the full width was 16 KB of int64 a request a step."""
         n = len(seq_lens)
         tok = np.zeros((3, bs, q), dtype=np.int64)
         tok[1] = np.arange(q)[None, :]  # padded requests: positions 0..q-1

@@ -106,7 +106,7 @@ class DraftChain:
         slots = np.full((steps, bs), -1, np.int64)
         attn = [kv.attention_table(s.request_id) for s in seqs]
         # only the columns in use (the kernels read a table only as far as its length)
-        tables = np.zeros((bs, max(1, max(len(t) for t, _ in attn))), np.int64)
+        tables = np.zeros((bs, max([len(t) for t, _ in attn], default=1) or 1), np.int64)
         for i, (s, m) in enumerate(zip(seqs, num_steps)):
             table, skipped = attn[i]
             first_idx = len(s.all_token_ids)  # cache index of draft 1, fed by step 1

@@ -172,7 +172,7 @@ class DraftTreeGraph:
         slots = np.full((bs, self.slot.shape[1]), -1, np.int64)
         attn = [kv.attention_table(s.request_id) for s in seqs]
         # only the columns in use (the kernels read a table only as far as its length)
-        tables = np.zeros((bs, max(1, max(len(t) for t, _ in attn))), np.int64)
+        tables = np.zeros((bs, max([len(t) for t, _ in attn], default=1) or 1), np.int64)
         for i, s in enumerate(seqs):
             table, skipped = attn[i]
             root = len(s.all_token_ids) - 1
