@@ -2,9 +2,11 @@
 roofline, and result files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import subprocess
 import time
 
 import torch
@@ -133,3 +135,22 @@ def timed_decode(engine) -> tuple[int, float]:
         engine.step()
         steps += 1
     return steps, time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def source_trees(repo: str, baseline: str | None, tmp: str):
+    """{name: source root}: this tree, and with `baseline` (a git revision) a temporary worktree
+    of it under `tmp` first, removed on exit. A measurement runs each root's code by starting
+    a process with cwd and PYTHONPATH at that root."""
+    trees = {"this tree": repo}
+    if baseline:
+        base = os.path.join(tmp, "baseline")
+        subprocess.run(["git", "worktree", "add", "--detach", base, baseline], cwd=repo,
+                       check=True, capture_output=True)
+        trees = {f"baseline {baseline}": base, **trees}
+    try:
+        yield trees
+    finally:
+        if baseline:
+            subprocess.run(["git", "worktree", "remove", "--force", trees[f"baseline {baseline}"]],
+                           cwd=repo, capture_output=True)

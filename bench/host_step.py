@@ -127,33 +127,25 @@ def main() -> None:
         print(json.dumps(measure(a.child, a.batch, a.steps, a.repeats)))
         return
     sys.path.insert(0, HERE)
-    from common import env_info
+    from common import env_info, source_trees
     tmp = tempfile.mkdtemp()
     model = tiny_checkpoint(a.tokenizer, os.path.join(tmp, "model"))
-    trees = {"this tree": os.path.dirname(HERE)}
-    if a.baseline:
-        base = os.path.join(tmp, "baseline")
-        subprocess.run(["git", "worktree", "add", "--detach", base, a.baseline],
-                       cwd=trees["this tree"], check=True, capture_output=True)
-        trees = {f"baseline {a.baseline}": base, **trees}
-    results = {"env": env_info(), "batch": a.batch, "steps": a.steps, "repeats": a.repeats,
-               "runs": {name: [] for name in trees}}
     try:
-        for _ in range(a.rounds if a.baseline else 1):
-            for name, root in trees.items():
-                env = dict(os.environ, PYTHONPATH=root)
-                out = subprocess.run([sys.executable, os.path.join(HERE, "host_step.py"),
-                                      "--tokenizer", a.tokenizer, "--child", model,
-                                      "--batch", str(a.batch), "--steps", str(a.steps),
-                                      "--repeats", str(a.repeats)],
-                                     cwd=root, env=env, check=True, capture_output=True, text=True)
-                row = json.loads(out.stdout.strip().splitlines()[-1])
-                print(name, row, flush=True)
-                results["runs"][name].append(row)
+        with source_trees(os.path.dirname(HERE), a.baseline, tmp) as trees:
+            results = {"env": env_info(), "batch": a.batch, "steps": a.steps,
+                       "repeats": a.repeats, "runs": {name: [] for name in trees}}
+            for _ in range(a.rounds if a.baseline else 1):
+                for name, root in trees.items():
+                    env = dict(os.environ, PYTHONPATH=root)
+                    out = subprocess.run([sys.executable, os.path.join(HERE, "host_step.py"),
+                                          "--tokenizer", a.tokenizer, "--child", model,
+                                          "--batch", str(a.batch), "--steps", str(a.steps),
+                                          "--repeats", str(a.repeats)], cwd=root, env=env,
+                                         check=True, capture_output=True, text=True)
+                    row = json.loads(out.stdout.strip().splitlines()[-1])
+                    print(name, row, flush=True)
+                    results["runs"][name].append(row)
     finally:
-        if a.baseline:
-            subprocess.run(["git", "worktree", "remove", "--force", trees[f"baseline {a.baseline}"]],
-                           cwd=os.path.dirname(HERE), capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     results["best"] = {name: {"host_us": min(r["host_us"] for r in rows),
                               "step_us": min(r["step_us"] for r in rows),

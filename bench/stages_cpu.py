@@ -21,7 +21,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, write_json  # noqa: E402
+from common import env_info, source_trees, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = {"one process": "cpu", "two stages": "cpu,cpu"}
@@ -54,6 +54,17 @@ def child(model: str, devices: str, prompt: int, new: int) -> dict:
         llm.shutdown()
 
 
+def _run(root: str, a, devices: str, what: str) -> dict:
+    """One row in a process of its own running `root`'s code."""
+    out = subprocess.run([sys.executable, os.path.join(HERE, "stages_cpu.py"), "--model",
+                          a.model, "--prompt", str(a.prompt), "--new", str(a.new), "--child",
+                          devices], cwd=root, env=dict(os.environ, PYTHONPATH=root),
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise SystemExit(f"{what}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -69,33 +80,18 @@ def main() -> None:
         print(json.dumps(child(a.model, a.child, a.prompt, a.new)))
         return
     tmp = tempfile.mkdtemp()
-    trees = {"this tree": os.path.dirname(HERE)}
-    if a.baseline:
-        base = os.path.join(tmp, "baseline")
-        subprocess.run(["git", "worktree", "add", "--detach", base, a.baseline],
-                       cwd=trees["this tree"], check=True, capture_output=True)
-        trees = {f"baseline {a.baseline}": base, **trees}
     best: dict[str, dict] = {}
     try:
-        for _ in range(a.rounds):
-            for tree, root in trees.items():
-                for name, devices in ROWS.items():
-                    out = subprocess.run(
-                        [sys.executable, os.path.join(HERE, "stages_cpu.py"), "--model", a.model,
-                         "--prompt", str(a.prompt), "--new", str(a.new), "--child", devices],
-                        cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True,
-                        text=True, timeout=600)
-                    if out.returncode:
-                        raise SystemExit(f"{tree}, {name}: {out.stderr[-2000:]}")
-                    row = json.loads(out.stdout.strip().splitlines()[-1])
-                    key = f"{name}, {tree}"
-                    print(key, row["tok_s"], flush=True)
-                    if key not in best or row["tok_s"] > best[key]["tok_s"]:
-                        best[key] = row
+        with source_trees(os.path.dirname(HERE), a.baseline, tmp) as trees:
+            for _ in range(a.rounds):
+                for tree, root in trees.items():
+                    for name, devices in ROWS.items():
+                        row = _run(root, a, devices, f"{tree}, {name}")
+                        key = f"{name}, {tree}"
+                        print(key, row["tok_s"], flush=True)
+                        if key not in best or row["tok_s"] > best[key]["tok_s"]:
+                            best[key] = row
     finally:
-        if a.baseline:
-            subprocess.run(["git", "worktree", "remove", "--force", trees[f"baseline {a.baseline}"]],
-                           cwd=os.path.dirname(HERE), capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     same = len({tuple(r["tokens"]) for r in best.values()}) == 1
     res = {"env": env_info(), "model": a.model, "prompt": a.prompt, "new": a.new,
