@@ -357,12 +357,9 @@ class ModelRunner:
         return self.stage_graphs is not None and probe is None and self.stage_graphs.fits(h)
 
     def _cpu_decode(self, h: HostBatch, probe) -> bool:
-        """Whether the CPU decode path takes this step: one query token per request, no probe,
-        the default kernels (`LUCEIO_KERNELS=torch|triton` asks for the torch references or
-        the Triton kernels)."""
-        from . import kernels
+        """Whether the CPU decode path takes this step (`CpuDecoder.takes`), with no probe."""
         return (self.cpu_decoder is not None and probe is None
-                and len(h.input_ids) == len(h.seq_lens) and kernels.kernel_mode() == "auto")
+                and CpuDecoder.takes(len(h.input_ids), len(h.seq_lens)))
 
 
 def _prefill_rows(on: bool):

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot
+from .attention_tile_triton import _dot
 from .configs import get_config
 from .elementwise_triton import silu_mul
 

@@ -95,6 +95,13 @@ class CpuDecoder:
     def supports(dtype: torch.dtype) -> bool:
         return decode_cpu.available() and dtype == torch.float32
 
+    @staticmethod
+    def takes(num_tokens: int, num_seqs: int) -> bool:
+        """Whether this path runs a step: one query token a request, on the default kernels
+        (`LUCEIO_KERNELS=torch|triton` asks for the torch references or the Triton kernels)."""
+        from .. import kernels
+        return num_tokens == num_seqs and kernels.kernel_mode() == "auto"
+
     @classmethod
     def for_stage(cls, model, kv_caches, layer_range: tuple[int, int]) -> "CpuDecoder | None":
         """The decoder of a pipeline stage's layers, or None where this path has no stage

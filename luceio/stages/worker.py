@@ -226,14 +226,6 @@ def _cpu_decoder(model, kv_caches, layer_range, device: torch.device, dtype: tor
     return CpuDecoder.for_stage(model, kv_caches, layer_range)
 
 
-def _decodes(header) -> bool:
-    """A step of one query token a request, no tree, on the default kernels: what the CPU
-    decode path runs (the runner's `_cpu_decode` rule, from the step's header)."""
-    from .. import kernels
-    _, n, num_seqs, _, max_query_len, _, _, tree, _ = header
-    return max_query_len == 1 and n == num_seqs and not tree and kernels.kernel_mode() == "auto"
-
-
 @torch.inference_mode()
 def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torch.dtype,
            graphs=None) -> None:
@@ -269,7 +261,7 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
                 out = graphs.replay(bs, hidden)
             else:
                 positions, meta, prefill = unpack_step(header, ints, link.device)
-                if decoder is not None and _decodes(header):
+                if decoder is not None and decoder.takes(header[1], header[2]):  # tokens, seqs
                     out = decoder(None, positions, meta, hidden=tuple(hidden.unbind(0)))
                 else:
                     with _prefill_rows(prefill and link.device.type == "cpu"):
