@@ -18,7 +18,9 @@ verify as measured on the real Qwen2.5-Coder-1.5B / 0.5B pair on the CPU, code g
 greedy (`--acceptance`: bench/results/cpu/spec_tree_draft_sweep.json, written by `python
 bench/spec_tree.py --draft ...`; chains of k it did not measure: its k = 4 acceptance as a
 per-draft probability) times `plain_step_ms` over `spec_step_ms`. Random weights make the
-drafts wrong here: only the times are measured.
+drafts wrong here: only the times are measured. `--target qwen2.5-7b` times a 7B-shape target
+(152,064 vocabulary rows against the draft's 151,936, as the real pair has) at the 1.5B pair's
+acceptance, which a 7B target would not give exactly.
 
 With `--profile`, torch.profiler (CUPTI) also records, per call, the kernels, the GPU's busy
 time and the wall time of: the draft model's k = 4 chain proposal, a tree proposal at each
@@ -27,6 +29,8 @@ tree): where a tree step's time goes (`profiles` in the JSON).
 
     python bench/draft_cost.py [--out bench/results/h200] [--repeats 20]
                                [--tree-budgets 8,16,22] [--tree-levels 8] [--profile]
+                               [--target qwen2.5-1.5b] [--type Q4_K_M] [--ks 1,...,8]
+                               [--json-name draft_cost.json]
 """
 from __future__ import annotations
 
@@ -104,15 +108,16 @@ def tokens_per_verify(k: int, measured: dict) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def build(tree_budget: int = 0, levels: int = 8):
+def build(tree_budget: int = 0, levels: int = 8, target: str = "qwen2.5-1.5b",
+          kind: str = "Q4_K_M"):
     """The target engine with the draft proposer, a request decoding after a 512-token prompt,
     and the pin that sets each step's mode and k."""
-    eng = make_engine(random_model("qwen2.5-1.5b", "Q4_K_M", 2560), 2048, kv_gib=4,
+    eng = make_engine(random_model(target, kind, 2560), 2048, kv_gib=4,
                       max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=levels,
                       spec_tree_budget=tree_budget)
     spec = eng.spec
     spec.proposer = _draft_proposer(eng.args, eng.runner, 2048,
-                                    random_model("qwen2.5-0.5b", "Q4_K_M", 2560), eng.sampler)
+                                    random_model("qwen2.5-0.5b", kind, 2560), eng.sampler)
     # pinned: the cost model would stop drafting at the random drafts' zero acceptance
     pin = {"mode": None, "k": 0}
     spec.mode = lambda batch_size, step=None: pin["mode"]
@@ -145,10 +150,15 @@ def main() -> None:
     ap.add_argument("--tree-budgets", default="8,16,22")
     ap.add_argument("--tree-levels", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="profile proposals and steps")
+    ap.add_argument("--target", default="qwen2.5-1.5b",
+                    help="the target's shape (qwen2.5-7b: 152,064 rows, the 0.5B draft 151,936)")
+    ap.add_argument("--type", default="Q4_K_M", help="both models' weights: Q4_K_M or bf16")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="chain lengths to time")
+    ap.add_argument("--json-name", default="draft_cost.json")
     a = ap.parse_args()
     profiles: dict = {}
     measured = measured_acceptance(a.acceptance)
-    eng, spec, pin, req = build()
+    eng, spec, pin, req = build(target=a.target, kind=a.type)
 
     def propose(k: int):
         return spec.proposer.propose([ProposalInput(list(req.all_token_ids), k, req, tree=False)])
@@ -157,7 +167,7 @@ def main() -> None:
     step_ms(eng, pin, "chain", 8, 2)
     plain = step_ms(eng, pin, None, 0, 4 * a.repeats)
     rows = []
-    for k in range(1, 9):
+    for k in map(int, a.ks.split(",")):
         p = timed(lambda: propose(k), a.repeats)
         one = timed(lambda: [propose(1) for _ in range(k)], a.repeats)
         s = step_ms(eng, pin, "chain", k, a.repeats)
@@ -185,7 +195,7 @@ def main() -> None:
             print(f"tree budget {budget}: no CPU acceptance measured, skipped", flush=True)
             continue
         try:
-            t_eng, _, t_pin, _ = build(budget, a.tree_levels)
+            t_eng, _, t_pin, _ = build(budget, a.tree_levels, a.target, a.type)
             step_ms(t_eng, t_pin, "tree", a.tree_levels, 2)
             t_plain = step_ms(t_eng, t_pin, None, 0, 4 * a.repeats)
             s = step_ms(t_eng, t_pin, "tree", a.tree_levels, a.repeats)
@@ -226,13 +236,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         trees.append(row)
     best = max(rows, key=lambda r: r["projected_speedup"])
-    results = {"env": env_info(), "target": "qwen2.5-1.5b shape, random Q4_K_M",
-               "draft": "qwen2.5-0.5b shape, random Q4_K_M", "batch": 1, "prompt_tokens": 512,
+    results = {"env": env_info(), "target": f"{a.target} shape, random {a.type}",
+               "draft": f"qwen2.5-0.5b shape, random {a.type}", "batch": 1, "prompt_tokens": 512,
                "acceptance_source": os.path.relpath(a.acceptance, os.path.dirname(__file__)),
                "measured_tokens_per_verify": {f"{m} {n}": v for (m, n), v in measured.items()},
                "rows": rows, "trees": trees, "best": best, "profiles": profiles}
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "draft_cost.json"), "w") as f:
+    with open(os.path.join(a.out, a.json_name), "w") as f:
         json.dump(results, f, indent=1)
     print("best:", json.dumps(best))
 

@@ -40,7 +40,7 @@ from .runner import ModelRunner
 from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .spec import build_draft_model, build_spec_decoder, build_spec_prefill
+from .spec import build_draft_model, build_spec_decoder, build_spec_prefill, check_draft_vocab
 from .spec.commit import commit_verified
 from .stages import start_stages
 from .structured import StructuredOutputs
@@ -71,6 +71,8 @@ class LLMEngine:
             # the draft model loads first, so the target's KV cache is sized around its weights
             draft = build_draft_model(args, dtype, device)
             self.runner = self._make_runner(args, ckpt, model, dtype, device, draft)
+            if draft is not None:
+                check_draft_vocab(args, draft.cfg.vocab_size, self.runner.cfg.vocab_size)
         except BaseException:
             if self.stages is not None:
                 self.stages.close()

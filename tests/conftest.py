@@ -70,13 +70,13 @@ def save_tiny(model, folder: str) -> str:
 
 
 def make_tiny_model(folder: str, arch: str, seed: int = 0, num_layers: int = 2,
-                    context: int = 512) -> str:
+                    context: int = 512, vocab_size: int = VOCAB) -> str:
     import transformers
     spec = dict(ARCHS[arch])
     cls_name = spec.pop("cls")
     cfg_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
     rope = spec.pop("rope_scaling", None)
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
               num_hidden_layers=num_layers, num_attention_heads=4, max_position_embeddings=context,
               rope_theta=10000.0, initializer_range=0.1, eos_token_id=None, bos_token_id=None,
               pad_token_id=None, **spec)

@@ -67,10 +67,7 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
     from .draft import DraftModelProposer
     if draft_model is None:
         raise ValueError("--speculative-method draft needs --draft-model")
-    if draft_model.cfg.vocab_size != target_runner.cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs "
-                         f"from the target's ({target_runner.cfg.vocab_size}); they must share a "
-                         f"tokenizer")
+    check_draft_vocab(args, draft_model.cfg.vocab_size, target_runner.cfg.vocab_size)
     # as many blocks as the target: the target's cache was sized to leave room for them
     cache = CacheConfig(args.block_size, target_runner.num_blocks, 0, 0.0, False)
     runner = ModelRunner(None, target_runner.dtype, args.resolved_draft_device(), cache,
@@ -79,7 +76,33 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
                          max_num_seqs=args.max_num_seqs, max_spec_tokens=1,
                          tree_rows=_draft_tree_rows(args))
     return DraftModelProposer(runner, args.block_size, sampler, args.spec_tree_budget,
-                              args.spec_tree_topk, max_chain=args.num_speculative_tokens)
+                              args.spec_tree_topk, max_chain=args.num_speculative_tokens,
+                              target_vocab=target_runner.cfg.vocab_size)
+
+
+MAX_VOCAB_PADDING = 256
+
+
+def check_draft_vocab(args, draft_vocab: int, target_vocab: int) -> None:
+    """A draft model must share the target's tokenizer; its embedding may have fewer padding
+    rows past the tokenizer's ids (Qwen2.5: 151,936 rows up to 3B, 152,064 from 7B, one
+    tokenizer of 151,665 ids), at most MAX_VOCAB_PADDING fewer. The proposer then feeds it id
+    0 for target ids it has no row for and pads its distributions with zeros
+    (`DraftModelProposer`), so verification stays exact. Refused: a larger draft vocabulary
+    (drafts the target could not score), a much smaller one (another tokenizer), and a shorter
+    one with speculative prefill or the draft-scored KV residency, which feed the draft the
+    prompt's ids as they are."""
+    if draft_vocab == target_vocab:
+        return
+    short = target_vocab - draft_vocab
+    if short < 0 or short > MAX_VOCAB_PADDING:
+        raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is not the target's "
+                         f"({target_vocab}) or at most {MAX_VOCAB_PADDING} padding rows "
+                         "shorter; they must share a tokenizer")
+    if args.spec_prefill_keep is not None or args.kv_resident_policy == "spec":
+        raise ValueError(f"--spec-prefill-keep and --kv-resident-policy spec need a draft model "
+                         f"with the target's vocabulary size ({target_vocab}); this one has "
+                         f"{draft_vocab}")
 
 
 def _draft_tree_rows(args) -> int:

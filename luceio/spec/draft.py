@@ -41,6 +41,7 @@ class DraftSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_tree: DraftTree | None = None
     params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
+    matched: int = 0  # the fed prefix `_sync` found equal to the request's tokens last time
     position_ids: ClassVar[None] = None  # positions are cache indices
 
     @property
@@ -57,10 +58,16 @@ class DraftSeq:
 
 class DraftModelProposer(Proposer):
     def __init__(self, runner, block_size: int, sampler, tree_budget: int = 0,
-                 tree_topk: int = 2, max_chain: int = 0):
+                 tree_topk: int = 2, max_chain: int = 0, target_vocab: int | None = None):
         """`max_chain`: the longest chain asked for (k_max); where the draft runner has CUDA
-        graphs, greedy chains run their steps past the first in one replay (`spec.chain`)."""
+        graphs, greedy chains run their steps past the first in one replay (`spec.chain`).
+        `target_vocab`: the target's vocabulary size where the draft's is a few padding rows
+        shorter (`spec.check_draft_vocab`): ids the draft has no row for are fed to it as id 0
+        and its logits are padded with -inf to the target's size, so its drafts and their
+        probabilities are over the target's ids (the padded ones at probability 0)."""
         self.runner = runner  # a ModelRunner over the draft model
+        self.vocab = runner.cfg.vocab_size
+        self.pad = max(0, (target_vocab or self.vocab) - self.vocab)
         self.sampler = sampler  # the engine's: drafts are drawn with each request's parameters
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSeq] = {}
@@ -163,7 +170,7 @@ class DraftModelProposer(Proposer):
         inp = self.runner.prepare(sched, self.kv)
         if previous is not None:
             inp.ids_from = previous.ids_for(inp.device_ids)
-        logits = self.runner.execute(inp)
+        logits = self._logits(inp)
         for i in live:
             seqs[i].num_computed_tokens = len(seqs[i].all_token_ids) + step
         return self.sampler.process(logits, live_reqs)
@@ -256,7 +263,7 @@ class DraftModelProposer(Proposer):
         sched = SchedulerOutput([ScheduledRequest(seqs[i], len(seqs[i].all_token_ids) -
                                                   seqs[i].num_computed_tokens) for i in live], [])
         inp = self.runner.prepare(sched, self.kv)  # catch up to the root: its logits
-        root = self.sampler.process(self.runner.execute(inp), [reqs[i] for i in live])
+        root = self.sampler.process(self._logits(inp), [reqs[i] for i in live])
         toks, parents, scores = graph.run(root, [seqs[i] for i in live], levels, self.kv)
         depth = graph.depth
         trees = [DraftTree() for _ in seqs]
@@ -287,7 +294,7 @@ class DraftModelProposer(Proposer):
         """One draft forward; per live request, its rows' next-token probabilities under its
         sampling parameters (greedy requests: the softmax of the raw logits)."""
         inp = self.runner.prepare(sched, self.kv)
-        logits = self.runner.execute(inp)
+        logits = self._logits(inp)
         out = []
         for i, s in zip(live, sched.scheduled):
             rows = inp.row_slices[s.req.request_id]
@@ -311,16 +318,30 @@ class DraftModelProposer(Proposer):
             return False
         return self.kv.allocate_slots(s, 1 + tree.num_nodes)  # from the root
 
+    def _logits(self, inp) -> torch.Tensor:
+        """The draft forward's logits, padded to the target's vocabulary with -inf."""
+        logits = self.runner.execute(inp)
+        if self.pad:
+            logits = torch.nn.functional.pad(logits, (0, self.pad), value=float("-inf"))
+        return logits
+
     def _sync(self, request_id: str, tokens: list[int]) -> DraftSeq:
         """Rolls the draft cache back to what still matches the request's verified tokens."""
+        if self.pad and max(tokens, default=0) >= self.vocab:  # target ids past the draft's rows
+            tokens = [t if t < self.vocab else 0 for t in tokens]
         s = self.seqs.get(request_id)
         if s is None:
             s = self.seqs[request_id] = DraftSeq(request_id, [])
         fed = s.all_token_ids[:s.num_computed_tokens]
-        n = 0
         limit = min(len(fed), len(tokens) - 1)
+        # the prefix that matched last time still matches (a request's tokens only grow), which
+        # one C-level comparison confirms; the rest is walked token by token
+        n = min(s.matched, limit)
+        if fed[:n] != tokens[:n]:
+            n = 0
         while n < limit and fed[n] == tokens[n]:
             n += 1
+        s.matched = n
         s.num_computed_tokens = n
         s.all_token_ids = tokens
         self.kv.trim(s, n)

@@ -162,3 +162,26 @@ def test_device_trees_replay_without_a_host_sync(tiny_llama, tmp_path_factory, m
     assert len(launched) > 5 and max(launched) == 5
     host, host_stats, _ = run(False)
     assert host == plain and host_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("tree", [0, 6], ids=["chain", "tree"])
+def test_a_draft_with_fewer_vocabulary_rows(tiny_llama, tmp_path_factory, monkeypatch, tree):
+    """A target with 64 padding rows past the draft's vocabulary (as Qwen2.5-7B against the
+    0.5B): greedy output with graphs equals plain decoding, chains through the chain graph and
+    trees through the device levels, with the target emitting ids the draft has no row for."""
+    from conftest import VOCAB, make_tiny_model
+    from luceio.spec import decoding
+    mode = "tree" if tree else "chain"
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: mode)
+    target = make_tiny_model(str(tmp_path_factory.mktemp("padded") / "m"), "llama", seed=7,
+                             vocab_size=VOCAB + 64)
+    plain = LLM(target, **engine_kwargs(device="cuda")).generate(
+        prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in plain]
+    assert any(t >= VOCAB for out in expected for t in out)
+    llm = LLM(target, **engine_kwargs(device="cuda", speculative_method="draft",
+                                      draft_model=tiny_llama, num_speculative_tokens=4,
+                                      spec_tree_budget=tree))
+    outs = llm.generate(prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.spec.stats.num_draft_tokens > 0
