@@ -12,6 +12,7 @@ bf16 is left to tests/gpu: the interpreter rounds bf16 casts differently from to
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -286,6 +287,47 @@ def test_prefill_varlen_mix(gen, dtype, group, head_dim):
     ctx = [0, 37, 20, 33, 70]
     args = make_batch(gen, q_lens, ctx, 2, group, head_dim, dtype)
     run_attention(gen, SMALL, args, dtype, "prefill (small tiles)")
+
+
+@pytest.mark.parametrize("case", ["varlen", "window", "tree", "tree-span", "tree-window"])
+def test_prefill_key_splits(gen, case):
+    """Prefill launches split over the keys (`prefill_split_max_programs`: a verify step's or a
+    tree's few programs) and merged: the reference's output for plain varlen batches, a
+    sliding window, tree masks, a tree span and a tree under a window, with splits that
+    hold no visible key (past the context, below the window)."""
+    split_cfg = dataclasses.replace(SMALL, prefill_split_max_programs=10_000)
+    q_lens, ctx = ([5, 9, 1, 20, 4], [0, 37, 20, 33, 70]) if case == "varlen" else \
+        ([3, 7, 2], [70, 40, 9])
+    args = make_batch(gen, q_lens, ctx, 2, 4, 64, torch.float32)
+    kw = {}
+    if case.startswith("tree"):
+        span = 10 if case == "tree-span" else 0
+        words = []
+        for q in q_lens:  # the rows' own bits set, random bits below them
+            for i in range(q):
+                own = max(span, q) - q + i
+                bits = int(torch.randint(0, 1 << own, (1,), generator=gen.g)) if own else 0
+                words.append(bits | (1 << own))
+        kw = dict(tree_mask=torch.tensor(words, dtype=torch.int64, device=DEVICE),
+                  tree_span=span)
+        if case == "tree-window":
+            kw["positions"] = torch.cat([c + torch.arange(q) for q, c in zip(q_lens, ctx)]) \
+                .to(DEVICE)
+    if "window" in case:
+        kw["window"] = 24
+    assert configs.prefill_splits(split_cfg, 3, args[7], 0, 16) > 1
+    with configs.use_config(split_cfg):
+        out = triton_ops.paged_attention(*args, **kw)
+    check(out, paged_attention_ref(*args, **kw), ATTN_TOL[torch.float32], gen,
+          f"prefill with key splits ({case})")
+
+
+def test_prefill_split_choice():
+    cfg = dataclasses.replace(configs.TABLE["sm_90"], decode_waves=1.0)
+    assert configs.prefill_splits(cfg, 2, 512, 132, 64) == 8  # 512 keys in runs of 64
+    assert configs.prefill_splits(cfg, 4, 32768, 132, 64) == 33  # 132 SMs over 4 programs
+    assert configs.prefill_splits(cfg, 65, 32768, 132, 64) == 1  # a full launch: no split
+    assert configs.prefill_splits(configs.TABLE["default"], 2, 32768, 132, 64) == 1  # off
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

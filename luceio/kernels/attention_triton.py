@@ -17,6 +17,10 @@ Same semantics as the references in `attention.py` (read its docstring for the c
   num_kv_heads). The BLOCK_M rows of a program are (query token, head of the group) pairs, so
   each key/value tile read through the block table serves the whole group. Keys every row may
   see run unmasked; the diagonal band (a tree's span) runs with the causal (and tree) mask.
+  A launch of at most `prefill_split_max_programs` programs (a verify step's few query tokens,
+  a draft tree: one or two programs per KV head) also splits the keys (`prefill_splits`): each
+  program walks one run of the key tiles and writes its rows' normalised partial output and
+  log-sum-exp, and `_prefill_merge_kernel`, grid (num_tokens, num_heads), merges them.
 * a sliding window (`window` > 0, see `attention.py`): decode walks only the last `window` keys;
   prefill skips the keys below every row's window and masks the band at its lower edge (in a
   draft-tree step, by the tokens' `positions`: every visited key masked).
@@ -32,7 +36,8 @@ import triton.language as tl
 
 from .attention_decode_triton import _decode_kernel, _decode_reduce_kernel
 from .attention_tile_triton import _LOG2E, _attend_tile, _interpreting
-from .configs import decode_splits, decode_warps, fit_shared, get_config, num_sms
+from .configs import decode_splits, decode_warps, fit_shared, get_config, num_sms, \
+    prefill_splits
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import xq_args, xq_flags
 
@@ -41,13 +46,18 @@ from .quant_x import xq_args, xq_flags
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, tm_ptr,
                     pos_ptr, scale_log2, window, span,
                     s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
+                    po_ptr, pl_ptr, num_splits, num_tokens,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, TREE: tl.constexpr,
-                    WINDOW: tl.constexpr,
+                    WINDOW: tl.constexpr, SPLIT: tl.constexpr = False,
                     PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
     pdl_enter(PDL, PDL_EARLY)
     pid_m = tl.program_id(0)
+    split = 0
+    if SPLIT:  # programs (row block, key split): split s walks the s-th run of the key tiles
+        split = pid_m % num_splits
+        pid_m = pid_m // num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -101,24 +111,62 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pos = pos_ptr + q_start
-    for n0 in range(lo, edge, BLOCK_N):  # the lower edge of the rows' windows
+    s_lo = lo
+    s_hi = hi
+    if SPLIT:  # this split's whole tiles of [lo, hi); each phase below keeps to them
+        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+        s_lo = lo + split * per
+        s_hi = tl.minimum(s_lo + per, hi)
+    for n0 in range(s_lo, tl.minimum(edge, s_hi), BLOCK_N):  # the lower edge of the windows
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
                                      True, True, DOT_F32, DOT_IEEE, TREE, words, tctx,
                                      WINDOW, window, q_pos, pos, q_len)
-    for n0 in range(edge, full_end, BLOCK_N):
+    for n0 in range(tl.maximum(edge, s_lo), tl.minimum(full_end, s_hi), BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
                                      False, False, DOT_F32, DOT_IEEE)
-    for n0 in range(tl.maximum(full_end, edge), hi, BLOCK_N):
+    for n0 in range(tl.maximum(tl.maximum(full_end, edge), s_lo), s_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, kc, vc, bt, n0, hi, row_pos, scale_log2,
                                      s_kcb, s_kcs, s_vcb, s_vcs, offs_d, dmask, BLOCK_N, PAGE_SIZE,
                                      True, True, DOT_F32, DOT_IEEE, TREE, words, tctx,
                                      WINDOW, window, q_pos, pos, q_len)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    tl.store(out_ptr + tok_off[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=qmask)
+    if SPLIT:  # partial [split, token, head]: its normalised output and log2-sum-exp
+        part = (split * num_tokens + tok_off) * (tl.num_programs(2) * GROUP) + heads
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(pl_ptr + part, lse, mask=rmask)
+        tl.store(po_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qmask)
+    else:
+        tl.store(out_ptr + tok_off[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _prefill_merge_kernel(po_ptr, pl_ptr, out_ptr, num_splits, num_tokens, s_ot, s_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+    """Merges the key splits of one (query token, head) of a split `_prefill_kernel`."""
+    pdl_enter(PDL, PDL_EARLY)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    part = (offs_s.to(tl.int64) * num_tokens + t) * tl.num_programs(1) + h
+    lse = tl.load(pl_ptr + part, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(po_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    res = tl.sum(o * w[:, None], 0) / den
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + h * s_oh + offs_d,
+             res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,14 +252,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                   block_d, elt, cfg.max_shared_kb)
     grid = (triton.cdiv(max_query_len * group, block_m), num_seqs, num_kv_heads)
     tree = tree_mask is not None
+    splits = prefill_splits(cfg, grid[0] * num_seqs * num_kv_heads, max_seq_len,
+                            num_sms(q.device), block_n)
+    po = pl = out  # unused without splits
+    if splits > 1:
+        po = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
+                         device=q.device)
+        pl = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        grid = (grid[0] * splits, num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         tree_mask if tree else seq_lens, positions if tree and window else seq_lens,
         scale_log2, window, int(tree_span), *strides, out.stride(0), out.stride(1),
+        po, pl, splits, num_tokens,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_F32=dot_f32, DOT_IEEE=dot_ieee, TREE=tree, WINDOW=window > 0,
-        num_warps=cfg.prefill_num_warps, num_stages=stages,
+        SPLIT=splits > 1, num_warps=cfg.prefill_num_warps, num_stages=stages,
         **pdl_kwargs(q.device, cfg, grid[0] * grid[1] * grid[2]))
+    if splits > 1:
+        _prefill_merge_kernel[(num_tokens, num_heads)](
+            po, pl, out, splits, num_tokens, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            num_warps=cfg.reduce_num_warps, **pdl_kwargs(q.device, cfg, num_tokens * num_heads))
     return out
 
 

@@ -39,6 +39,9 @@ class KernelConfig:
     prefill_block_n: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
+    # split the keys of a prefill launch of at most this many programs (0: never), as decode
+    # does, into runs of >= decode_min_tokens_per_split keys (attention_triton.prefill_splits)
+    prefill_split_max_programs: int = 0
     # shared memory one program may use (KiB); the launchers shrink tiles to fit it
     max_shared_kb: int = 96
     # skinny quantized / dense GEMM (quant_triton.py): a program owns BLOCK_N output features of
@@ -146,7 +149,7 @@ TABLE: dict[str, KernelConfig] = {
                           decode_num_stages=2,
                           decode_min_tokens_per_split=64, decode_max_splits=64,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
-                          prefill_num_stages=3, max_shared_kb=220,
+                          prefill_num_stages=3, max_shared_kb=220, prefill_split_max_programs=64,
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
@@ -247,6 +250,19 @@ def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: 
     splits = max(splits, 1)
     tokens = _cdiv(_cdiv(max_seq_len, splits), block_n) * block_n
     return _cdiv(max_seq_len, tokens), tokens
+
+
+def prefill_splits(cfg, programs: int, max_seq_len: int, sms: int, block_n: int) -> int:
+    """Key splits of a prefill launch of `programs` programs: 1 past
+    `prefill_split_max_programs`, else as many as fill `decode_waves` of the SMs (no cap with
+    `sms` 0), at most `decode_max_splits`, of >= decode_min_tokens_per_split keys each."""
+    if not 0 < programs <= cfg.prefill_split_max_programs:
+        return 1
+    splits = min(cfg.decode_max_splits,
+                 _cdiv(max(int(max_seq_len), 1), max(cfg.decode_min_tokens_per_split, block_n)))
+    if sms > 0:
+        splits = min(splits, _cdiv(int(cfg.decode_waves * sms), programs))
+    return max(splits, 1)
 
 
 def cache_dir() -> Path:
