@@ -149,7 +149,7 @@ TABLE: dict[str, KernelConfig] = {
                           decode_num_stages=2,
                           decode_min_tokens_per_split=64, decode_max_splits=64,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
-                          prefill_num_stages=3, max_shared_kb=220, prefill_split_max_programs=64,
+                          prefill_num_stages=3, max_shared_kb=220, prefill_split_max_programs=32,
                           qgemm_block_n=64, qgemm_num_stages=3,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
@@ -191,7 +191,12 @@ TABLE: dict[str, KernelConfig] = {
                                  "in the engine 8 warps gave 1.5B 645.9 -> 668.4 tok/s but 0.5B "
                                  "(head_dim 64) 1306.5 -> 1250.2, hence head_dim 64 keeps 2, "
                                  "results/h200/step_profile_session20_decode_warps_ab.json, "
-                                 "2026-12-03"),
+                                 "2026-12-03; prefill_split_max_programs 32: bench/"
+                                 "tree_verify_cost.py, 1.5B Q4_K_M ctx 512, off -> on at 64: "
+                                 "batch 1 chain k=4 verify 2.83 -> 2.52 ms, tree of 22 4.24 -> "
+                                 "4.05; batch 16 chain k=4 (32 programs) 4.70 -> 4.50, tree of "
+                                 "16 (64 programs) 5.73 -> 6.00, hence 32, results/h200/"
+                                 "tree_verify_cost_session21_split_*.json, 2026-12-04"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
