@@ -33,6 +33,10 @@ SPLIT = dataclasses.replace(SMALL, dense_gemv_split_min_programs=1000)
 WIDE = dataclasses.replace(SPLIT, dense_gemv_wide_min_n=16, dense_gemv_wide_max_k=96,
                            dense_gemv_wide_block_n=2, dense_gemv_wide_block_k=64,
                            dense_gemv_wide_num_warps=2)
+# matrices of K >= 4N and N * K <= 4096 (N = 9, K = 160 below) take the deep tile, split apart
+DEEP = dataclasses.replace(SMALL, dense_gemv_deep_min_ratio=4, dense_gemv_deep_max_elems=4096,
+                           dense_gemv_deep_block_n=2, dense_gemv_deep_block_k=16,
+                           dense_gemv_deep_num_warps=1, dense_gemv_deep_split_min_programs=12)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -53,7 +57,8 @@ def rand(*shape, dtype):
 def test_matches_reference(seed, dtype, glu):
     for n, k, m, cfg, bias in [(13, 70, 1, SMALL, True), (33, 96, 3, SPLIT, False),
                                (9, 160, 2, SPLIT, True), (40, 32, 1, SMALL, False),
-                               (33, 96, 2, WIDE, True), (40, 70, 1, WIDE, False)]:
+                               (33, 96, 2, WIDE, True), (40, 70, 1, WIDE, False),
+                               (9, 160, 1, DEEP, True), (13, 70, 2, DEEP, False)]:
         x = rand(m, 2 * k if glu else k, dtype=dtype)
         w = rand(n, k, dtype=dtype) / k ** 0.5
         b = rand(n, dtype=dtype) if bias else None
@@ -63,6 +68,16 @@ def test_matches_reference(seed, dtype, glu):
         assert out.shape == (m, n) and out.dtype == dtype
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype],
                                    msg=lambda e: f"seed {seed} n={n} k={k} m={m}: {e}")
+
+
+def test_deep_tile_choice():
+    """The deep tile and its split rule take K >= ratio * N matrices up to the element bound."""
+    assert dg._launch_shape(DEEP, 9, 160)[:5] == (2, 16, 1, 5, 3)  # 5 programs, 12 wanted
+    assert dg._launch_shape(DEEP, 13, 50)[:3] == (4, 32, 1)  # K < 4N: the general tile
+    assert dg._launch_shape(DEEP, 40, 200)[:3] == (4, 32, 1)  # over the element bound
+    sm90 = configs.TABLE["sm_90"]
+    assert dg._launch_shape(sm90, 896, 4864)[:3] == (8, 512, 4)  # Qwen2.5-0.5B down
+    assert dg._launch_shape(sm90, 4096, 14336)[:3] == (8, 1024, 4)  # Llama-3.1-8B down
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -87,6 +87,14 @@ class KernelConfig:
     dense_gemv_wide_block_n: int = 8
     dense_gemv_wide_block_k: int = 256
     dense_gemv_wide_num_warps: int = 2
+    # deep, small matrices (K >= dense_gemv_deep_min_ratio * N, N * K <= dense_gemv_deep_max_elems:
+    # a small model's down projection) take their own tile and split rule (0: off)
+    dense_gemv_deep_min_ratio: int = 0
+    dense_gemv_deep_max_elems: int = 0
+    dense_gemv_deep_block_n: int = 8
+    dense_gemv_deep_block_k: int = 512
+    dense_gemv_deep_num_warps: int = 4
+    dense_gemv_deep_split_min_programs: int = 528
     # the first weight tile is loaded before the PDL wait (weights are never written in a step)
     dense_gemv_prefetch: bool = True
     # an RMSNorm before a dense projection is done in the projection's GEMV (`rms_norm_linear`)
@@ -158,7 +166,8 @@ TABLE: dict[str, KernelConfig] = {
                           dense_gemv_block_k=1024, dense_gemv_num_warps=4,
                           dense_gemv_split_min_programs=132, dense_gemv_wide_min_n=8192,
                           dense_gemv_wide_block_n=8, dense_gemv_wide_block_k=256,
-                          dense_gemv_wide_num_warps=2,
+                          dense_gemv_wide_num_warps=2, dense_gemv_deep_min_ratio=4,
+                          dense_gemv_deep_max_elems=16 << 20,
                           moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
                           moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,
                           moe_decode_down_block_k=256, moe_decode_down_num_warps=1,

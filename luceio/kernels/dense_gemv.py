@@ -192,11 +192,17 @@ def _launch_shape(cfg, n: int, k: int, wide_ok: bool = True) -> tuple:
     from .quant_triton import skinny_split_k
     block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
         cfg.dense_gemv_num_warps
+    min_programs = None
     if wide_ok and 0 < cfg.dense_gemv_wide_min_n <= n and k <= cfg.dense_gemv_wide_max_k:
         block_n, block_k, warps = cfg.dense_gemv_wide_block_n, cfg.dense_gemv_wide_block_k, \
             cfg.dense_gemv_wide_num_warps
+    elif 0 < cfg.dense_gemv_deep_min_ratio * n <= k and n * k <= cfg.dense_gemv_deep_max_elems:
+        block_n, block_k, warps = cfg.dense_gemv_deep_block_n, cfg.dense_gemv_deep_block_k, \
+            cfg.dense_gemv_deep_num_warps
+        min_programs = cfg.dense_gemv_deep_split_min_programs
     programs = triton.cdiv(n, block_n)
-    split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True)
+    split, tiles = skinny_split_k(cfg, programs, triton.cdiv(k, block_k), dense=True,
+                                  min_programs=min_programs)
     return block_n, block_k, warps, programs, split, tiles
 
 
