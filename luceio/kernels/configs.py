@@ -205,7 +205,11 @@ TABLE: dict[str, KernelConfig] = {
                                  "batch 1 chain k=4 verify 2.83 -> 2.52 ms, tree of 22 4.24 -> "
                                  "4.05; batch 16 chain k=4 (32 programs) 4.70 -> 4.50, tree of "
                                  "16 (64 programs) 5.73 -> 6.00, hence 32, results/h200/"
-                                 "tree_verify_cost_session21_split_*.json, 2026-12-04"),
+                                 "tree_verify_cost_session21_split_*.json, 2026-12-04; dense_gemv_deep_*: session 13's "
+                                 "sweep per matrix (0.5B / 1.5B down 6.71 -> 6.11, 12.98 -> "
+                                 "10.87 us; the 8B's 29.6 -> 36.0, hence the element bound), in "
+                                 "the engine GPU busy 739.8 -> 704.2 us (0.5B), 1490.4 -> 1415.6 "
+                                 "(1.5B), results/h200/step_profile_session21_deep_ab.json"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
