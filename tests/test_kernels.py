@@ -325,7 +325,7 @@ def test_prefill_key_splits(gen, case):
 def test_prefill_split_choice():
     cfg = dataclasses.replace(configs.TABLE["sm_90"], decode_waves=1.0)
     assert configs.prefill_splits(cfg, 2, 512, 132, 64) == 8  # 512 keys in runs of 64
-    assert configs.prefill_splits(cfg, 4, 32768, 132, 64) == 33  # 132 SMs over 4 programs
+    assert configs.prefill_splits(cfg, 4, 32768, 132, 64) == 32  # 33 by SMs, 1024-key runs
     assert configs.prefill_splits(cfg, 65, 32768, 132, 64) == 1  # a full launch: no split
     assert configs.prefill_splits(configs.TABLE["default"], 2, 32768, 132, 64) == 1  # off
 

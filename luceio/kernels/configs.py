@@ -273,15 +273,33 @@ def decode_splits(cfg, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: 
 
 def prefill_splits(cfg, programs: int, max_seq_len: int, sms: int, block_n: int) -> int:
     """Key splits of a prefill launch of `programs` programs: 1 past
-    `prefill_split_max_programs`, else as many as fill `decode_waves` of the SMs (no cap with
-    `sms` 0), at most `decode_max_splits`, of >= decode_min_tokens_per_split keys each."""
+    `prefill_split_max_programs`, else `decode_splits`' count for that many programs."""
     if not 0 < programs <= cfg.prefill_split_max_programs:
         return 1
-    splits = min(cfg.decode_max_splits,
-                 _cdiv(max(int(max_seq_len), 1), max(cfg.decode_min_tokens_per_split, block_n)))
-    if sms > 0:
-        splits = min(splits, _cdiv(int(cfg.decode_waves * sms), programs))
-    return max(splits, 1)
+    return decode_splits(cfg, programs, 1, max_seq_len, sms, block_n)[0]
+
+
+def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int,
+                   gemv: bool = False, dense: bool = False,
+                   min_programs: int | None = None) -> tuple[int, int]:
+    """(split_k, k tiles per split) for `n_programs` programs along N over `k_tiles` K tiles.
+    Split only when N alone leaves fewer than `qgemm_split_k_min_programs` programs
+    (`gemv_split_min_programs` for the one-row GEMV, `dense_gemv_split_min_programs` for the
+    dense one), and never into splits of fewer than `qgemm_min_tiles_per_split`
+    (`gemv_` / `dense_gemv_min_tiles_per_split`) tiles; no split is left empty.
+    `min_programs` replaces the config's bound (the dense GEMV's deep tile)."""
+    p = "gemv" if gemv else "dense_gemv" if dense else None
+    if min_programs is None:
+        min_programs = getattr(cfg, f"{p}_split_min_programs") if p else \
+            cfg.qgemm_split_k_min_programs
+    min_tiles = getattr(cfg, f"{p}_min_tiles_per_split") if p else cfg.qgemm_min_tiles_per_split
+    split = 1
+    if n_programs < min_programs:
+        split = _cdiv(min_programs, n_programs)
+        split = min(split, cfg.qgemm_max_split_k, k_tiles // max(1, min_tiles))
+    split = max(split, 1)
+    tiles = _cdiv(k_tiles, split)
+    return _cdiv(k_tiles, tiles), tiles
 
 
 def cache_dir() -> Path:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .configs import get_config
+from .configs import get_config, skinny_split_k
 from .dense_gemv_epilogue import _epilogue, _row_rstd
 from .elementwise_triton import silu_mul
 from .pdl import pdl_enter, pdl_kwargs
@@ -189,7 +189,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _launch_shape(cfg, n: int, k: int, wide_ok: bool = True) -> tuple:
     """(block_n, block_k, num_warps, programs, K splits, K tiles per split) of a launch."""
-    from .quant_triton import skinny_split_k
     block_n, block_k, warps = cfg.dense_gemv_block_n, cfg.dense_gemv_block_k, \
         cfg.dense_gemv_num_warps
     min_programs = None

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import quantize_x
 
@@ -308,7 +309,6 @@ def prepare_launch(weights: tuple, strides: tuple, qtype: str, n: int, k: int, n
     """What a launch over one weight needs besides x: (weights, strides, paired scales, the
     split count, tiles per split * G, programs, block_n)."""
     from .quant_args import paired
-    from .quant_triton import skinny_split_k
     qs, qh, d, m, sc, mn = weights
     if qtype == "q6_k":  # sub-scales are read in pairs, high-bit words two at a time
         qh = qh.clone() if qh.data_ptr() % 8 else qh

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .configs import KernelConfig, get_config
+from .configs import KernelConfig, get_config, skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args, words as _words
@@ -255,29 +255,6 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
 
 # ---------------------------------------------------------------------------------------------
 # launchers
-
-def skinny_split_k(cfg: KernelConfig, n_programs: int, k_tiles: int,
-                   gemv: bool = False, dense: bool = False,
-                   min_programs: int | None = None) -> tuple[int, int]:
-    """(split_k, k tiles per split) for `n_programs` programs along N over `k_tiles` K tiles.
-    Split only when N alone leaves fewer than `qgemm_split_k_min_programs` programs
-    (`gemv_split_min_programs` for the one-row GEMV, `dense_gemv_split_min_programs` for the
-    dense one), and never into splits of fewer than `qgemm_min_tiles_per_split`
-    (`gemv_` / `dense_gemv_min_tiles_per_split`) tiles; no split is left empty.
-    `min_programs` replaces the config's bound (the dense GEMV's deep tile)."""
-    p = "gemv" if gemv else "dense_gemv" if dense else None
-    if min_programs is None:
-        min_programs = getattr(cfg, f"{p}_split_min_programs") if p else \
-            cfg.qgemm_split_k_min_programs
-    min_tiles = getattr(cfg, f"{p}_min_tiles_per_split") if p else cfg.qgemm_min_tiles_per_split
-    split = 1
-    if n_programs < min_programs:
-        split = triton.cdiv(min_programs, n_programs)
-        split = min(split, cfg.qgemm_max_split_k, k_tiles // max(1, min_tiles))
-    split = max(split, 1)
-    tiles = triton.cdiv(k_tiles, split)
-    return triton.cdiv(k_tiles, tiles), tiles
-
 
 def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int, k: int,
             bias: torch.Tensor | None, out: torch.Tensor | None,
