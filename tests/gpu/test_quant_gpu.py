@@ -120,3 +120,26 @@ def test_skinny_in_cuda_graph(seed):
     xr = quantize_x_ref(x) if x.shape[0] <= GEMV_MAX_M else x.float()
     check(out, xr @ dequantize(w).T, seed, "replayed")
 
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_k", "q4_0"])
+def test_mma_gemv_rows_equal_one_row_each(seed, qtype):
+    """Natively, the tensor-core GEMV (quant_gemv_mma.py, forced on from 2 rows): 2, 5, 16 and
+    23 rows (16 + 7) give the bits of the one-row dp4a GEMV alone, on both shapes (split-K and
+    not), in both scale forms, and match the exact product with the int8-rounded x."""
+    from dataclasses import replace
+
+    from luceio.kernels import prepare_weight
+    cfg = replace(configs.get_config(torch.device(DEV)), gemv_mma_min_m=2)
+    for n, k in SHAPES:
+        w = quant.random_quant_weight(qtype, n, k, device=DEV)
+        bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+        for form in (w, prepare_weight(w, torch.bfloat16)):
+            for m in (2, 5, 16, 23):
+                x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+                with configs.use_config(cfg):
+                    rows = qt.quant_matmul(x, form, bias)
+                    alone = torch.cat([qt.quant_matmul(x[i:i + 1], form, bias) for i in range(m)])
+                assert torch.equal(rows, alone), f"{qtype} [{n}, {k}] M={m} (seed {seed})"
+                exact = torch.addmm(bias.float(), quantize_x_ref(x), dequantize(form).float().T)
+                check(rows, exact, seed, f"{qtype} [{n}, {k}] M={m} (mma)")
