@@ -143,7 +143,6 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
     FIVE: tl.constexpr = QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k"
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
-    nmask = rows < N
     mi = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
