@@ -67,14 +67,6 @@ class KernelConfig:
     gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
     gemv_rows_block_n: int = 0           # block_n of launches of several rows (each row adds
     # registers; K is split as for one row, so each row's sums stay those of one row); 0: gemv_block_n
-    # gemv_max_m + 1 .. gemv_mma_max_m rows of a 32-group type (not q8_0): the int8 tensor-core
-    # GEMV (quant_gemv_mma.py; 0: off), launches of rows_per_launch rows (16 .. 64), block_n
-    # outputs a program, K split while N gives fewer than split_min_programs programs
-    gemv_mma_max_m: int = 0
-    gemv_mma_rows_per_launch: int = 32
-    gemv_mma_block_n: int = 64
-    gemv_mma_split_min_programs: int = 264
-    gemv_mma_num_warps: int = 4
     skinny_row_block_n: int = 64         # 1 row in quant_triton's skinny kernel (dense_matmul_skinny)
     skinny_row_block_k: int = 256
     skinny_row_num_warps: int = 4

@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 
 from .configs import skinny_split_k
-from .gemv_sum import slot_sum_last, store_rows
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import quantize_x
 
@@ -143,6 +142,7 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
     FIVE: tl.constexpr = QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k"
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
+    nmask = rows < N
     mi = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
@@ -247,9 +247,31 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                          - (dmin.to(tl.float32) * mn.to(tl.float32))[None]
                          * x_sum.to(tl.float32))
 
-    y = slot_sum_last(acc, BLOCK_M, BLOCK_N, GH)                         # [BM, BN]
-    store_rows(y, mi, rows, pid_n, split, nsplit, M, N, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-               s_om, BLOCK_M, BLOCK_N, SPLIT, HAS_BIAS)
+    y = tl.sum(acc, 2)                                                   # [BM, BN]
+    omask = (mi < M)[:, None] & nmask[None, :]
+    cols = rows[None, :]
+    if SPLIT:
+        # Each split writes its partial; the last split of this row block to finish (an
+        # acq_rel counter) sums all partials in split order, so the result does not depend on
+        # which program finished last, and resets the counter for the next launch.
+        tl.store(part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + cols, y, mask=omask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == nsplit - 1:
+            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, nsplit):
+                y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + cols,
+                             mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+            tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+                     mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+                 mask=omask)
 
 
 @triton.jit

@@ -33,7 +33,6 @@ from .configs import KernelConfig, get_config, skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args, words as _words
-from .quant_gemv_mma import gemv_mma, mma_takes
 
 
 DENSE = "dense"
@@ -267,9 +266,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     num_m = x2.shape[0]
-    cfg = get_config(x.device)
-    mma = mma_takes(cfg, qtype, num_m)
-    if num_m > 16 and not mma:
+    if num_m > 16:
         raise ValueError(f"the skinny kernels take at most 16 rows of x, got {num_m}")
     if out is None:
         out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
@@ -280,12 +277,8 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         return out
     if k == 0:
         return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
+    cfg = get_config(x.device)
     interp = _interpreting()
-    if mma:
-        qs, *rest = weights
-        gemv_mma(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,
-                 bias.contiguous() if bias is not None else None, out2, cfg, xqs=xqs)
-        return out
     gemv_rows = qtype != DENSE and num_m <= cfg.gemv_max_m
     use_dot = num_m > 1
     if use_dot:  # M padded to 16 rows; a dot takes K >= 16 (BLOCK_K / 2 per half)
@@ -349,9 +342,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
     `skinny_max_m` rows each part writes its columns of one output (no concatenation, the
     bias added by the kernels), and at one row x is quantized once for all the parts."""
     num_m = x.numel() // max(x.shape[-1], 1)
-    cfg = get_config(x.device)
-    if num_m > min(cfg.skinny_max_m, 16) and \
-            not all(mma_takes(cfg, w.qtype, num_m) for w in parts):
+    if num_m > min(get_config(x.device).skinny_max_m, 16):
         out = torch.cat([quant_matmul(x, w) for w in parts], dim=-1)
         return out + bias if bias is not None else out
     n = sum(w.shape[0] for w in parts)
@@ -376,8 +367,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_max_m` rows,
     else a dequantized scratch copy of w and torch's GEMM."""
     num_m = x.numel() // max(x.shape[-1], 1)
-    cfg = get_config(x.device)
-    if num_m <= min(cfg.skinny_max_m, 16) or mma_takes(cfg, w.qtype, num_m):
+    if num_m <= min(get_config(x.device).skinny_max_m, 16):
         return quant_matmul_skinny(x, w, bias, out, xqs)
     y = F.linear(x, dequantize_triton(w, x.dtype), bias)
     return y if out is None else out.copy_(y)

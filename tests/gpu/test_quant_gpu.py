@@ -39,13 +39,6 @@ ROWS = [1, 4, 8, 16, 64]
 GEMV_MAX_M = configs.get_config(torch.device(DEV)).gemv_max_m
 
 
-def int8_x(qtype: str, m: int) -> bool:
-    """Whether m rows times a qtype weight go through an int8 GEMV (x int8-rounded): the dp4a
-    one up to gemv_max_m rows, the tensor-core one (quant_gemv_mma.py) where it is on."""
-    from luceio.kernels.quant_gemv_mma import mma_takes
-    return m <= GEMV_MAX_M or mma_takes(configs.get_config(torch.device(DEV)), qtype, m)
-
-
 @pytest.fixture
 def seed():
     s = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
@@ -73,7 +66,7 @@ def test_quant_matmul_bf16(seed, qtype, shape):
         check(quant_linear_ref(x, w, bias), exact, seed, what + " (reference)")
         out = qt.quant_matmul(x, w, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-        if int8_x(qtype, m):  # an int8 GEMV: exact for the int8-rounded x (kernels/quant_gemv*.py)
+        if m <= GEMV_MAX_M:  # the int8 GEMV: exact for the int8-rounded x (kernels/quant_gemv.py)
             exact = torch.addmm(bias.float(), quantize_x_ref(x), w32.T)
         check(out, exact, seed, what)
 
@@ -124,30 +117,6 @@ def test_skinny_in_cuda_graph(seed):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    xr = quantize_x_ref(x) if int8_x(w.qtype, x.shape[0]) else x.float()
+    xr = quantize_x_ref(x) if x.shape[0] <= GEMV_MAX_M else x.float()
     check(out, xr @ dequantize(w).T, seed, "replayed")
 
-
-@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_k", "q4_0"])
-def test_mma_gemv_rows(seed, qtype):
-    """Natively, the int8 tensor-core GEMV (quant_gemv_mma.py, on for up to 64 rows): 9, 16, 23
-    and 40 rows (launches of the config's rows) on both shapes (split-K and not), both scale
-    forms, match the exact product with the int8-rounded x; the first 9 rows of 40 give the
-    bits they give as 9 rows of their own (a row does not depend on its batch)."""
-    from dataclasses import replace
-
-    from luceio.kernels import prepare_weight
-    cfg = replace(configs.get_config(torch.device(DEV)), gemv_mma_max_m=64)
-    for n, k in SHAPES:
-        w = quant.random_quant_weight(qtype, n, k, device=DEV)
-        bias = torch.randn(n, device=DEV).to(torch.bfloat16)
-        x = torch.randn(40, k, device=DEV).to(torch.bfloat16)
-        for form in (w, prepare_weight(w, torch.bfloat16)):
-            got = {}
-            for m in (9, 16, 23, 40):
-                with configs.use_config(cfg):
-                    got[m] = qt.quant_matmul(x[:m], form, bias)
-                exact = torch.addmm(bias.float(), quantize_x_ref(x[:m]),
-                                    dequantize(form).float().T)
-                check(got[m], exact, seed, f"{qtype} [{n}, {k}] M={m} (mma)")
-            assert torch.equal(got[40][:9], got[9]), f"{qtype} [{n}, {k}] (seed {seed})"
