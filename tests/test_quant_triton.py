@@ -276,6 +276,33 @@ def test_quant_matmul_routes_by_rows(gen, monkeypatch):
         check(out, ref, TOL[torch.float32], gen, f"x {list(lead)}")
 
 
+
+def test_rows_past_16_and_the_q6_k_bound(gen, monkeypatch):
+    """17..32 rows run the skinny tl.dot with M padded to 32 (`skinny_max_m` up to 32);
+    `skinny_max_m_q6_k` bounds q6_k weights alone (their dot tile lost to the dequantized copy
+    at 9-16 rows on an H200), fused projections included (a part past its bound goes alone)."""
+    calls = []
+    skinny = qt.quant_matmul_skinny
+    monkeypatch.setattr(qt, "quant_matmul_skinny", lambda *a: calls.append(a[1].qtype)
+                        or skinny(*a))
+    w5, w6 = weight(gen, "q5_1", 7, 96), weight(gen, "q6_k", 9, 256)
+    cfg = KernelConfig(**{**SMALL.__dict__, "skinny_max_m": 24, "skinny_max_m_q6_k": 3})
+    with configs.use_config(cfg):
+        assert qt.skinny_rows(cfg, "q6_k") == 3 and qt.skinny_rows(cfg, "q5_1") == 24
+        for rows, expect in ((20, ["q5_1"]), (25, [])):
+            x = gen.randn(rows, 96)
+            calls.clear()
+            check(qt.quant_matmul(x, w5), quant_linear_ref(x, w5), TOL[torch.float32], gen,
+                  f"q5_1 {rows} rows")
+            assert calls == expect, rows
+        for rows, expect in ((3, ["q6_k"]), (4, [])):
+            x = gen.randn(rows, 256)
+            calls.clear()
+            check(qt.quant_matmul(x, w6), quant_linear_ref(gemv_input(x) if expect else x, w6),
+                  TOL[torch.float32], gen, f"q6_k {rows} rows")
+            assert calls == expect, rows
+
+
 def test_linear_dispatch_goes_to_triton(gen, monkeypatch):
     import luceio.kernels as K
     monkeypatch.setenv("LUCEIO_KERNELS", "triton")
@@ -316,4 +343,4 @@ def test_config_table_qgemm_fields():
         assert cfg.qgemm_block_k >= 32 and cfg.qgemm_block_k & (cfg.qgemm_block_k - 1) == 0, arch
         assert cfg.dequant_block_k >= 32 and cfg.dequant_block_k & (cfg.dequant_block_k - 1) == 0
         assert cfg.gemv_block_k >= 32 and cfg.gemv_block_k & (cfg.gemv_block_k - 1) == 0, arch
-        assert 1 <= cfg.skinny_max_m <= 16, arch
+        assert 1 <= cfg.skinny_max_m <= 32 and 0 <= cfg.skinny_max_m_q6_k <= 32, arch

@@ -112,7 +112,8 @@ class KernelConfig:
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16
     qgemm_min_tiles_per_split: int = 2
-    skinny_max_m: int = 16               # larger batches: dequantize + torch GEMM (at most 16)
+    skinny_max_m: int = 16               # larger batches: dequantize + torch GEMM (at most 32)
+    skinny_max_m_q6_k: int = 0           # ... for q6_k weights (0: skinny_max_m)
     dequant_block_n: int = 16
     dequant_block_k: int = 256
     dequant_num_warps: int = 4

@@ -1,6 +1,6 @@
 """Triton matmuls that read the repacked quantized layout of `quant.py` (read its docstring).
 
-* `quant_matmul_skinny(x, w)`: y = x @ W^T for M <= 16 rows of x (decode, speculative verify,
+* `quant_matmul_skinny(x, w)`: y = x @ W^T for M <= 32 rows of x (decode, speculative verify,
   small batches). Grid (cdiv(N, BLOCK_N), SPLIT_K): a program owns BLOCK_N output features for
   every row of x and walks its share of K in BLOCK_K tiles, dequantizing each weight tile in fp32
   and accumulating in fp32. With SPLIT_K > 1 (short N: too few programs to fill the GPU) the
@@ -9,14 +9,14 @@
 * `dense_matmul_skinny(x, weight)`: the same kernel for a dense fp16/bf16/fp32 [N, K] weight.
 * `dequantize_triton(w, dtype)` (dequant_triton.py, re-exported here): the whole weight as a
   dense [N, K] tensor.
-* `quant_matmul(x, w)`: the skinny kernel up to `KernelConfig.skinny_max_m` rows, else
+* `quant_matmul(x, w)`: the skinny kernel up to `skinny_rows(cfg, qtype)` rows, else
   `dequantize_triton` into a scratch weight and torch's GEMM (cuBLAS / rocBLAS): at prefill
   sizes the GEMM is compute-bound, and the scratch is freed after the call.
 
 Two inner products: one row of x (decode) runs as a GEMV, multiply + add in fp32 with per-lane
 partial sums reduced once after the K loop, and each group's scale applied once to its sum
-(scale * sum(code * x) - offset * sum(x)); 2..16 rows run `tl.dot` on the dequantized tile
-(the reference's per-weight formula, cast to x's dtype) with M padded to 16. Under
+(scale * sum(code * x) - offset * sum(x)); 2..32 rows run `tl.dot` on the dequantized tile
+(the reference's per-weight formula, cast to x's dtype) with M padded to 16 or 32. Under
 TRITON_INTERPRET=1 bf16 dot operands go as fp32 (the interpreter's bf16 dot is wrong); fp32
 activations always dot in IEEE fp32 (no TF32). bench/qgemm.py measures both against cuBLAS.
 """
@@ -266,8 +266,8 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     num_m = x2.shape[0]
-    if num_m > 16:
-        raise ValueError(f"the skinny kernels take at most 16 rows of x, got {num_m}")
+    if num_m > 32:
+        raise ValueError(f"the skinny kernels take at most 32 rows of x, got {num_m}")
     if out is None:
         out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
     out2 = out.view(-1, n)
@@ -281,8 +281,9 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
     interp = _interpreting()
     gemv_rows = qtype != DENSE and num_m <= cfg.gemv_max_m
     use_dot = num_m > 1
-    if use_dot:  # M padded to 16 rows; a dot takes K >= 16 (BLOCK_K / 2 per half)
-        block_m, block_n, num_warps = 16, max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
+    if use_dot:  # M padded to 16 or 32 rows; a dot takes K >= 16 (BLOCK_K / 2 per half)
+        block_m = 16 if num_m <= 16 else 32
+        block_n, num_warps = max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
         block_k = max(cfg.qgemm_block_k, 32 if interp else 64)
     else:
         block_m, block_n, num_warps = 1, cfg.skinny_row_block_n, cfg.skinny_row_num_warps
@@ -319,7 +320,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
 def quant_matmul_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                         out: torch.Tensor | None = None, xqs: dict | None = None
                         ) -> torch.Tensor:
-    """x [..., K] (at most 16 rows; fp16, bf16 or fp32) @ w^T + bias -> [..., N] in x's dtype,
+    """x [..., K] (at most 32 rows; fp16, bf16 or fp32) @ w^T + bias -> [..., N] in x's dtype,
     into `out` when given (a [..., N] tensor with a contiguous last dim). `xqs`: x's int8 forms
     when its producer made them (see `kernels.gemv_input_buffers`)."""
     n, k = w.shape
@@ -339,10 +340,11 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
                        xqs: dict | None = None) -> torch.Tensor:
     """x [..., K] @ [W_0; W_1; ...]^T + bias: a fused projection whose row segments are
     quantized in different types (a Q4_K_M file's q/k in Q4_K, v in Q6_K). Up to
-    `skinny_max_m` rows each part writes its columns of one output (no concatenation, the
+    `skinny_rows` rows each part writes its columns of one output (no concatenation, the
     bias added by the kernels), and at one row x is quantized once for all the parts."""
     num_m = x.numel() // max(x.shape[-1], 1)
-    if num_m > min(get_config(x.device).skinny_max_m, 16):
+    cfg = get_config(x.device)
+    if any(num_m > skinny_rows(cfg, w.qtype) for w in parts):
         out = torch.cat([quant_matmul(x, w) for w in parts], dim=-1)
         return out + bias if bias is not None else out
     n = sum(w.shape[0] for w in parts)
@@ -362,12 +364,22 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
     return out
 
 
+def skinny_rows(cfg: KernelConfig, qtype: str) -> int:
+    """How many rows of x times a `qtype` weight the skinny kernels take (<= 32): past it
+    `quant_matmul` dequantizes the weight for cuBLAS. `skinny_max_m`, or `skinny_max_m_q6_k`
+    for q6_k (on an H200 its tl.dot tile costs more than the dequantized copy at 9-16 rows,
+    bench/results/h200/gemv_mma_pergroup_session22.json)."""
+    limit = cfg.skinny_max_m_q6_k if qtype == "q6_k" and cfg.skinny_max_m_q6_k else \
+        cfg.skinny_max_m
+    return min(32, limit)
+
+
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, xqs: dict | None = None) -> torch.Tensor:
-    """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_max_m` rows,
+    """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_rows` rows,
     else a dequantized scratch copy of w and torch's GEMM."""
     num_m = x.numel() // max(x.shape[-1], 1)
-    if num_m <= min(get_config(x.device).skinny_max_m, 16):
+    if num_m <= skinny_rows(get_config(x.device), w.qtype):
         return quant_matmul_skinny(x, w, bias, out, xqs)
     y = F.linear(x, dequantize_triton(w, x.dtype), bias)
     return y if out is None else out.copy_(y)

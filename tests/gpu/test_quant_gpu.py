@@ -120,3 +120,23 @@ def test_skinny_in_cuda_graph(seed):
     xr = quantize_x_ref(x) if x.shape[0] <= GEMV_MAX_M else x.float()
     check(out, xr @ dequantize(w).T, seed, "replayed")
 
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0"])
+def test_skinny_dot_past_16_rows(seed, qtype):
+    """Natively, the skinny tl.dot with M padded to 32 (`skinny_max_m` 32, forced): 17, 24 and
+    32 rows on both shapes, both scale forms, match the fp32 product."""
+    from dataclasses import replace
+
+    from luceio.kernels import prepare_weight
+    cfg = replace(configs.get_config(torch.device(DEV)), skinny_max_m=32, skinny_max_m_q6_k=0)
+    for n, k in SHAPES:
+        w = quant.random_quant_weight(qtype, n, k, device=DEV)
+        bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+        for form in (w, prepare_weight(w, torch.bfloat16)):
+            for m in (17, 24, 32):
+                x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+                with configs.use_config(cfg):
+                    got = qt.quant_matmul(x, form, bias)
+                exact = torch.addmm(bias.float(), x.float(), dequantize(form).float().T)
+                check(got, exact, seed, f"{qtype} [{n}, {k}] M={m} (skinny, 32 rows)")
