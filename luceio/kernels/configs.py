@@ -169,6 +169,7 @@ TABLE: dict[str, KernelConfig] = {
                           dense_gemv_wide_block_n=8, dense_gemv_wide_block_k=256,
                           dense_gemv_wide_num_warps=2, dense_gemv_deep_min_ratio=4,
                           dense_gemv_deep_max_elems=16 << 20,
+                          skinny_max_m=32, skinny_max_m_q6_k=8,
                           moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
                           moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,
                           moe_decode_down_block_k=256, moe_decode_down_num_warps=1,
@@ -211,7 +212,14 @@ TABLE: dict[str, KernelConfig] = {
                                  "sweep per matrix (0.5B / 1.5B down 6.71 -> 6.11, 12.98 -> "
                                  "10.87 us; the 8B's 29.6 -> 36.0, hence the element bound), in "
                                  "the engine GPU busy 739.8 -> 704.2 us (0.5B), 1490.4 -> 1415.6 "
-                                 "(1.5B), results/h200/step_profile_session21_deep_ab.json"),
+                                 "(1.5B), results/h200/step_profile_session21_deep_ab.json; "
+                                 "skinny_max_m 16 -> 32, skinny_max_m_q6_k 8 (q6_k: dequantize "
+                                 "+ cuBLAS past 8 rows; 7B down at 16 rows 142 us in the tl.dot "
+                                 "tile, 109 dequantized, results/h200/gemv_mma_pergroup_session22"
+                                 ".json): bench/tree_verify_cost.py, 1.5B Q4_K_M, batch 1, three "
+                                 "off/on runs: 9 rows 4.06 -> 3.90 ms, 17 rows 4.29 -> 4.24, 23 "
+                                 "rows 4.30 -> 4.10 (means), results/h200/"
+                                 "tree_verify_cost_session22_skinny_*, 2026-12-04"),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)
     "gfx1201": KernelConfig(decode_block_n=32, decode_num_warps=4, decode_num_stages=1,
