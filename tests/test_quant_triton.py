@@ -276,7 +276,6 @@ def test_quant_matmul_routes_by_rows(gen, monkeypatch):
         check(out, ref, TOL[torch.float32], gen, f"x {list(lead)}")
 
 
-
 def test_rows_past_16_and_the_q6_k_bound(gen, monkeypatch):
     """17..32 rows run the skinny tl.dot with M padded to 32 (`skinny_max_m` up to 32);
     `skinny_max_m_q6_k` bounds q6_k weights alone (their dot tile lost to the dequantized copy

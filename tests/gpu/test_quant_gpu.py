@@ -121,7 +121,6 @@ def test_skinny_in_cuda_graph(seed):
     check(out, xr @ dequantize(w).T, seed, "replayed")
 
 
-
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0"])
 def test_skinny_dot_past_16_rows(seed, qtype):
     """Natively, the skinny tl.dot with M padded to 32 (`skinny_max_m` 32, forced): 17, 24 and
