@@ -300,6 +300,14 @@ def test_rows_past_16_and_the_q6_k_bound(gen, monkeypatch):
             check(qt.quant_matmul(x, w6), quant_linear_ref(gemv_input(x) if expect else x, w6),
                   TOL[torch.float32], gen, f"q6_k {rows} rows")
             assert calls == expect, rows
+        w5b = weight(gen, "q5_1", 5, 256)
+        for rows, expect in ((3, []), (4, ["q5_1"])):  # the fused path calls _skinny itself
+            x = gen.randn(rows, 256)
+            calls.clear()
+            got = qt.quant_matmul_parts(x, [w5b, w6])
+            ref = torch.cat([quant_linear_ref(x, w5b), quant_linear_ref(x, w6)], -1)
+            assert calls == expect and got.shape == (rows, 14), (rows, calls)
+            check(got, ref, dict(atol=2e-2, rtol=2e-2), gen, f"parts {rows} rows")  # int8 x
 
 
 def test_linear_dispatch_goes_to_triton(gen, monkeypatch):
