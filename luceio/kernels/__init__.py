@@ -223,17 +223,19 @@ def gemv_input_buffers(parts: list, rows: int, k: int, device: torch.device) -> 
     """Empty buffers for the int8 forms of a [rows, K] input that the quantized GEMV of
     `parts` reads (`quant_x.quantize_x` of the rows flattened: True = two planes, False =
     q8_0's group order), when that GEMV is what will run and takes all the rows in one launch
-    (quantized parts, Triton, rows <= gemv_max_m and gemv_rows_per_launch); else {}. The kernel
-    that produces the input (`rms_norm`, `silu_and_mul` with `xqs=`) fills them in the same
-    launch, which saves the GEMV's own quantizing launch."""
+    (quantized parts, Triton, rows <= gemv_max_m, gemv_rows_per_launch and each part's
+    `skinny_rows`); else {}. The kernel that produces the input (`rms_norm`, `silu_and_mul`
+    with `xqs=`) fills them in the same launch, which saves the GEMV's own quantizing launch."""
     from .quant import QuantWeight
     if rows < 1 or not parts or k % 32 or not use_triton(torch.device(device)) or \
             not all(isinstance(p, QuantWeight) for p in parts):
         return {}
     if rows > 1:
         from .configs import get_config
+        from .quant_triton import skinny_rows
         cfg = get_config(torch.device(device))
-        if rows > min(cfg.gemv_max_m, cfg.skinny_max_m, 16, max(1, cfg.gemv_rows_per_launch)):
+        if rows > min(cfg.gemv_max_m, max(1, cfg.gemv_rows_per_launch),
+                      *(skinny_rows(cfg, p.qtype) for p in parts)):
             return {}
     from .elementwise_triton import xq_layouts
     return xq_layouts(sorted({p.qtype != "q8_0" for p in parts}), rows, k, device)
