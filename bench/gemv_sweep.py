@@ -1,11 +1,12 @@
 """Launch-config sweep of the one-row int8 quantized GEMV (kernels/quant_gemv.py) on the GPU.
 
     python bench/gemv_sweep.py [--out DIR] [--repeats N]
-    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8]
+    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8] [--row-splits 0,1]
 
-`--rows`: instead, the several-row launches' `gemv_rows_block_n` is swept at each M given (the
+`--rows`: instead, the several-row launches' `gemv_rows_block_n` (and `gemv_row_split`: rows in
+two blocks, 5 = 4 + 1, instead of padded to a power of two) is swept at each M given (the
 arch's one-row config otherwise), each config checked for rows bit-equal to one row alone;
-writes DIR/gemv_rows_sweep.json.
+writes DIR/gemv_rows_sweep.json (`--json-name`).
 
 GEMV_SWEEP_QTYPES, GEMV_SWEEP_GRID ("bn,bk,warps,prefetch;...") and GEMV_SWEEP_SPLITS
 ("2048:1,4096:2": gemv_split_min_programs:gemv_min_tiles_per_split) narrow the sweep.
@@ -85,13 +86,14 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
     """gemv_rows_block_n at each M of --rows: % of copy per matrix and qtype, gmean per qtype."""
     ms = [int(v) for v in args.rows.split(",")]
     block_ns = [int(v) for v in args.block_ns.split(",")]
+    splits = [bool(int(v)) for v in args.row_splits.split(",")]
     results = []
     for qtype in QTYPES:
         for m in ms:
             cases = list(_weights(qtype, m, dev))
-            for bn in block_ns:
-                cfg = replace(base, gemv_rows_block_n=bn)
-                pct, equal = [], True
+            for bn, row_split in [(bn, sp) for bn in block_ns for sp in splits]:
+                cfg = replace(base, gemv_rows_block_n=bn, gemv_row_split=row_split)
+                pct, us, equal = [], [], True
                 with configs.use_config(cfg):
                     for name, w, wcopies, x, out, w_bytes in cases:
                         rows = quant_matmul_skinny(x, w)
@@ -100,18 +102,22 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
                         t = time_per_call([lambda w=wc: quant_matmul_skinny(x, w, out=out)
                                            for wc in wcopies], args.repeats)
                         pct.append(100 * (w_bytes + 2 * (x.numel() + out.numel())) / t / copy_bps)
-                results.append(dict(qtype=qtype, M=m, rows_block_n=bn, rows_equal_alone=equal,
-                                    matrices=[c[0] for c in cases], pct_copy=pct,
+                        us.append(t * 1e6)
+                results.append(dict(qtype=qtype, M=m, rows_block_n=bn, row_split=row_split,
+                                    rows_equal_alone=equal,
+                                    matrices=[c[0] for c in cases], pct_copy=pct, us=us,
                                     gmean=gmean(pct)))
-                print(f"{qtype} M={m} rows_block_n={bn:2d}: " + " ".join(f"{p:5.1f}" for p in pct)
+                print(f"{qtype} M={m} rows_block_n={bn:2d} split={int(row_split)}: "
+                      + " ".join(f"{p:5.1f}" for p in pct)
                       + f"  gmean {gmean(pct):5.1f}%  rows==alone {equal}", flush=True)
             del cases
             torch.cuda.empty_cache()
     for m in ms:
-        best = max(block_ns, key=lambda bn: gmean([r["gmean"] for r in results
-                                                   if r["M"] == m and r["rows_block_n"] == bn]))
-        print(f"M={m}: best rows_block_n over all qtypes {best}")
-    write_json(os.path.join(args.out, "gemv_rows_sweep.json"),
+        best = max([(bn, sp) for bn in block_ns for sp in splits],
+                   key=lambda c: gmean([r["gmean"] for r in results if r["M"] == m
+                                        and (r["rows_block_n"], r["row_split"]) == c]))
+        print(f"M={m}: best (rows_block_n, row_split) over all qtypes {best}")
+    write_json(os.path.join(args.out, args.json_name),
                dict(env=env_info(), copy_GBps=copy_bps / 1e9, config=configs.config_to_dict(base),
                     results=results))
     return 0 if all(r["rows_equal_alone"] for r in results) else 1
@@ -128,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rows", default=None, help="sweep gemv_rows_block_n at these M instead")
     ap.add_argument("--block-ns", default="1,2,4,8", help="gemv_rows_block_n values (--rows)")
+    ap.add_argument("--row-splits", default="0", help="gemv_row_split values (--rows)")
+    ap.add_argument("--json-name", default="gemv_rows_sweep.json", help="--rows' result file")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)

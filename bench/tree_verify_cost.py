@@ -8,15 +8,20 @@ the median of `--repeats` back-to-back steps (synchronised).
 Tokens per verify from bench/spec_tree.py divided by these costs give the speedup a tree buys.
 
     python bench/tree_verify_cost.py [--shape qwen2.5-1.5b] [--type Q4_K_M] [--context 512]
-Writes OUT/tree_verify_cost.json.
+        [--ab gemv_row_split=true --ab-rounds 2]
+Writes OUT/tree_verify_cost.json (`--json-name`). `--ab FIELD=JSON` times every step under the
+arch's kernel config and under that one change to it, alternating, in one process.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -26,6 +31,7 @@ from decode_gguf import random_model  # noqa: E402
 from gpu_bench import make_engine  # noqa: E402
 
 from luceio import SamplingParams  # noqa: E402
+from luceio.kernels import configs  # noqa: E402
 from luceio.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from luceio.spec.tree import DraftTree  # noqa: E402
 
@@ -68,47 +74,67 @@ def _engine_and_requests(model, a, batch: int, **kw):
     return eng, reqs
 
 
+def measure(model, a, batch: int) -> list[dict]:
+    """The steps' times at one batch size, with the kernel config in force."""
+    eng, reqs = _engine_and_requests(model, a, batch)
+    plain = step_ms(eng, reqs, 1, [], None, a.repeats)
+    found = [{"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)}]
+    for k in (2, 4):
+        ms = step_ms(eng, reqs, k + 1, list(range(200, 200 + k)), None, a.repeats)
+        found.append({"step": f"chain verify k={k} (graph)", "rows": k + 1, "ms": round(ms, 3)})
+    if a.eager and batch == 1:
+        ms = step_ms(eng, reqs, 9, binary_tree(8).tokens, binary_tree(8), a.repeats)
+        found.append({"step": "tree of 8 nodes (eager)", "rows": 9, "ms": round(ms, 3)})
+    del eng, reqs
+    for n in (int(v) for v in a.trees.split(",") if v):
+        eng, reqs = _engine_and_requests(model, a, batch, spec_tree_budget=n)
+        tree = binary_tree(n)
+        ms = step_ms(eng, reqs, n + 1, tree.tokens, tree, a.repeats)
+        found.append({"step": f"tree of {n} nodes (tree graph)", "rows": n + 1,
+                      "ms": round(ms, 3)})
+        del eng, reqs
+        torch.cuda.empty_cache()
+    for r in found:
+        r.update(batch=batch, vs_plain=round(r["ms"] / plain, 2))
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-1.5b")
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--trees", default="4,8,16,24")
+    ap.add_argument("--trees", default="4,8,16,24", help="tree sizes ('' for none)")
     ap.add_argument("--eager", action="store_true", help="also an eager tree of 8 nodes")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--ab", default=None,
+                    help="FIELD=JSON: alternate the arch's kernel config and this change to it "
+                         "(--ab-rounds times each, one process, one model)")
+    ap.add_argument("--ab-rounds", type=int, default=2)
+    ap.add_argument("--json-name", default="tree_verify_cost.json")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     model = random_model(a.shape, a.type, a.context + 1024)
+    settings = [("table", None)]
+    if a.ab:
+        field, value = a.ab.split("=", 1)
+        base = configs.get_config(torch.device("cuda"))
+        alt = replace(base, **{field: type(getattr(base, field))(json.loads(value))})
+        settings = [("table", base), (a.ab, alt)] * a.ab_rounds
     rows = []
     for batch in batches:
-        eng, reqs = _engine_and_requests(model, a, batch)
-        plain = step_ms(eng, reqs, 1, [], None, a.repeats)
-        found = [{"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)}]
-        for k in (2, 4):
-            ms = step_ms(eng, reqs, k + 1, list(range(200, 200 + k)), None, a.repeats)
-            found.append({"step": f"chain verify k={k} (graph)", "rows": k + 1,
-                          "ms": round(ms, 3)})
-        if a.eager and batch == 1:
-            ms = step_ms(eng, reqs, 9, binary_tree(8).tokens, binary_tree(8), a.repeats)
-            found.append({"step": "tree of 8 nodes (eager)", "rows": 9, "ms": round(ms, 3)})
-        del eng, reqs
-        for n in (int(v) for v in a.trees.split(",")):
-            eng, reqs = _engine_and_requests(model, a, batch, spec_tree_budget=n)
-            tree = binary_tree(n)
-            ms = step_ms(eng, reqs, n + 1, tree.tokens, tree, a.repeats)
-            found.append({"step": f"tree of {n} nodes (tree graph)", "rows": n + 1,
-                          "ms": round(ms, 3)})
-            del eng, reqs
-            torch.cuda.empty_cache()
-        for r in found:
-            r.update(batch=batch, vs_plain=round(r["ms"] / plain, 2))
-            print(r, flush=True)
-        rows += found
-    write_json(os.path.join(a.out, "tree_verify_cost.json"),
+        for label, cfg in settings:
+            with configs.use_config(cfg) if cfg is not None else contextlib.nullcontext():
+                found = measure(model, a, batch)
+            for r in found:
+                r["config"] = label
+                print(r, flush=True)
+            rows += found
+    write_json(os.path.join(a.out, a.json_name),
                {"env": env_info(), "shape": a.shape, "type": a.type, "context": a.context,
-                "rows": rows})
+                "ab": a.ab, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -245,6 +245,38 @@ def test_gemv_rows_equal_one_row_each(gen, qtype, rows_block_n):
               f"{qtype} 5 rows")
 
 
+def test_row_blocks():
+    """Rows padded to a power of two, or with `gemv_row_split` two blocks where that pads less."""
+    assert [quant_gemv.row_blocks(m, False) for m in (1, 2, 3, 5, 6, 7, 8)] == \
+        [(1, 0), (2, 0), (4, 0), (8, 0), (8, 0), (8, 0), (8, 0)]
+    assert [quant_gemv.row_blocks(m, True) for m in (1, 2, 3, 4, 5, 6, 7, 8)] == \
+        [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (8, 0), (8, 0)]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gemv_row_split_equals_one_row_each(gen, qtype, monkeypatch):
+    """Rows in two blocks (`gemv_row_split`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2) give each row the
+    bits it gives alone, with and without split-K, and the launch really takes two blocks."""
+    k = 512 if qtype.endswith("_k") else 160
+    w = weight(gen, qtype, 9, k)
+    bias = gen.randn(9)
+    x = gen.randn(6, k)
+    blocks = []
+    real = quant_gemv.row_blocks
+    monkeypatch.setattr(quant_gemv, "row_blocks",
+                        lambda rows, split: blocks.append(real(rows, split)) or blocks[-1])
+    for base in (SMALL, SPLIT):
+        cfg = KernelConfig(**{**base.__dict__, "gemv_row_split": True})
+        with configs.use_config(cfg):
+            alone = torch.cat([qt.quant_matmul_skinny(x[i:i + 1], w, bias) for i in range(6)])
+            for m in (3, 5, 6):
+                blocks.clear()
+                rows = qt.quant_matmul_skinny(x[:m], w, bias)
+                assert blocks == [real(m, True)] and blocks[0][1] > 0
+                assert torch.equal(rows, alone[:m]), \
+                    f"{qtype} {m} rows split={base is SPLIT} (seed {gen.seed_value})"
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_triton_is_exact(gen, qtype):
     k = 512 if qtype.endswith("_k") else 160

@@ -58,15 +58,15 @@ class KernelConfig:
     gemv_num_warps: int = 1
     gemv_prefetch: bool = True           # load the next tile's code words before computing this one
     gemv_early_load: bool = True         # ... the first tile's before the PDL wait (one row)
-    # split K while the rows alone give fewer programs (one warp each) than this, into splits
-    # of at least gemv_min_tiles_per_split tiles: a short, long-K matrix (down: N = 4096,
-    # K = 14336) is too few warps to keep enough loads in flight
+    # split K while the rows alone give fewer programs (one warp each) than this, into splits of
+    # >= gemv_min_tiles_per_split tiles: a short, long-K matrix is too few warps for the loads
     gemv_split_min_programs: int = 256
     gemv_min_tiles_per_split: int = 2
     gemv_max_m: int = 8                  # quantized: up to this many rows of x the int8 GEMV runs,
     gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
     gemv_rows_block_n: int = 0           # block_n of launches of several rows (each row adds
     # registers; K is split as for one row, so each row's sums stay those of one row); 0: gemv_block_n
+    gemv_row_split: bool = False         # rows in two blocks (5 = 4 + 1) instead of padded to 8
     skinny_row_block_n: int = 64         # 1 row in quant_triton's skinny kernel (dense_matmul_skinny)
     skinny_row_block_k: int = 256
     skinny_row_num_warps: int = 4

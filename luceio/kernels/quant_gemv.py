@@ -47,79 +47,29 @@ import triton.language as tl
 
 from .configs import skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
+from .quant_gemv_tiles import (_block_acc, _block_dots, _row_tile, _shared_tile, _spread1,
+                               _spread2, _x_block)
 from .quant_x import quantize_x
 
 
 @triton.jit
-def _dp4a(a, b, c, ASM: tl.constexpr):
-    """Per int32 lane: c + the sum over its 4 bytes of signed a_byte * signed b_byte."""
-    if ASM:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        acc = c + ((a << 24) >> 24) * ((b << 24) >> 24)
-        acc += ((a << 16) >> 24) * ((b << 16) >> 24)
-        acc += ((a << 8) >> 24) * ((b << 8) >> 24)
-        return acc + (a >> 24) * (b >> 24)
+def _store_rows(y, mi, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS: tl.constexpr):
+    """out[mi, cols] = y (+ bias) for rows mi < M."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
+             mask=(mi < M)[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _spread1(t):
-    """4 bits (t < 16) -> bit i moved to bit 8i + 4: a fifth bit for each code byte."""
-    return (t * 0x02040810) & 0x10101010
-
-
-@triton.jit
-def _spread2(b):
-    """4 two-bit fields of a byte (b < 256) -> field i moved to bits 8i + 4, 8i + 5."""
-    even = ((b & 0x33) * 0x00010010) & 0x00300030
-    odd = ((b & 0xCC) * 0x00400400) & 0x30003000
-    return even | odd
-
-
-@triton.jit
-def _row_tile(base, row0, N, stride, first, limit, BN: tl.constexpr, C: tl.constexpr):
-    """[BN, C]: base[row * stride + first + c] for rows row0.. (< N) and c < C (first + c <
-    limit), 0 outside. Contiguous along C, so the load gets threads along C whatever Triton
-    version infers the layout (with a tie between rows and columns, Triton 3.6 put threads
-    across rows and then moved every tile through shared memory)."""
-    rows = row0 + tl.arange(0, BN)
-    col = first + tl.arange(0, C)[None, :]
-    mask = (rows < N)[:, None] & (col < limit)
-    return tl.load(base + rows.to(tl.int64)[:, None] * stride + col, mask=mask, other=0)
-
-
-@triton.jit
-def _shared_tile(base, row0, N, stride, g0, g_end, BN: tl.constexpr, G: tl.constexpr,
-                 PER: tl.constexpr):
-    """[BN, G]: base[row * stride + g // PER] for g = g0 .. g0 + G - 1 (a value shared by PER
-    consecutive groups: d of a 256-block, PER = 8); loaded as one flat [BN * G] vector
-    (element i: row i // G, group i % G) and reshaped, so its layout matches the [BN, G] tiles
-    instead of depending on a tie-break."""
-    i = tl.arange(0, BN * G)
-    rows = row0 + i // G
-    grp = g0 + i % G
-    v = tl.load(base + rows.to(tl.int64) * stride + grp // PER,
-                mask=(rows < N) & (grp < g_end), other=0)
-    return tl.reshape(v, [BN, G])
-
-
-@triton.jit
-def _x_rows(base, mi, M, s_m, first, limit, G: tl.constexpr, W: tl.constexpr,
-            BM: tl.constexpr):
-    """[BM, 1, G, W] words of x rows mi (< M) from base[m * s_m + first ..] (contiguous along
-    the words), 0 at and past `limit` within a row."""
-    c = first + tl.arange(0, G * W)[None, :]
-    v = tl.load(base + mi[:, None] * s_m + c, mask=(mi[:, None] < M) & (c < limit), other=0)
-    return tl.reshape(v, [BM, 1, G, W])
-
-
-@triton.jit
-def _x_groups(base, mi, M, s_m, grp, gm):
-    """[BM, 1, G]: base[m * s_m + grp] of rows mi (< M), 0 where not `gm`."""
-    v = tl.load(base + mi[:, None] * s_m + grp[None, :], mask=(mi[:, None] < M) & gm[None, :],
-                other=0)
-    return v[:, None, :]
+def _sum_parts(part_ptr, nsplit, mi, M, N, cols, nmask, BM: tl.constexpr, BN: tl.constexpr):
+    """The split partials of rows mi summed in split order."""
+    y = tl.zeros([BM, BN], tl.float32)
+    omask = (mi < M)[:, None] & nmask[None, :]
+    for s in range(0, nsplit):
+        y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + cols, mask=omask,
+                     other=0.0, cache_modifier=".cg")
+    return y
 
 
 @triton.jit
@@ -129,10 +79,14 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                BLOCK_N: tl.constexpr, G: tl.constexpr, PREFETCH: tl.constexpr,
                ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                PAIRED: tl.constexpr, PDL: tl.constexpr = False,
-               PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False):
+               PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False,
+               BLOCK_M2: tl.constexpr = 0):
     """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... . `PDL`:
     waits for the kernel before (`pdl_enter`) itself, after loading its first code words
-    with PREFETCH and EARLY_LOAD (no kernel of a step writes weights)."""
+    with PREFETCH and EARLY_LOAD (no kernel of a step writes weights). x's rows are one block
+    of BLOCK_M (0 .. BLOCK_M - 1) or, with BLOCK_M2 > 0, two: BLOCK_M rows and the next
+    BLOCK_M2 (5 rows as 4 + 1 instead of 8 with 3 masked; every weight tile is decoded once for
+    both)."""
     # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
     # so every type's tile is [BN, G * H, 4] with one thread per (half-)group; the M rows of x
     # are a leading axis that every weight tile is broadcast over (loaded and decoded once)
@@ -140,15 +94,19 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
     GH: tl.constexpr = G * H
     K_QUANT: tl.constexpr = QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k"
     FIVE: tl.constexpr = QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k"
+    TWO: tl.constexpr = BLOCK_M2 > 0
+    BM2: tl.constexpr = BLOCK_M2 if BLOCK_M2 > 0 else 1
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     nmask = rows < N
     mi = tl.arange(0, BLOCK_M)
+    mi2 = BLOCK_M + tl.arange(0, BM2)
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, KG)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N, GH], tl.float32)
+    acc2 = tl.zeros([BM2, BLOCK_N, GH], tl.float32)
     WG: tl.constexpr = 4 * H                                             # words per group
     if PREFETCH and EARLY_LOAD:  # the next tile's code words load while this tile computes
         nxt = _row_tile(qs_ptr, row0, N, s_qs, g_start * WG, g_end * WG, BLOCK_N, G * WG)
@@ -162,25 +120,16 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
         else:
             words = _row_tile(qs_ptr, row0, N, s_qs, g0 * WG, g_end * WG, BLOCK_N, G * WG)
         words = tl.reshape(words, [BLOCK_N, GH, 4])                      # [BN, GH, 4] int32
-        shape4: tl.constexpr = [BLOCK_M, BLOCK_N, GH, 4]
-        zero = tl.zeros(shape4, tl.int32)
-        if QTYPE == "q8_0":  # x in group order; per half-group: its group's scale, d * xs
-            half = g0 * 2 + tl.arange(0, GH)
-            xs = _x_groups(xs_ptr, mi, M, KG, half // 2, half < g_end * 2)  # [BM, 1, GH]
-            xw = tl.broadcast_to(_x_rows(xq_ptr, mi, M, KG * 8, g0 * 8, g_end * 8, GH, 4,
-                                         BLOCK_M), shape4)
-            s_lo = tl.sum(_dp4a(tl.broadcast_to(words[None], shape4), xw, zero, ASM), 3)
-        else:  # x in two planes: elements 0-15 and 16-31 of every group (all rows' low
-            # halves, then all rows' high halves)
-            grp = g0 + tl.arange(0, G)
-            gm = grp < g_end
-            xs = _x_groups(xs_ptr, mi, M, KG, grp, gm)                   # [BM, 1, G]
-            sum_lo = _x_groups(xsum_ptr, mi, M, KG, grp, gm)             # int32 [BM, 1, G]
-            sum_hi = _x_groups(xsum_ptr + M * KG, mi, M, KG, grp, gm)
-            x_lo = tl.broadcast_to(_x_rows(xq_ptr, mi, M, KG * 4, g0 * 4, g_end * 4, G, 4,
-                                           BLOCK_M), shape4)
-            x_hi = tl.broadcast_to(_x_rows(xq_ptr + M * KG * 4, mi, M, KG * 4, g0 * 4,
-                                           g_end * 4, G, 4, BLOCK_M), shape4)
+        x_lo, x_hi, xs, sum_lo, sum_hi = _x_block(mi, M, KG, g0, g_end, xq_ptr, xs_ptr,
+                                                  xsum_ptr, QTYPE, BLOCK_M, BLOCK_N, G, GH)
+        if TWO:
+            x_lo2, x_hi2, xs2, sum_lo2, sum_hi2 = _x_block(mi2, M, KG, g0, g_end, xq_ptr,
+                                                           xs_ptr, xsum_ptr, QTYPE, BM2,
+                                                           BLOCK_N, G, GH)
+        if QTYPE == "q8_0":
+            lo = words
+            hi = words
+        else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
             if FIVE:
@@ -195,13 +144,9 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                 h1 = ((h01 >> 32) & 0xFFFFFFFF).to(tl.int32)
                 lo |= _spread2((h0 >> (8 * jj)) & 255)
                 hi |= _spread2((h1 >> (8 * jj)) & 255)
-            lo = tl.broadcast_to(lo[None], shape4)
-            hi = tl.broadcast_to(hi[None], shape4)
-            if QTYPE == "q6_k":
-                s_lo = tl.sum(_dp4a(lo, x_lo, zero, ASM), 3)             # [BM, BN, G] int32
-                s_hi = tl.sum(_dp4a(hi, x_hi, zero, ASM), 3)
-            else:
-                s_lo = tl.sum(_dp4a(hi, x_hi, _dp4a(lo, x_lo, zero, ASM), ASM), 3)
+        s_lo, s_hi = _block_dots(lo, hi, x_lo, x_hi, QTYPE, ASM)
+        if TWO:
+            s_lo2, s_hi2 = _block_dots(lo, hi, x_lo2, x_hi2, QTYPE, ASM)
         if PAIRED:  # q4_k / q5_k in `quant.pair_scales` form: (d, dmin) and (sc, mn) pairs
             dd = _shared_tile(d_ptr.to(tl.pointer_type(tl.int32)), row0, N, s_d // 2, g0,
                               g_end, BLOCK_N, G, 8)
@@ -219,59 +164,57 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
         else:
             d = _row_tile(d_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)
         d = d[None]                                                      # [1, BN, G]
-        if QTYPE != "q8_0":
-            x_sum = sum_lo + sum_hi
-        if QTYPE == "q4_0":
-            acc += (d * xs) * (s_lo - 8 * x_sum).to(tl.float32)
-        elif QTYPE == "q5_0":
-            acc += (d * xs) * (s_lo - 16 * x_sum).to(tl.float32)
-        elif QTYPE == "q8_0":
-            acc += (d * xs) * s_lo.to(tl.float32)
+        # the tile's scale terms, per type (what `_block_acc` multiplies them with)
+        w2 = d
+        w3 = d
+        if QTYPE == "q4_0" or QTYPE == "q5_0" or QTYPE == "q8_0":
+            w1 = d
         elif QTYPE == "q4_1" or QTYPE == "q5_1":
-            mm = _row_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)[None]
-            acc += xs * (d * s_lo.to(tl.float32) + mm * x_sum.to(tl.float32))
+            w1 = d
+            w2 = _row_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G).to(tl.float32)[None]
         elif QTYPE == "q6_k":
             # a group's two int8 sub-scales are adjacent: one 16-bit load (little-endian)
             pair = _row_tile(sc_ptr.to(tl.pointer_type(tl.int16)), row0, N, s_sc // 2, g0,
                              g_end, BLOCK_N, G).to(tl.int32)[None]
-            sc_lo = ((pair << 24) >> 24).to(tl.float32)
-            sc_hi = (pair >> 8).to(tl.float32)
-            acc += (d * xs) * (sc_lo * (s_lo - 32 * sum_lo).to(tl.float32)
-                               + sc_hi * (s_hi - 32 * sum_hi).to(tl.float32))
-        else:  # q4_k, q5_k: (d * sc) * q - dmin * mn
+            w1 = d
+            w2 = ((pair << 24) >> 24).to(tl.float32)
+            w3 = (pair >> 8).to(tl.float32)
+        else:  # q4_k, q5_k
             if not PAIRED:
                 sc = _row_tile(sc_ptr, row0, N, s_sc, g0, g_end, BLOCK_N, G)
                 mn = _row_tile(mn_ptr, row0, N, s_sc, g0, g_end, BLOCK_N, G)
                 dmin = _shared_tile(m_ptr, row0, N, s_d, g0, g_end, BLOCK_N, G, 8)
-            acc += xs * ((d * sc.to(tl.float32)[None]) * s_lo.to(tl.float32)
-                         - (dmin.to(tl.float32) * mn.to(tl.float32))[None]
-                         * x_sum.to(tl.float32))
+            w1 = d * sc.to(tl.float32)[None]
+            w2 = (dmin.to(tl.float32) * mn.to(tl.float32))[None]
+        acc = _block_acc(acc, s_lo, s_hi, xs, sum_lo, sum_hi, w1, w2, w3, QTYPE)
+        if TWO:
+            acc2 = _block_acc(acc2, s_lo2, s_hi2, xs2, sum_lo2, sum_hi2, w1, w2, w3, QTYPE)
 
     y = tl.sum(acc, 2)                                                   # [BM, BN]
-    omask = (mi < M)[:, None] & nmask[None, :]
+    y2 = tl.sum(acc2, 2)
     cols = rows[None, :]
     if SPLIT:
         # Each split writes its partial; the last split of this row block to finish (an
         # acq_rel counter) sums all partials in split order, so the result does not depend on
         # which program finished last, and resets the counter for the next launch.
-        tl.store(part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + cols, y, mask=omask)
+        tl.store(part_ptr + (split * M + mi[:, None]).to(tl.int64) * N + cols, y,
+                 mask=(mi < M)[:, None] & nmask[None, :])
+        if TWO:
+            tl.store(part_ptr + (split * M + mi2[:, None]).to(tl.int64) * N + cols, y2,
+                     mask=(mi2 < M)[:, None] & nmask[None, :])
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == nsplit - 1:
-            y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(0, nsplit):
-                y += tl.load(part_ptr + (s * M + mi[:, None]).to(tl.int64) * N + cols,
-                             mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
-            tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
-                     mask=omask)
+            y = _sum_parts(part_ptr, nsplit, mi, M, N, cols, nmask, BLOCK_M, BLOCK_N)
+            _store_rows(y, mi, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
+            if TWO:
+                y2 = _sum_parts(part_ptr, nsplit, mi2, M, N, cols, nmask, BM2, BLOCK_N)
+                _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=nmask[None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptr + mi[:, None] * s_om + cols, y.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+        _store_rows(y, mi, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
+        if TWO:
+            _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
 
 
 @triton.jit
@@ -282,12 +225,13 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PAIRED: tl.constexpr,
                  EARLY_LOAD: tl.constexpr = False,
-                 PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+                 BLOCK_M2: tl.constexpr = 0):
     gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
                QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED, PDL,
-               PDL_EARLY, EARLY_LOAD)
+               PDL_EARLY, EARLY_LOAD, BLOCK_M2)
 
 
 _COUNTERS: dict = {}
@@ -349,6 +293,17 @@ def runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, 
             counters if split > 1 else xsum, rows, n, k // 32, gps, out_r.stride(0), *strides)
 
 
+def row_blocks(rows: int, split: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_M2) of a launch over `rows` rows of x: one power-of-two block, or with
+    `split` (`gemv_row_split`) two where that pads less: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 (7
+    stays one block of 8). Each row costs its dot products whether or not it is padding."""
+    whole = triton.next_power_of_2(rows)
+    first, rest = whole // 2, rows - whole // 2
+    if split and whole != rows and rest & (rest - 1) == 0:
+        return first, rest
+    return whole, 0
+
+
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
          use_asm: bool, xqs: dict | None = None) -> None:
     """out2 [M, N] = x2 [M, K] @ W^T (+ bias), x quantized to int8 per group on the way, for
@@ -369,10 +324,11 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
         x_r, out_r = x2[r0:r0 + rows], out2[r0:r0 + rows]
         xq, xs, xsum = x_forms(x_r, qtype, num_m, r0, rows, xqs)
         counters = split_counters(x2.device, programs) if split > 1 else None
+        bm, bm2 = row_blocks(rows, cfg.gemv_row_split)
         _gemv_kernel[(programs, split)](
             *runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
                            counters),
-            QTYPE=qtype, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
+            QTYPE=qtype, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N=block_n,
             G=max(1, cfg.gemv_block_k // 32), PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,
             EARLY_LOAD=cfg.gemv_early_load, num_warps=cfg.gemv_num_warps,

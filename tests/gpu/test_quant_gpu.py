@@ -72,16 +72,23 @@ def test_quant_matmul_bf16(seed, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_gemv_rows_equal_one_row_each_bf16(seed, qtype):
+@pytest.mark.parametrize("row_split", [False, True])
+def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_split):
     """Natively: the GEMV's rows (a verify step's) give the bits each row gives alone (the
-    decode steps they stand for), on a split-K shape and an unsplit one."""
+    decode steps they stand for), on a split-K shape and an unsplit one, at 3 / 5 / 6 / 8 rows
+    with the rows padded to a power of two and in two blocks (`gemv_row_split`: 4 + 1, ...)."""
+    base = configs.get_config(torch.device(DEV))
+    cfg = configs.KernelConfig(**{**base.__dict__, "gemv_row_split": row_split})
     for n, k in SHAPES:
         w = quant.random_quant_weight(qtype, n, k, device=DEV)
         bias = torch.randn(n, device=DEV).to(torch.bfloat16)
         x = torch.randn(GEMV_MAX_M, k, device=DEV).to(torch.bfloat16)
-        rows = qt.quant_matmul(x, w, bias)
-        alone = torch.cat([qt.quant_matmul(x[i:i + 1], w, bias) for i in range(x.shape[0])])
-        assert torch.equal(rows, alone), f"{qtype} [{n}, {k}] (seed {seed})"
+        with configs.use_config(cfg):
+            alone = torch.cat([qt.quant_matmul(x[i:i + 1], w, bias) for i in range(x.shape[0])])
+            for m in sorted({3, 5, 6, GEMV_MAX_M}):
+                rows = qt.quant_matmul(x[:m], w, bias)
+                assert torch.equal(rows, alone[:m]), \
+                    f"{qtype} [{n}, {k}] {m} rows, row_split={row_split} (seed {seed})"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
