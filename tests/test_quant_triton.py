@@ -256,7 +256,8 @@ def test_row_blocks():
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_gemv_row_split_equals_one_row_each(gen, qtype, monkeypatch):
     """Rows in two blocks (`gemv_row_split`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2) give each row the
-    bits it gives alone, with and without split-K, and the launch really takes two blocks."""
+    bits it gives alone, with and without split-K and the rows' prefetch, and the launch really
+    takes two blocks."""
     k = 512 if qtype.endswith("_k") else 160
     w = weight(gen, qtype, 9, k)
     bias = gen.randn(9)
@@ -265,8 +266,9 @@ def test_gemv_row_split_equals_one_row_each(gen, qtype, monkeypatch):
     real = quant_gemv.row_blocks
     monkeypatch.setattr(quant_gemv, "row_blocks",
                         lambda rows, split: blocks.append(real(rows, split)) or blocks[-1])
-    for base in (SMALL, SPLIT):
-        cfg = KernelConfig(**{**base.__dict__, "gemv_row_split": True})
+    for base, prefetch in ((SMALL, True), (SPLIT, True), (SMALL, False)):
+        cfg = KernelConfig(**{**base.__dict__, "gemv_row_split": True,
+                              "gemv_rows_prefetch": prefetch})
         with configs.use_config(cfg):
             alone = torch.cat([qt.quant_matmul_skinny(x[i:i + 1], w, bias) for i in range(6)])
             for m in (3, 5, 6):
@@ -274,7 +276,8 @@ def test_gemv_row_split_equals_one_row_each(gen, qtype, monkeypatch):
                 rows = qt.quant_matmul_skinny(x[:m], w, bias)
                 assert blocks == [real(m, True)] and blocks[0][1] > 0
                 assert torch.equal(rows, alone[:m]), \
-                    f"{qtype} {m} rows split={base is SPLIT} (seed {gen.seed_value})"
+                    f"{qtype} {m} rows split={base is SPLIT} prefetch={prefetch} " \
+                    f"(seed {gen.seed_value})"
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

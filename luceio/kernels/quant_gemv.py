@@ -329,7 +329,8 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
             *runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
                            counters),
             QTYPE=qtype, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N=block_n,
-            G=max(1, cfg.gemv_block_k // 32), PREFETCH=cfg.gemv_prefetch, ASM=use_asm,
+            G=max(1, cfg.gemv_block_k // 32),
+            PREFETCH=cfg.gemv_prefetch if rows == 1 else cfg.gemv_rows_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,
             EARLY_LOAD=cfg.gemv_early_load, num_warps=cfg.gemv_num_warps,
             **pdl_kwargs(x2.device, cfg, programs * split))

@@ -72,13 +72,15 @@ def test_quant_matmul_bf16(seed, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("row_split", [False, True])
-def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_split):
+@pytest.mark.parametrize("row_split, prefetch", [(False, True), (True, True), (True, False)])
+def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_split, prefetch):
     """Natively: the GEMV's rows (a verify step's) give the bits each row gives alone (the
     decode steps they stand for), on a split-K shape and an unsplit one, at 3 / 5 / 6 / 8 rows
-    with the rows padded to a power of two and in two blocks (`gemv_row_split`: 4 + 1, ...)."""
+    with the rows padded to a power of two and in two blocks (`gemv_row_split`: 4 + 1, ...),
+    with and without the rows' prefetch (`gemv_rows_prefetch`)."""
     base = configs.get_config(torch.device(DEV))
-    cfg = configs.KernelConfig(**{**base.__dict__, "gemv_row_split": row_split})
+    cfg = configs.KernelConfig(**{**base.__dict__, "gemv_row_split": row_split,
+                                  "gemv_rows_prefetch": prefetch})
     for n, k in SHAPES:
         w = quant.random_quant_weight(qtype, n, k, device=DEV)
         bias = torch.randn(n, device=DEV).to(torch.bfloat16)
@@ -88,7 +90,8 @@ def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_split):
             for m in sorted({3, 5, 6, GEMV_MAX_M}):
                 rows = qt.quant_matmul(x[:m], w, bias)
                 assert torch.equal(rows, alone[:m]), \
-                    f"{qtype} [{n}, {k}] {m} rows, row_split={row_split} (seed {seed})"
+                    f"{qtype} [{n}, {k}] {m} rows, row_split={row_split}, " \
+                    f"prefetch={prefetch} (seed {seed})"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
