@@ -39,4 +39,9 @@ SM_90 = (
     'gemv_row_split=true, batch 1 Q4_K_M, three alternating rounds: 7B chain k=4 verify 5.81 '
     '-> 4.33 ms, k=2 4.10 -> 3.51; 1.5B 2.72 -> 2.23, 2.12 -> 1.97; '
     'results/h200/tree_verify_row_split_*.json, gemv_rows_split_session23.json, 2026-12-04'
+    '; gemv_rows_prefetch off: bench/gemv_sweep.py --rows (q4_k 4 / 6 / 8 rows 20.6 -> 24.7, '
+    '16.7 -> 20.2, 14.9 -> 15.9% of copy; 5 rows 21.6 -> 20.6; '
+    'results/h200/gemv_rows_prefetch_session23.json); 7B Q4_K_M decode at batch 8 6.14 -> '
+    '5.71 ms a step, batch 1 chain k=2 verify 3.52 -> 3.31, k=4 4.32 -> 4.43 (two alternating'
+    ' rounds, results/h200/tree_verify_rows_prefetch_7b.json), 2026-12-04'
 )

@@ -173,6 +173,7 @@ TABLE: dict[str, KernelConfig] = {
                           dense_gemv_wide_num_warps=2, dense_gemv_deep_min_ratio=4,
                           dense_gemv_deep_max_elems=16 << 20,
                           skinny_max_m=32, skinny_max_m_q6_k=8, gemv_row_split=True,
+                          gemv_rows_prefetch=False,
                           moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
                           moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,
                           moe_decode_down_block_k=256, moe_decode_down_num_warps=1,
