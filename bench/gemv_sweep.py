@@ -1,13 +1,14 @@
 """Launch-config sweep of the one-row int8 quantized GEMV (kernels/quant_gemv.py) on the GPU.
 
     python bench/gemv_sweep.py [--out DIR] [--repeats N]
-    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8] [--row-splits 0,1]
+    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8] [--row-blocks 1,2,3]
                                [--rows-prefetch 0,1]
 
-`--rows`: instead, the several-row launches' `gemv_rows_block_n` (and `gemv_row_split`: rows in
-two blocks, 5 = 4 + 1, instead of padded to a power of two; `gemv_rows_prefetch`: the next
-tile's code words loaded while this one computes) is swept at each M given (the
-arch's one-row config otherwise), each config checked for rows bit-equal to one row alone;
+`--rows`: instead, the several-row launches' `gemv_rows_block_n` (and `gemv_row_blocks`: rows
+in up to that many blocks, 5 = 4 + 1, instead of padded to a power of two;
+`gemv_rows_prefetch`: the next tile's code words loaded while this one computes) is swept at
+each M given (the arch's one-row config otherwise), each config checked for rows bit-equal to
+one row alone;
 writes DIR/gemv_rows_sweep.json (`--json-name`).
 
 GEMV_SWEEP_QTYPES, GEMV_SWEEP_GRID ("bn,bk,warps,prefetch;...") and GEMV_SWEEP_SPLITS
@@ -88,15 +89,15 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
     """gemv_rows_block_n at each M of --rows: % of copy per matrix and qtype, gmean per qtype."""
     ms = [int(v) for v in args.rows.split(",")]
     block_ns = [int(v) for v in args.block_ns.split(",")]
-    splits = [bool(int(v)) for v in args.row_splits.split(",")]
+    splits = [int(v) for v in args.row_blocks.split(",")]
     prefetches = [bool(int(v)) for v in args.rows_prefetch.split(",")]
     combos = [(bn, sp, pf) for bn in block_ns for sp in splits for pf in prefetches]
     results = []
     for qtype in QTYPES:
         for m in ms:
             cases = list(_weights(qtype, m, dev))
-            for bn, row_split, prefetch in combos:
-                cfg = replace(base, gemv_rows_block_n=bn, gemv_row_split=row_split,
+            for bn, row_blocks, prefetch in combos:
+                cfg = replace(base, gemv_rows_block_n=bn, gemv_row_blocks=row_blocks,
                               gemv_rows_prefetch=prefetch)
                 pct, us, equal = [], [], True
                 with configs.use_config(cfg):
@@ -108,12 +109,12 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
                                            for wc in wcopies], args.repeats)
                         pct.append(100 * (w_bytes + 2 * (x.numel() + out.numel())) / t / copy_bps)
                         us.append(t * 1e6)
-                results.append(dict(qtype=qtype, M=m, rows_block_n=bn, row_split=row_split,
+                results.append(dict(qtype=qtype, M=m, rows_block_n=bn, row_blocks=row_blocks,
                                     rows_prefetch=prefetch,
                                     rows_equal_alone=equal,
                                     matrices=[c[0] for c in cases], pct_copy=pct, us=us,
                                     gmean=gmean(pct)))
-                print(f"{qtype} M={m} rows_block_n={bn:2d} split={int(row_split)} "
+                print(f"{qtype} M={m} rows_block_n={bn:2d} blocks={row_blocks} "
                       f"prefetch={int(prefetch)}: "
                       + " ".join(f"{p:5.1f}" for p in pct)
                       + f"  gmean {gmean(pct):5.1f}%  rows==alone {equal}", flush=True)
@@ -122,8 +123,8 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
     for m in ms:
         best = max(combos, key=lambda c: gmean([
             r["gmean"] for r in results
-            if r["M"] == m and (r["rows_block_n"], r["row_split"], r["rows_prefetch"]) == c]))
-        print(f"M={m}: best (rows_block_n, row_split, rows_prefetch) over all qtypes {best}")
+            if r["M"] == m and (r["rows_block_n"], r["row_blocks"], r["rows_prefetch"]) == c]))
+        print(f"M={m}: best (rows_block_n, row_blocks, rows_prefetch) over all qtypes {best}")
     write_json(os.path.join(args.out, args.json_name),
                dict(env=env_info(), copy_GBps=copy_bps / 1e9, config=configs.config_to_dict(base),
                     results=results))
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rows", default=None, help="sweep gemv_rows_block_n at these M instead")
     ap.add_argument("--block-ns", default="1,2,4,8", help="gemv_rows_block_n values (--rows)")
-    ap.add_argument("--row-splits", default="0", help="gemv_row_split values (--rows)")
+    ap.add_argument("--row-blocks", default="1", help="gemv_row_blocks values (--rows)")
     ap.add_argument("--rows-prefetch", default="1", help="gemv_rows_prefetch values (--rows)")
     ap.add_argument("--json-name", default="gemv_rows_sweep.json", help="--rows' result file")
     args = ap.parse_args(argv)

@@ -8,7 +8,7 @@ the median of `--repeats` back-to-back steps (synchronised).
 Tokens per verify from bench/spec_tree.py divided by these costs give the speedup a tree buys.
 
     python bench/tree_verify_cost.py [--shape qwen2.5-1.5b] [--type Q4_K_M] [--context 512]
-        [--ab gemv_row_split=true --ab-rounds 2]
+        [--chain-ks 2,4] [--ab gemv_row_blocks=2 --ab-rounds 2]
 Writes OUT/tree_verify_cost.json (`--json-name`). `--ab FIELD=JSON` times every step under the
 arch's kernel config and under that one change to it, alternating, in one process.
 """
@@ -79,7 +79,7 @@ def measure(model, a, batch: int) -> list[dict]:
     eng, reqs = _engine_and_requests(model, a, batch)
     plain = step_ms(eng, reqs, 1, [], None, a.repeats)
     found = [{"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)}]
-    for k in (2, 4):
+    for k in (int(v) for v in a.chain_ks.split(",") if v):
         ms = step_ms(eng, reqs, k + 1, list(range(200, 200 + k)), None, a.repeats)
         found.append({"step": f"chain verify k={k} (graph)", "rows": k + 1, "ms": round(ms, 3)})
     if a.eager and batch == 1:
@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--trees", default="4,8,16,24", help="tree sizes ('' for none)")
+    ap.add_argument("--chain-ks", default="2,4", help="chain verify lengths")
     ap.add_argument("--eager", action="store_true", help="also an eager tree of 8 nodes")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--ab", default=None,

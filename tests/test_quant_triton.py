@@ -246,35 +246,38 @@ def test_gemv_rows_equal_one_row_each(gen, qtype, rows_block_n):
 
 
 def test_row_blocks():
-    """Rows padded to a power of two, or with `gemv_row_split` two blocks where that pads less."""
-    assert [quant_gemv.row_blocks(m, False) for m in (1, 2, 3, 5, 6, 7, 8)] == \
-        [(1, 0), (2, 0), (4, 0), (8, 0), (8, 0), (8, 0), (8, 0)]
-    assert [quant_gemv.row_blocks(m, True) for m in (1, 2, 3, 4, 5, 6, 7, 8)] == \
-        [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (8, 0), (8, 0)]
+    """Rows padded to a power of two, or with `gemv_row_blocks` > 1 in up to that many blocks
+    where that pads less."""
+    assert [quant_gemv.row_blocks(m, 1) for m in (1, 2, 3, 5, 6, 7, 8)] == \
+        [(1, 0, 0), (2, 0, 0), (4, 0, 0), (8, 0, 0), (8, 0, 0), (8, 0, 0), (8, 0, 0)]
+    assert [quant_gemv.row_blocks(m, 2) for m in (1, 2, 3, 4, 5, 6, 7, 8)] == \
+        [(1, 0, 0), (2, 0, 0), (2, 1, 0), (4, 0, 0), (4, 1, 0), (4, 2, 0), (8, 0, 0), (8, 0, 0)]
+    assert [quant_gemv.row_blocks(m, 3) for m in (3, 7, 8, 11)] == \
+        [(2, 1, 0), (4, 2, 1), (8, 0, 0), (8, 2, 1)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_gemv_row_split_equals_one_row_each(gen, qtype, monkeypatch):
-    """Rows in two blocks (`gemv_row_split`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2) give each row the
-    bits it gives alone, with and without split-K and the rows' prefetch, and the launch really
-    takes two blocks."""
+def test_gemv_row_blocks_equal_one_row_each(gen, qtype, monkeypatch):
+    """Rows in two or three blocks (`gemv_row_blocks`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 +
+    2 + 1) give each row the bits it gives alone, with and without split-K and the rows'
+    prefetch, and the launch really takes those blocks."""
     k = 512 if qtype.endswith("_k") else 160
     w = weight(gen, qtype, 9, k)
     bias = gen.randn(9)
-    x = gen.randn(6, k)
+    x = gen.randn(7, k)
     blocks = []
     real = quant_gemv.row_blocks
     monkeypatch.setattr(quant_gemv, "row_blocks",
-                        lambda rows, split: blocks.append(real(rows, split)) or blocks[-1])
+                        lambda rows, most: blocks.append(real(rows, most)) or blocks[-1])
     for base, prefetch in ((SMALL, True), (SPLIT, True), (SMALL, False)):
-        cfg = KernelConfig(**{**base.__dict__, "gemv_row_split": True,
+        cfg = KernelConfig(**{**base.__dict__, "gemv_row_blocks": 3,
                               "gemv_rows_prefetch": prefetch})
         with configs.use_config(cfg):
-            alone = torch.cat([qt.quant_matmul_skinny(x[i:i + 1], w, bias) for i in range(6)])
-            for m in (3, 5, 6):
+            alone = torch.cat([qt.quant_matmul_skinny(x[i:i + 1], w, bias) for i in range(7)])
+            for m in (3, 5, 6, 7):
                 blocks.clear()
                 rows = qt.quant_matmul_skinny(x[:m], w, bias)
-                assert blocks == [real(m, True)] and blocks[0][1] > 0
+                assert blocks == [real(m, 3)] and blocks[0][1] > 0 and sum(blocks[0]) == m
                 assert torch.equal(rows, alone[:m]), \
                     f"{qtype} {m} rows split={base is SPLIT} prefetch={prefetch} " \
                     f"(seed {gen.seed_value})"

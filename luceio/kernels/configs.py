@@ -68,7 +68,7 @@ class KernelConfig:
     gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
     gemv_rows_block_n: int = 0           # block_n of launches of several rows (each row adds
     # registers; K is split as for one row, so each row's sums stay those of one row); 0: gemv_block_n
-    gemv_row_split: bool = False         # rows in two blocks (5 = 4 + 1) instead of padded to 8
+    gemv_row_blocks: int = 1             # rows in up to 3 blocks (5 = 4 + 1) instead of padded to 8
     gemv_rows_prefetch: bool = True      # gemv_prefetch for launches of several rows
     skinny_row_block_n: int = 64         # 1 row in quant_triton's skinny kernel (dense_matmul_skinny)
     skinny_row_block_k: int = 256
@@ -172,7 +172,7 @@ TABLE: dict[str, KernelConfig] = {
                           dense_gemv_wide_block_n=8, dense_gemv_wide_block_k=256,
                           dense_gemv_wide_num_warps=2, dense_gemv_deep_min_ratio=4,
                           dense_gemv_deep_max_elems=16 << 20,
-                          skinny_max_m=32, skinny_max_m_q6_k=8, gemv_row_split=True,
+                          skinny_max_m=32, skinny_max_m_q6_k=8, gemv_row_blocks=2,
                           gemv_rows_prefetch=False,
                           moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
                           moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,

@@ -72,14 +72,14 @@ def test_quant_matmul_bf16(seed, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("row_split, prefetch", [(False, True), (True, True), (True, False)])
-def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_split, prefetch):
+@pytest.mark.parametrize("row_blocks, prefetch", [(1, True), (3, True), (3, False)])
+def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_blocks, prefetch):
     """Natively: the GEMV's rows (a verify step's) give the bits each row gives alone (the
-    decode steps they stand for), on a split-K shape and an unsplit one, at 3 / 5 / 6 / 8 rows
-    with the rows padded to a power of two and in two blocks (`gemv_row_split`: 4 + 1, ...),
-    with and without the rows' prefetch (`gemv_rows_prefetch`)."""
+    decode steps they stand for), on a split-K shape and an unsplit one, at 3 / 5 / 6 / 7 / 8
+    rows padded to a power of two and in up to three blocks (`gemv_row_blocks`: 4 + 1, 4 + 2 +
+    1, ...), with and without the rows' prefetch (`gemv_rows_prefetch`)."""
     base = configs.get_config(torch.device(DEV))
-    cfg = configs.KernelConfig(**{**base.__dict__, "gemv_row_split": row_split,
+    cfg = configs.KernelConfig(**{**base.__dict__, "gemv_row_blocks": row_blocks,
                                   "gemv_rows_prefetch": prefetch})
     for n, k in SHAPES:
         w = quant.random_quant_weight(qtype, n, k, device=DEV)
@@ -87,10 +87,10 @@ def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_split, prefetch):
         x = torch.randn(GEMV_MAX_M, k, device=DEV).to(torch.bfloat16)
         with configs.use_config(cfg):
             alone = torch.cat([qt.quant_matmul(x[i:i + 1], w, bias) for i in range(x.shape[0])])
-            for m in sorted({3, 5, 6, GEMV_MAX_M}):
+            for m in sorted({3, 5, 6, 7, GEMV_MAX_M}):
                 rows = qt.quant_matmul(x[:m], w, bias)
                 assert torch.equal(rows, alone[:m]), \
-                    f"{qtype} [{n}, {k}] {m} rows, row_split={row_split}, " \
+                    f"{qtype} [{n}, {k}] {m} rows, row_blocks={row_blocks}, " \
                     f"prefetch={prefetch} (seed {seed})"
 
 
