@@ -60,8 +60,11 @@ def step_ms(eng, reqs, n_new: int, spec: list[int], tree, repeats: int) -> float
 
 
 def _engine_and_requests(model, a, batch: int, **kw):
+    # graphs are captured for verify steps of up to num_speculative_tokens drafts: a longer
+    # chain would run eagerly
+    k_max = max([4] + [int(v) for v in a.chain_ks.split(",") if v])
     eng = make_engine(model, a.context + 512, kv_gib=4, max_num_seqs=max(8, batch),
-                      num_speculative_tokens=4, speculative_method="ngram", **kw)
+                      num_speculative_tokens=k_max, speculative_method="ngram", **kw)
     vocab = eng.runner.cfg.vocab_size
     for i in range(batch):
         eng.add_request(f"r{i}", torch.randint(0, vocab, (a.context,)).tolist(),
