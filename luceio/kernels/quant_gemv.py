@@ -33,7 +33,10 @@ contiguity order, Triton 3.6 put threads across rows and moved each tile through
 which held this kernel at ~37% of copy bandwidth (`bench/results/h200/gemv_sweep_history/`).
 
 Every row of x is computed exactly as it would be alone (the same integer products and fp32 sums in
-the same order), so a verify step's rows equal the decode steps they replace.
+the same order), so a verify step's rows equal the decode steps they replace. The rows of a
+launch are one power-of-two block, or up to `gemv_row_blocks` blocks (5 = 4 + 1: a padded row
+costs its dot products as a real one does); each block runs the same expressions
+(`quant_gemv_tiles._block_acc`), so a row's bits do not depend on its block.
 
 The grid is (cdiv(N, BLOCK_N), SPLIT_K); with SPLIT_K > 1 the programs write fp32 partials and
 the last one of a row block to arrive sums them in split order (deterministic), in the same
@@ -328,7 +331,8 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
          use_asm: bool, xqs: dict | None = None) -> None:
     """out2 [M, N] = x2 [M, K] @ W^T (+ bias), x quantized to int8 per group on the way, for
     M up to `gemv_max_m`: the rows go `gemv_rows_per_launch` at a time, each launch reading
-    the weight once for all its rows (a row's result does not depend on the other rows).
+    the weight once for all its rows (a row's result does not depend on the other rows), in
+    the blocks `row_blocks` gives.
     `weights` / `strides` as `quant_args.weight_args` gives them, with qs as int32 words;
     K is split by `skinny_split_k(..., gemv=True)` (the gemv_* fields). Two launches: x's
     quantization and the GEMV (split-K partials are summed by the GEMV's last split). `xqs`:
