@@ -1,11 +1,11 @@
 """Launch-config sweep of the one-row int8 quantized GEMV (kernels/quant_gemv.py) on the GPU.
 
     python bench/gemv_sweep.py [--out DIR] [--repeats N]
-    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8] [--row-blocks 1,2,3]
+    python bench/gemv_sweep.py --rows 4,8 [--block-ns 1,2,4,8] [--row-blocks 1,2]
                                [--rows-prefetch 0,1]
 
-`--rows`: instead, the several-row launches' `gemv_rows_block_n` (and `gemv_row_blocks`: rows
-in up to that many blocks, 5 = 4 + 1, instead of padded to a power of two;
+`--rows`: instead, the several-row launches' `gemv_rows_block_n` (and `gemv_row_blocks`: 2,
+rows in two blocks, 5 = 4 + 1, instead of padded to a power of two;
 `gemv_rows_prefetch`: the next tile's code words loaded while this one computes) is swept at
 each M given (the arch's one-row config otherwise), each config checked for rows bit-equal to
 one row alone;
@@ -89,9 +89,9 @@ def rows_sweep(args, dev, base, copy_bps) -> int:
     """gemv_rows_block_n at each M of --rows: % of copy per matrix and qtype, gmean per qtype."""
     ms = [int(v) for v in args.rows.split(",")]
     block_ns = [int(v) for v in args.block_ns.split(",")]
-    splits = [int(v) for v in args.row_blocks.split(",")]
+    blocks = [int(v) for v in args.row_blocks.split(",")]
     prefetches = [bool(int(v)) for v in args.rows_prefetch.split(",")]
-    combos = [(bn, sp, pf) for bn in block_ns for sp in splits for pf in prefetches]
+    combos = [(bn, sp, pf) for bn in block_ns for sp in blocks for pf in prefetches]
     results = []
     for qtype in QTYPES:
         for m in ms:

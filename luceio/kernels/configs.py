@@ -68,7 +68,7 @@ class KernelConfig:
     gemv_rows_per_launch: int = 8        # ... this many rows a launch (the weight read once each)
     gemv_rows_block_n: int = 0           # block_n of launches of several rows (each row adds
     # registers; K is split as for one row, so each row's sums stay those of one row); 0: gemv_block_n
-    gemv_row_blocks: int = 1             # rows in up to 3 blocks (5 = 4 + 1) instead of padded to 8
+    gemv_row_blocks: int = 1             # 2: rows in two blocks (5 = 4 + 1) instead of padded to 8
     gemv_rows_prefetch: bool = True      # gemv_prefetch for launches of several rows
     skinny_row_block_n: int = 64         # 1 row in quant_triton's skinny kernel (dense_matmul_skinny)
     skinny_row_block_k: int = 256

@@ -34,8 +34,8 @@ which held this kernel at ~37% of copy bandwidth (`bench/results/h200/gemv_sweep
 
 Every row of x is computed exactly as it would be alone (the same integer products and fp32 sums in
 the same order), so a verify step's rows equal the decode steps they replace. The rows of a
-launch are one power-of-two block, or up to `gemv_row_blocks` blocks (5 = 4 + 1: a padded row
-costs its dot products as a real one does); each block runs the same expressions
+launch are one power-of-two block, or two where that pads less (`gemv_row_blocks`, 5 = 4 + 1: a
+padded row costs its dot products as a real one does); both blocks run the same expressions
 (`quant_gemv_tiles._block_acc`), so a row's bits do not depend on its block.
 
 The grid is (cdiv(N, BLOCK_N), SPLIT_K); with SPLIT_K > 1 the programs write fp32 partials and
@@ -83,13 +83,13 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                PAIRED: tl.constexpr, PDL: tl.constexpr = False,
                PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False,
-               BLOCK_M2: tl.constexpr = 0, BLOCK_M3: tl.constexpr = 0):
+               BLOCK_M2: tl.constexpr = 0):
     """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... . `PDL`:
     waits for the kernel before (`pdl_enter`) itself, after loading its first code words
     with PREFETCH and EARLY_LOAD (no kernel of a step writes weights). x's rows are one block
     of BLOCK_M (0 .. BLOCK_M - 1) or, with BLOCK_M2 > 0, two: BLOCK_M rows and the next
-    BLOCK_M2 (5 rows as 4 + 1 instead of 8 with 3 masked), or with BLOCK_M3 > 0 too, three
-    (7 = 4 + 2 + 1); every weight tile is decoded once for all of them."""
+    BLOCK_M2 (5 rows as 4 + 1 instead of 8 with 3 masked; every weight tile is decoded once for
+    both)."""
     # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
     # so every type's tile is [BN, G * H, 4] with one thread per (half-)group; the M rows of x
     # are a leading axis that every weight tile is broadcast over (loaded and decoded once)
@@ -98,22 +98,18 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
     K_QUANT: tl.constexpr = QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k"
     FIVE: tl.constexpr = QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k"
     TWO: tl.constexpr = BLOCK_M2 > 0
-    THREE: tl.constexpr = BLOCK_M2 > 0 and BLOCK_M3 > 0
     BM2: tl.constexpr = BLOCK_M2 if BLOCK_M2 > 0 else 1
-    BM3: tl.constexpr = BLOCK_M3 if BLOCK_M3 > 0 else 1
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     nmask = rows < N
     mi = tl.arange(0, BLOCK_M)
     mi2 = BLOCK_M + tl.arange(0, BM2)
-    mi3 = BLOCK_M + BLOCK_M2 + tl.arange(0, BM3)
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, KG)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N, GH], tl.float32)
     acc2 = tl.zeros([BM2, BLOCK_N, GH], tl.float32)
-    acc3 = tl.zeros([BM3, BLOCK_N, GH], tl.float32)
     WG: tl.constexpr = 4 * H                                             # words per group
     if PREFETCH and EARLY_LOAD:  # the next tile's code words load while this tile computes
         nxt = _row_tile(qs_ptr, row0, N, s_qs, g_start * WG, g_end * WG, BLOCK_N, G * WG)
@@ -196,16 +192,9 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
         acc = _block_acc(acc, s_lo, s_hi, xs, sum_lo, sum_hi, w1, w2, w3, QTYPE)
         if TWO:
             acc2 = _block_acc(acc2, s_lo2, s_hi2, xs2, sum_lo2, sum_hi2, w1, w2, w3, QTYPE)
-        if THREE:  # loaded and computed last: the first blocks' x words are dead by now
-            x_lo3, x_hi3, xs3, sum_lo3, sum_hi3 = _x_block(mi3, M, KG, g0, g_end, xq_ptr,
-                                                           xs_ptr, xsum_ptr, QTYPE, BM3,
-                                                           BLOCK_N, G, GH)
-            s_lo3, s_hi3 = _block_dots(lo, hi, x_lo3, x_hi3, QTYPE, ASM)
-            acc3 = _block_acc(acc3, s_lo3, s_hi3, xs3, sum_lo3, sum_hi3, w1, w2, w3, QTYPE)
 
     y = tl.sum(acc, 2)                                                   # [BM, BN]
     y2 = tl.sum(acc2, 2)
-    y3 = tl.sum(acc3, 2)
     cols = rows[None, :]
     if SPLIT:
         # Each split writes its partial; the last split of this row block to finish (an
@@ -216,9 +205,6 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
         if TWO:
             tl.store(part_ptr + (split * M + mi2[:, None]).to(tl.int64) * N + cols, y2,
                      mask=(mi2 < M)[:, None] & nmask[None, :])
-        if THREE:
-            tl.store(part_ptr + (split * M + mi3[:, None]).to(tl.int64) * N + cols, y3,
-                     mask=(mi3 < M)[:, None] & nmask[None, :])
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == nsplit - 1:
@@ -227,16 +213,11 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
             if TWO:
                 y2 = _sum_parts(part_ptr, nsplit, mi2, M, N, cols, nmask, BM2, BLOCK_N)
                 _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
-            if THREE:
-                y3 = _sum_parts(part_ptr, nsplit, mi3, M, N, cols, nmask, BM3, BLOCK_N)
-                _store_rows(y3, mi3, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         _store_rows(y, mi, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
         if TWO:
             _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
-        if THREE:
-            _store_rows(y3, mi3, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
 
 
 @triton.jit
@@ -248,12 +229,12 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  PAIRED: tl.constexpr,
                  EARLY_LOAD: tl.constexpr = False,
                  PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
-                 BLOCK_M2: tl.constexpr = 0, BLOCK_M3: tl.constexpr = 0):
+                 BLOCK_M2: tl.constexpr = 0):
     gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
                QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED, PDL,
-               PDL_EARLY, EARLY_LOAD, BLOCK_M2, BLOCK_M3)
+               PDL_EARLY, EARLY_LOAD, BLOCK_M2)
 
 
 _COUNTERS: dict = {}
@@ -315,16 +296,16 @@ def runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, 
             counters if split > 1 else xsum, rows, n, k // 32, gps, out_r.stride(0), *strides)
 
 
-def row_blocks(rows: int, blocks: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_M2, BLOCK_M3) of a launch over `rows` rows of x: one power-of-two block,
-    or up to `blocks` (`gemv_row_blocks`) descending powers of two where that pads less: with 2,
-    3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 (7 is padded to 8); with 3, also 7 = 4 + 2 + 1. Each row
-    costs its dot products whether or not it is padding. 0: no such block."""
+def row_blocks(rows: int, blocks: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_M2) of a launch over `rows` rows of x: one power-of-two block, or with
+    `blocks` >= 2 (`gemv_row_blocks`) two where that pads less: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2
+    (7 stays one block of 8: three blocks, 4 + 2 + 1, measured no faster on the H200, session
+    23). Each row costs its dot products whether or not it is padding."""
     whole = triton.next_power_of_2(rows)
-    parts = [1 << b for b in range(rows.bit_length() - 1, -1, -1) if rows >> b & 1]
-    if len(parts) == 1 or len(parts) > blocks:
-        return whole, 0, 0
-    return tuple(parts + [0] * (3 - len(parts)))
+    first, rest = whole // 2, rows - whole // 2
+    if blocks >= 2 and whole != rows and rest & (rest - 1) == 0:
+        return first, rest
+    return whole, 0
 
 
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
@@ -348,11 +329,11 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
         x_r, out_r = x2[r0:r0 + rows], out2[r0:r0 + rows]
         xq, xs, xsum = x_forms(x_r, qtype, num_m, r0, rows, xqs)
         counters = split_counters(x2.device, programs) if split > 1 else None
-        bm, bm2, bm3 = row_blocks(rows, cfg.gemv_row_blocks)
+        bm, bm2 = row_blocks(rows, cfg.gemv_row_blocks)
         _gemv_kernel[(programs, split)](
             *runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, n, k,
                            counters),
-            QTYPE=qtype, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_M3=bm3, BLOCK_N=block_n,
+            QTYPE=qtype, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N=block_n,
             G=max(1, cfg.gemv_block_k // 32),
             PREFETCH=cfg.gemv_prefetch if rows == 1 else cfg.gemv_rows_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,

@@ -72,12 +72,12 @@ def test_quant_matmul_bf16(seed, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("row_blocks, prefetch", [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("row_blocks, prefetch", [(1, True), (2, True), (2, False)])
 def test_gemv_rows_equal_one_row_each_bf16(seed, qtype, row_blocks, prefetch):
     """Natively: the GEMV's rows (a verify step's) give the bits each row gives alone (the
     decode steps they stand for), on a split-K shape and an unsplit one, at 3 / 5 / 6 / 7 / 8
-    rows padded to a power of two and in up to three blocks (`gemv_row_blocks`: 4 + 1, 4 + 2 +
-    1, ...), with and without the rows' prefetch (`gemv_rows_prefetch`)."""
+    rows padded to a power of two and in two blocks (`gemv_row_blocks` 2: 4 + 1, 4 + 2, ...),
+    with and without the rows' prefetch (`gemv_rows_prefetch`)."""
     base = configs.get_config(torch.device(DEV))
     cfg = configs.KernelConfig(**{**base.__dict__, "gemv_row_blocks": row_blocks,
                                   "gemv_rows_prefetch": prefetch})
