@@ -21,12 +21,24 @@ Rules (transformers' `Qwen3MoeSparseMoeBlock`):
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .activation import silu_and_mul_ref
+
+class InPlace(NamedTuple):
+    """Expert offload read in place (`models/expert_offload.py`), for the Triton kernels: the
+    stacks they are given are the device slots; expert e is read from slot where[e], or at -1
+    from row e of the host stacks (pinned memory the device reads over the bus). counts [2,
+    num_experts] int32: the kernels add each expert's pairs to counts[0] and those read from
+    the host to counts[1]. Nothing is read back to the host, so a CUDA graph captures it."""
+    where: torch.Tensor
+    host_gate_up: torch.Tensor
+    host_down: torch.Tensor
+    counts: torch.Tensor
+
 
 # steps of at most this many tokens take the few-token GPU path (`moe_decode_triton.py`)
 DECODE_MAX_TOKENS = 8

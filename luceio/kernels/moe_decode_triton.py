@@ -21,7 +21,10 @@ launches of sorting and aligning per layer. Here, for at most `moe.DECODE_MAX_TO
 Each expert's weights are read once per pair that picked it: at a few tokens that is what the
 grouped path reads too. Nothing reads back to the host, so CUDA graphs capture it. With expert
 offload's rounds, launches 1 and 2 run once per round over that round's pairs and launch 3
-after the last: the same kernels, the same bits as resident experts.
+after the last: the same kernels, the same bits as resident experts. Read in place
+(`moe.InPlace`, the offload's CUDA-graph path) they run once, each pair's expert read from
+the device slot or host row the table names (`expert_base`), the first column block of a
+pair's gate/up launch counting it (`count_pairs`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import triton.language as tl
 
 from .configs import get_config
 from .elementwise_triton import silu_mul
+from .moe import InPlace
 
 
 @triton.jit
@@ -76,16 +80,42 @@ def route_topk(router_logits: torch.Tensor, top_k: int,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, top_k, hidden, inter, s_x, s_we, s_wn,
-                    s_act, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def expert_base(w_ptr, h_ptr, where_ptr, expert, s_we, IN_PLACE: tl.constexpr):
+    """The first weight of `expert` in the stacks: row `expert` of w, or IN_PLACE (expert
+    offload read in place) the device slot `where[expert]`, or at -1 the expert's row of the
+    host stack h (pinned, mapped: read over the bus)."""
+    base = w_ptr + expert * s_we
+    if IN_PLACE:
+        slot = tl.load(where_ptr + expert)
+        base = tl.where(slot >= 0, w_ptr + slot * s_we, h_ptr + expert * s_we)
+    return base
+
+
+@triton.jit
+def count_pairs(cnt_ptr, where_ptr, expert, pairs, num_experts):
+    """Expert offload's counters: `pairs` more pairs of `expert` (cnt[expert]), of them read
+    from host memory (cnt[num_experts + expert]) when the table has no slot for it."""
+    slot = tl.load(where_ptr + expert)
+    tl.atomic_add(cnt_ptr + expert, pairs)
+    tl.atomic_add(cnt_ptr + num_experts + expert, tl.where(slot < 0, pairs, 0))
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, h_ptr, where_ptr, cnt_ptr, num_experts,
+                    top_k, hidden, inter, s_x, s_we, s_wn, s_act, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     t = p // top_k
     expert = tl.load(ids_ptr + p)
     if expert < 0:  # another round's pair
         return
+    if IN_PLACE:
+        if tl.program_id(1) == 0:
+            count_pairs(cnt_ptr, where_ptr, expert, 1, num_experts)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < inter
-    gate_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
+    gate_ptrs = expert_base(w_ptr, h_ptr, where_ptr, expert, s_we, IN_PLACE) + \
+        cols[:, None].to(tl.int64) * s_wn
     up_ptrs = gate_ptrs + inter * s_wn
     acc_gate = tl.zeros([BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_N], tl.float32)
@@ -104,11 +134,11 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, top_k, hidden, inter, s_x, s
 
 
 @triton.jit
-def _pair_down(act_ptr, w_ptr, route_ptr, p, expert, cols, cm, inter, s_act, s_we, s_wn,
+def _pair_down(act_ptr, w_base, route_ptr, p, cols, cm, inter, s_act, s_wn,
                dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A pair's down projection for `cols`, rounded, times its routing weight, rounded (fp32
-    holding dtype values)."""
-    w_ptrs = w_ptr + expert * s_we + cols[:, None].to(tl.int64) * s_wn
+    """A pair's down projection for `cols` (its expert's rows from `w_base`), rounded, times
+    its routing weight, rounded (fp32 holding dtype values)."""
+    w_ptrs = w_base + cols[:, None].to(tl.int64) * s_wn
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -135,8 +165,9 @@ def _finish(total, t, cols, cm, out_ptr, sh_ptr, sg_ptr, s_out, s_sh, s_sg,
 
 
 @triton.jit
-def _down_pairs_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, inter, hidden, s_act, s_we,
-                       s_wn, s_y, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_pairs_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, h_ptr, where_ptr, inter,
+                       hidden, s_act, s_we, s_wn, s_y, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr):
     """Per (pair, columns): the pair's row into y [pairs, hidden] (pairs of another round of
     expert offload skip)."""
     p = tl.program_id(0).to(tl.int64)
@@ -145,7 +176,8 @@ def _down_pairs_kernel(act_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, inter, hidden,
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < hidden
-    y = _pair_down(act_ptr, w_ptr, route_ptr, p, expert, cols, cm, inter, s_act, s_we, s_wn,
+    w_base = expert_base(w_ptr, h_ptr, where_ptr, expert, s_we, IN_PLACE)
+    y = _pair_down(act_ptr, w_base, route_ptr, p, cols, cm, inter, s_act, s_wn,
                    y_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
     tl.store(y_ptr + p * s_y + cols, y.to(y_ptr.dtype.element_ty), mask=cm)
 
@@ -166,14 +198,17 @@ def _sum_pairs_kernel(y_ptr, out_ptr, sh_ptr, sg_ptr, hidden, s_y, s_out, s_sh, 
 def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                weights: torch.Tensor, expert_ids: torch.Tensor,
                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
-               rounds: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+               rounds: Iterable[torch.Tensor] | None = None,
+               in_place: InPlace | None = None) -> torch.Tensor:
     """`moe.fused_moe_ref` for a few tokens: x [n, hidden], w_gate_up [rows, 2 * inter,
     hidden], w_down [rows, hidden, inter], weights / expert_ids [n, k]. With `shared` [n,
     hidden] and `shared_gate` [n, 1] (a shared expert's output and gate logit) returns routed +
     sigmoid(shared_gate) * shared. `rounds` (expert offload, `kernels/moe.py`'s rules): per
     round the [num_experts] stack rows (-1: another round); each round's pairs are written to
     their own rows and the tokens' sums taken after the last, in the order the one-round launch
-    adds them, so the output is the resident one's bit for bit."""
+    adds them, so the output is the resident one's bit for bit. `in_place` (expert offload
+    read in place, `moe.InPlace`): w_gate_up / w_down are the device slots, each expert read
+    from the slot its table names or from the host stacks, and counted; one pass, no rounds."""
     n, hidden = x.shape
     inter, top_k = w_down.shape[2], expert_ids.shape[1]
     x, weights, ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
@@ -191,13 +226,17 @@ def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     cfg = get_config(x.device)
     y = torch.empty((n * top_k, hidden), dtype=x.dtype, device=x.device)
     bn = cfg.moe_decode_down_block_n
+    if in_place is not None and rounds is not None:
+        raise ValueError("moe_decode takes rounds or in_place, not both")
+    tables = in_place or InPlace(ids, w_gate_up, w_down, ids)  # unread unless in place
     for stack_rows in [None] if rounds is None else rounds:
         # each pair's stack row this round, or -1
         rows = ids if stack_rows is None else stack_rows.to(x.device)[ids]
-        _gate_up(x, w_gate_up, rows, act, top_k, cfg)
+        _gate_up(x, w_gate_up, rows, act, top_k, cfg, tables, in_place is not None)
         _down_pairs_kernel[(n * top_k, triton.cdiv(hidden, bn))](
-            act, w_down, rows, weights, y, inter, hidden, act.stride(0), w_down.stride(0),
-            w_down.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_K=cfg.moe_decode_down_block_k,
+            act, w_down, rows, weights, y, tables.host_down, tables.where, inter, hidden,
+            act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), BLOCK_N=bn,
+            BLOCK_K=cfg.moe_decode_down_block_k, IN_PLACE=in_place is not None,
             num_warps=cfg.moe_decode_down_num_warps)
     _sum_pairs_kernel[(n, triton.cdiv(hidden, 256))](
         y, out, sh, sg, hidden, y.stride(0), out.stride(0), *tail, TOP_K=top_k,
@@ -205,9 +244,10 @@ def moe_decode(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     return out
 
 
-def _gate_up(x, w_gate_up, ids, act, top_k, cfg):
+def _gate_up(x, w_gate_up, ids, act, top_k, cfg, tables: InPlace, in_place: bool):
     inter, bn = act.shape[1], cfg.moe_decode_gu_block_n
     _gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
-        x, w_gate_up, ids, act, top_k, x.shape[1], inter, x.stride(0), w_gate_up.stride(0),
+        x, w_gate_up, ids, act, tables.host_gate_up, tables.where, tables.counts,
+        tables.where.shape[0], top_k, x.shape[1], inter, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), act.stride(0), BLOCK_N=bn, BLOCK_K=cfg.moe_decode_gu_block_k,
-        num_warps=cfg.moe_decode_gu_num_warps)
+        IN_PLACE=in_place, num_warps=cfg.moe_decode_gu_num_warps)

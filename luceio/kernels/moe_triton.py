@@ -22,7 +22,9 @@ Rules (the reference is `moe.fused_moe_ref`; routing stays `moe.route_topk_ref`)
 - Rounds (expert offload; `moe.py`'s rules): the pairs are aligned once over all experts, as
   with resident stacks, and each round launches both kernels with the tiles of its experts
   pointed at their stack rows (the others' tiles skip); every pair's row is written by its own
-  round, and the tokens' sums are taken after the last.
+  round, and the tokens' sums are taken after the last. In place (`moe.InPlace`, the offload's
+  CUDA-graph path): one pass, each tile's expert read from the device slot or host row its
+  table names, the tile's pairs counted by its first column block.
 - Under TRITON_INTERPRET=1 the dot operands go as fp32 (the interpreter's half-precision dot is
   wrong); fp32 inputs use IEEE fp32 dots (no TF32), as attention_triton does.
 """
@@ -39,32 +41,41 @@ import triton.language as tl
 from .attention_tile_triton import _dot
 from .configs import get_config
 from .elementwise_triton import silu_mul
+from .moe import InPlace
+from .moe_decode_triton import count_pairs, expert_base
 
 
 @triton.jit
-def _tile(sorted_ids_ptr, w_ptr, expert, num_pairs, num_cols, s_we, s_wn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile(sorted_ids_ptr, w_ptr, h_ptr, where_ptr, expert, num_pairs, num_cols, s_we, s_wn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          IN_PLACE: tl.constexpr):
     """This program's padded slots, their pairs (masked: padding), its output columns and
-    pointers to the first BLOCK_K inputs of its expert's weight rows for them ([K, N])."""
+    pointers to the first BLOCK_K inputs of its expert's weight rows for them ([K, N]; in
+    place: from the slot or host row the offload's table names)."""
     slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + slots)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    w_ptrs = (w_ptr + expert.to(tl.int64) * s_we + cols[None, :].to(tl.int64) * s_wn
-              + kk[:, None])
+    w_ptrs = (expert_base(w_ptr, h_ptr, where_ptr, expert.to(tl.int64), s_we, IN_PLACE)
+              + cols[None, :].to(tl.int64) * s_wn + kk[:, None])
     return slots, pairs, pairs < num_pairs, cols, cols < num_cols, kk, w_ptrs
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr,
-                         num_pairs, top_k, hidden, inter, s_x, s_we, s_wn, s_act,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, h_ptr,
+                         where_ptr, cnt_ptr, num_experts, num_pairs, top_k, hidden, inter, s_x,
+                         s_we, s_wn, s_act, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+                         IN_PLACE: tl.constexpr):
     expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert < 0:  # past the last tile
         return
     slots, pairs, rmask, cols, cmask, kk, gate_ptrs = _tile(
-        sorted_ids_ptr, w_ptr, expert, num_pairs, inter, s_we, s_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+        sorted_ids_ptr, w_ptr, h_ptr, where_ptr, expert, num_pairs, inter, s_we, s_wn,
+        BLOCK_M, BLOCK_N, BLOCK_K, IN_PLACE)
+    if IN_PLACE:
+        if tl.program_id(1) == 0:
+            count_pairs(cnt_ptr, where_ptr, expert, tl.sum(rmask.to(tl.int32), 0), num_experts)
     tokens = (pairs // top_k).to(tl.int64)
     x_ptrs = x_ptr + tokens[:, None] * s_x + kk[None, :]                          # [M, K]
     up_ptrs = gate_ptrs + inter * s_wn
@@ -89,15 +100,16 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ids_ptr, tile_expert_ptr,
-                 num_pairs, inter, hidden, s_act, s_we, s_wn, s_out,
+def _down_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ids_ptr, tile_expert_ptr, h_ptr,
+                 where_ptr, num_pairs, inter, hidden, s_act, s_we, s_wn, s_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, IN_PLACE: tl.constexpr):
     expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert < 0:  # past the last tile
         return
     slots, pairs, rmask, cols, cmask, kk, w_ptrs = _tile(
-        sorted_ids_ptr, w_ptr, expert, num_pairs, hidden, s_we, s_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+        sorted_ids_ptr, w_ptr, h_ptr, where_ptr, expert, num_pairs, hidden, s_we, s_wn,
+        BLOCK_M, BLOCK_N, BLOCK_K, IN_PLACE)
     a_ptrs = act_ptr + slots[:, None].to(tl.int64) * s_act + kk[None, :]          # [M, K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
@@ -146,16 +158,21 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int,
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               weights: torch.Tensor, expert_ids: torch.Tensor,
-              rounds: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+              rounds: Iterable[torch.Tensor] | None = None,
+              in_place: InPlace | None = None) -> torch.Tensor:
     """As `moe.fused_moe_ref`: x [num_tokens, hidden], w_gate_up [num_rows, 2 * inter, hidden],
     w_down [num_rows, hidden, inter], weights / expert_ids [num_tokens, top_k], rounds: None
-    or per round [num_experts] stack rows."""
+    or per round [num_experts] stack rows; or `in_place` (`moe.InPlace`): one pass, each
+    expert from the slot or host row its table names."""
     num_tokens, hidden = x.shape
     inter, top_k = w_down.shape[2], expert_ids.shape[1]
     num_pairs = num_tokens * top_k
     rounds = iter([None] if rounds is None else rounds)
     first = next(rounds)  # its length is the expert count when the stacks hold only some
-    num_experts = w_gate_up.shape[0] if first is None else first.numel()
+    if in_place is not None and first is not None:
+        raise ValueError("fused_moe takes rounds or in_place, not both")
+    num_experts = w_gate_up.shape[0] if first is None and in_place is None else \
+        (first if first is not None else in_place.where).numel()
     if num_pairs == 0:
         for _ in rounds:
             pass
@@ -167,9 +184,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     x, weights = x.contiguous(), weights.contiguous()
     w_gu, w_d = w_gate_up.contiguous(), w_down.contiguous()  # rewritten in place between rounds
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    tables = in_place or InPlace(sorted_ids, w_gu, w_d, sorted_ids)  # unread unless in place
     flags = dict(BLOCK_M=block_m, BLOCK_N=cfg.moe_block_n, BLOCK_K=cfg.moe_block_k,
                  DOT_F32=interp and x.dtype != torch.float32,
-                 DOT_IEEE=interp or x.dtype == torch.float32,
+                 DOT_IEEE=interp or x.dtype == torch.float32, IN_PLACE=in_place is not None,
                  num_warps=cfg.moe_num_warps, num_stages=cfg.moe_num_stages)
     num_tiles = tile_expert.numel()
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -179,9 +197,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
             tile_expert >= 0, stack_rows.to(x.device)[tile_expert.clamp(min=0)], -1
         ).to(torch.int32)
         _gate_up_silu_kernel[(num_tiles, triton.cdiv(inter, cfg.moe_block_n))](
-            x, w_gu, act, sorted_ids, tile_row, num_pairs, top_k, hidden, inter,
-            x.stride(0), w_gu.stride(0), w_gu.stride(1), act.stride(0), **flags)
+            x, w_gu, act, sorted_ids, tile_row, tables.host_gate_up, tables.where, tables.counts,
+            num_experts, num_pairs, top_k, hidden, inter, x.stride(0), w_gu.stride(0),
+            w_gu.stride(1), act.stride(0), **flags)
         _down_kernel[(num_tiles, triton.cdiv(hidden, cfg.moe_block_n))](
-            act, w_d, weights, out, sorted_ids, tile_row, num_pairs, inter,
-            hidden, act.stride(0), w_d.stride(0), w_d.stride(1), out.stride(1), **flags)
+            act, w_d, weights, out, sorted_ids, tile_row, tables.host_down, tables.where,
+            num_pairs, inter, hidden, act.stride(0), w_d.stride(0), w_d.stride(1),
+            out.stride(1), **flags)
     return out.sum(dim=1, dtype=torch.float32).to(x.dtype)
