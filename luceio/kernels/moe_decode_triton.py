@@ -24,7 +24,7 @@ offload's rounds, launches 1 and 2 run once per round over that round's pairs an
 after the last: the same kernels, the same bits as resident experts. Read in place
 (`moe.InPlace`, the offload's CUDA-graph path) they run once, each pair's expert read from
 the device slot or host row the table names (`expert_base`), the first column block of a
-pair's gate/up launch counting it (`count_pairs`).
+expert's first pair counting it in the gate/up launch (`count_expert`).
 """
 from __future__ import annotations
 
@@ -92,26 +92,29 @@ def expert_base(w_ptr, h_ptr, where_ptr, expert, s_we, IN_PLACE: tl.constexpr):
 
 
 @triton.jit
-def count_pairs(cnt_ptr, where_ptr, expert, pairs, num_experts):
-    """Expert offload's counters: `pairs` more pairs of `expert` (cnt[expert]), of them read
-    from host memory (cnt[num_experts + expert]) when the table has no slot for it."""
+def count_expert(cnt_ptr, where_ptr, expert, num_experts):
+    """Expert offload's counters, once per expert a launch computes: cnt[expert] += 1, and
+    cnt[num_experts + expert] += 1 when it is read from host memory (no slot in the table)."""
     slot = tl.load(where_ptr + expert)
-    tl.atomic_add(cnt_ptr + expert, pairs)
-    tl.atomic_add(cnt_ptr + num_experts + expert, tl.where(slot < 0, pairs, 0))
+    tl.atomic_add(cnt_ptr + expert, 1)
+    tl.atomic_add(cnt_ptr + num_experts + expert, (slot < 0).to(tl.int32))
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, h_ptr, where_ptr, cnt_ptr, num_experts,
                     top_k, hidden, inter, s_x, s_we, s_wn, s_act, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr, PAIRS: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     t = p // top_k
     expert = tl.load(ids_ptr + p)
     if expert < 0:  # another round's pair
         return
-    if IN_PLACE:
+    if IN_PLACE:  # counted by the expert's first pair (PAIRS: a power of two >= the pairs)
         if tl.program_id(1) == 0:
-            count_pairs(cnt_ptr, where_ptr, expert, 1, num_experts)
+            before = tl.arange(0, PAIRS)
+            earlier = tl.load(ids_ptr + before, mask=before < p, other=-1)
+            if tl.sum((earlier == expert).to(tl.int32), 0) == 0:
+                count_expert(cnt_ptr, where_ptr, expert, num_experts)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < inter
     gate_ptrs = expert_base(w_ptr, h_ptr, where_ptr, expert, s_we, IN_PLACE) + \
@@ -250,4 +253,5 @@ def _gate_up(x, w_gate_up, ids, act, top_k, cfg, tables: InPlace, in_place: bool
         x, w_gate_up, ids, act, tables.host_gate_up, tables.where, tables.counts,
         tables.where.shape[0], top_k, x.shape[1], inter, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), act.stride(0), BLOCK_N=bn, BLOCK_K=cfg.moe_decode_gu_block_k,
-        IN_PLACE=in_place, num_warps=cfg.moe_decode_gu_num_warps)
+        IN_PLACE=in_place, PAIRS=triton.next_power_of_2(ids.numel()) if in_place else 1,
+        num_warps=cfg.moe_decode_gu_num_warps)

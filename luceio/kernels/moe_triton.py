@@ -24,7 +24,7 @@ Rules (the reference is `moe.fused_moe_ref`; routing stays `moe.route_topk_ref`)
   pointed at their stack rows (the others' tiles skip); every pair's row is written by its own
   round, and the tokens' sums are taken after the last. In place (`moe.InPlace`, the offload's
   CUDA-graph path): one pass, each tile's expert read from the device slot or host row its
-  table names, the tile's pairs counted by its first column block.
+  table names, each expert counted by its first tile.
 - Under TRITON_INTERPRET=1 the dot operands go as fp32 (the interpreter's half-precision dot is
   wrong); fp32 inputs use IEEE fp32 dots (no TF32), as attention_triton does.
 """
@@ -42,7 +42,7 @@ from .attention_tile_triton import _dot
 from .configs import get_config
 from .elementwise_triton import silu_mul
 from .moe import InPlace
-from .moe_decode_triton import count_pairs, expert_base
+from .moe_decode_triton import count_expert, expert_base
 
 
 @triton.jit
@@ -73,9 +73,11 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr,
     slots, pairs, rmask, cols, cmask, kk, gate_ptrs = _tile(
         sorted_ids_ptr, w_ptr, h_ptr, where_ptr, expert, num_pairs, inter, s_we, s_wn,
         BLOCK_M, BLOCK_N, BLOCK_K, IN_PLACE)
-    if IN_PLACE:
+    if IN_PLACE:  # counted by the expert's first tile
         if tl.program_id(1) == 0:
-            count_pairs(cnt_ptr, where_ptr, expert, tl.sum(rmask.to(tl.int32), 0), num_experts)
+            pid = tl.program_id(0)
+            if tl.load(tile_expert_ptr + pid - 1, mask=pid > 0, other=-1) != expert:
+                count_expert(cnt_ptr, where_ptr, expert, num_experts)
     tokens = (pairs // top_k).to(tl.int64)
     x_ptrs = x_ptr + tokens[:, None] * s_x + kk[None, :]                          # [M, K]
     up_ptrs = gate_ptrs + inter * s_wn
