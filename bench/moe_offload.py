@@ -38,7 +38,9 @@ import luceio.engine as engine_mod  # noqa: E402
 from luceio import LLMEngine, SamplingParams  # noqa: E402
 from luceio.config import EngineArgs  # noqa: E402
 from luceio.loader import Checkpoint  # noqa: E402
-from luceio.models.expert_offload import count_experts, placement  # noqa: E402
+from luceio.models import expert_offload  # noqa: E402
+from luceio.models.expert_calibration import count_experts, placement  # noqa: E402
+from luceio.models.expert_offload import ExpertOffload  # noqa: E402
 
 NAME = "random-qwen3-30b-a3b"
 DEVICE = "cuda"
@@ -129,6 +131,9 @@ def main() -> None:
         tps = luceio_decode_tps(eng, a.context, new=a.new)
         r = {"config": name, "tok_s": round(tps, 2), "seconds": round(time.perf_counter() - t, 1),
              **extra}
+        torch.cuda.synchronize()
+        if eng.runner.expert_offload is not None:  # counters of the steps in flight
+            eng.runner.expert_offload.collect()
         st = eng.stats().experts
         if st is not None:
             r.update(hits=st.hits, misses=st.misses, gib_loaded=round(st.bytes_loaded / 2**30, 2),
@@ -167,9 +172,19 @@ def main() -> None:
     for name, place in (("LRU only", None), ("calibrated placement", good),
                         ("backwards placement", bad)):
         eng = engine(c, a.context, expert_memory=str(a.fraction), expert_placement=place)
-        row(f"{a.fraction:.0%} of experts, {name}", eng)
+        row(f"{a.fraction:.0%} of experts, {name}", eng, graphs=eng.runner.graphs is not None)
         del eng
         torch.cuda.empty_cache()
+    # the offload's eager path before the in-place tables (every step in rounds), for reference
+    start, limit = ExpertOffload.start, expert_offload.IN_PLACE_MAX_TOKENS
+    ExpertOffload.start = lambda self, device, in_place=None: start(self, device, False)
+    expert_offload.IN_PLACE_MAX_TOKENS = 0
+    eng = engine(c, a.context, expert_memory=str(a.fraction))
+    row(f"{a.fraction:.0%} of experts, LRU only, eager rounds", eng,
+        graphs=eng.runner.graphs is not None)
+    ExpertOffload.start, expert_offload.IN_PLACE_MAX_TOKENS = start, limit
+    del eng
+    torch.cuda.empty_cache()
     base = res["rows"][0]["tok_s"]
     for r in res["rows"]:
         r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)

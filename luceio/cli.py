@@ -62,7 +62,7 @@ def calibrate_experts(ns: argparse.Namespace) -> int:
 
     from . import LLM, SamplingParams
     from .config import EngineArgs
-    from .models.expert_offload import count_experts, placement
+    from .models.expert_calibration import count_experts, placement
     args = dataclasses.replace(EngineArgs.from_cli_args(ns), enable_prefix_caching=False,
                                enforce_eager=True)
     prompts = read_prompts(ns.prompts)

@@ -48,13 +48,15 @@ class ModelRunner:
         CUDA graphs of each stage's layers, `stages/graphs.py`). Its pool is sized as
         if it held every layer, and the other stages allocate as many blocks.
         `expert_offload`: --expert-memory's experts in host memory (`models/expert_offload.py`;
-        the model then runs eagerly); its counters are `self.expert_offload.stats()`."""
+        on GPUs the steps read them in place and replay CUDA graphs, `expert_tables.py`; on
+        the CPU it runs in rounds); its counters are `self.expert_offload.stats()`."""
         self.device, self.dtype = device, dtype
         if expert_offload is not None and model is not None:
             raise ValueError("--expert-memory applies when the engine loads the model itself")
         self.expert_offload = ExpertOffload(expert_offload) if expert_offload else None
         self.model = model if model is not None else build_model(ckpt, dtype, device,
                                                                  quantization, self.expert_offload)
+        in_place = self.expert_offload is not None and self.expert_offload.start(device)
         self.cfg = self.model.cfg
         self.block_size = cache_config.block_size
         # hybrid models (Qwen3.5): a state slot per running request, before the KV pool's sizing
@@ -106,8 +108,8 @@ class ModelRunner:
                 CpuDecoder.for_stage(self.model, self.kv_caches, stages.layer_range)
         if device.type == "cpu":
             return_freed_heap()
-        offloaded = (self.expert_offload is not None and self.expert_offload.active) or \
-            routes_on_host(self.model)  # offloaded or quantized experts: routing on the host
+        offloaded = (self.expert_offload is not None and self.expert_offload.active
+                     and not in_place) or routes_on_host(self.model)  # routing on the host
         if offloaded and device.type == "cuda":
             logger.info("the experts' routing is read on the host: no CUDA graphs")
         if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
@@ -123,6 +125,8 @@ class ModelRunner:
                                          tree_rows=tree_rows,
                                          scratch_slot=max_num_seqs if self.stateful else None)
                 self.graphs.capture()
+                if in_place:  # the capture's warm-up runs counted experts
+                    self.expert_offload.tables.reset_counts()
 
     @property
     def bytes_per_block(self) -> int:
@@ -286,7 +290,11 @@ class ModelRunner:
                 raise ValueError("a step cannot both score KV blocks and run another probe")
             if not graphed or self.graphs.q_buf is None:  # graphs capture queries themselves
                 probe = QueryProbe(list(inp.score_rows.values()), self.device)
+        if self.expert_offload is not None:
+            self.expert_offload.before_step()
         logits = self._forward(inp, probe, graphed and probe is None)
+        if self.expert_offload is not None:
+            self.expert_offload.after_step()
         if inp.score_rows:
             inp.kv_scores = self._score_blocks(inp, probe)
         return logits

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .activation import silu_and_mul_ref
 
+
 class InPlace(NamedTuple):
     """Expert offload read in place (`models/expert_offload.py`), for the Triton kernels: the
     stacks they are given are the device slots; expert e is read from slot where[e], or at -1

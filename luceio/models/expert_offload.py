@@ -13,41 +13,47 @@ Rules:
   layer's pinned experts for good: a placement file's first P experts of the layer, P at most
   num_slots - top_k, so a decoding token's misses fit the LRU slots that remain. The other slots
   are an LRU cache, empty at start.
-- A step asks each sparse layer for the experts its tokens were routed to (one host read of
-  their ids per layer). Hits (pinned or cached) are touched; misses are loaded in ascending
-  expert id into free slots, else into the least recently used slot whose expert this round
-  does not use. When the misses outnumber the slots they can take, the layer runs in rounds:
-  the first computes the hits and the misses that fit, each next one reuses every LRU slot for
-  the next misses. `kernels.fused_moe` takes the rounds (`kernels/moe.py`): the output equals
-  the fully resident layer's, bit for bit.
-- Counters per layer: hits and misses (one per expert a step needs; a miss is one load of one
-  expert's three matrices, `expert_bytes` bytes, host to device).
-- `ExpertStore` is the tensor half. On a CUDA device its copies run on a side stream: they wait
-  for the layer's last use of its slots (an event) rather than for the whole compute stream,
-  and the compute stream waits for them before the round's kernels. On the CPU they are plain
-  copies. The host read of the routed ids syncs the device once per sparse layer, so an
-  offloaded model runs eagerly (the runner captures no CUDA graphs for it, and a capture that
-  reaches a layer is refused); the copies overlap only what is already queued, not the layers
-  before (that needs the next layer's experts before its router runs).
+- Two ways to run a step's experts:
+  - In place (GPUs, `expert_tables.py`): the kernels read each expert from its slot, or from
+    its pinned host row over the bus, as a device table says; nothing comes back to the host,
+    so decode steps replay CUDA graphs. Between steps, experts that were read from the host
+    are promoted into LRU slots by copies on a side stream, landing in the table when done.
+    Every step inside a graph, and eager steps of up to IN_PLACE_MAX_TOKENS tokens, run so.
+  - Rounds (the CPU; eager steps of more tokens, where reading a weight in place once per
+    tile of its tokens would cross the bus several times): the layer reads its routed experts
+    on the host (one sync per sparse layer). Hits (pinned or cached) are touched; misses are
+    loaded in ascending expert id into free slots, else into the least recently used slot
+    whose expert this round does not use. When the misses outnumber the slots they can take,
+    the layer runs in rounds: the first computes the hits and the misses that fit, each next
+    one reuses every LRU slot for the next misses. A capture that reaches rounds is refused.
+  Both give the fully resident layer's output, bit for bit (`kernels/moe.py`).
+- Counters per layer: hits and misses, one per expert a step's launch needs (a miss is an
+  expert read from host memory, in place or copied in first), and the experts copied into
+  slots (`expert_bytes` bytes each, host to device: a round's misses, the promotions).
+- `ExpertStore` is the tensor half. On a CUDA device its copies run on a side stream: a
+  round's copies wait for the layer's last use of its slots (an event: the layer's last round,
+  or the end of the last step read in place) rather than for the whole compute stream, and
+  the compute stream waits for them before the round's kernels; promotions wait for
+  everything queued and nothing waits for them. On the CPU they are plain copies.
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..config import ExpertOffloadConfig
-from ..kernels.moe import route_topk_ref
-from .moe import SparseMoeBlock
+from ..kernels.moe import InPlace
+from .expert_calibration import has_experts, load_placement
+from .expert_tables import SlotTables
 
 logger = logging.getLogger("luceio")
 
-PLACEMENT_FORMAT = "luceio-expert-placement/1"
+# eager steps of more tokens run in rounds (copies), fewer read their experts in place
+IN_PLACE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,31 @@ class ExpertCache:
             held = {}
         return rounds
 
+    def touch(self, used: list[int]) -> None:
+        """Marks `used` (ascending) as the most recently used, in that order."""
+        for e in used:
+            if e in self.lru:
+                self.lru.move_to_end(e)
+
+    def promote(self, missed: list[int], busy: set[int]) -> list[tuple[int, int, int | None]]:
+        """Slots for experts read in place (`expert_tables.py`): each of `missed` (ascending)
+        takes a free slot or the least recently used one whose expert is not in `busy`, while
+        one is left. Returns (expert, slot, the evicted expert or None)."""
+        loads = []
+        for e in missed:
+            if self.free:
+                slot, victim = self.free.pop(0), None
+            else:
+                victim = next((v for v in self.lru if v not in busy), None)
+                if victim is None:
+                    break
+                slot = self.lru.pop(victim)
+                del self.slot_of[victim]
+            self.slot_of[e] = self.lru[e] = slot
+            busy.add(e)
+            loads.append((e, slot, victim))
+        return loads
+
     def _take_slot(self, expert: int, busy: dict[int, int]) -> int:
         """A free slot, else the least recently used one no expert in `busy` sits in."""
         if self.free:
@@ -117,13 +148,28 @@ class ExpertStore:
         self.slot_gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)
         self.slot_down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)
         self.cache, self.num_experts, self.device = cache, num_experts, device
+        self.layer = -1  # the model's layer (`ExpertOffload.attach`)
         self.expert_bytes = 3 * inter * hidden * self.host_down.element_size()
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last_use: torch.cuda.Event | None = None  # the slots' last reader, queued
+        self.loaded = 0  # experts copied into slots
+        self.tables: SlotTables | None = None  # read in place (`expert_tables.py`)
+        self.in_place: InPlace | None = None
 
     def place_pinned(self) -> None:
         """Copies the pinned experts into their slots (once their weights are loaded)."""
         self._copy([(e, self.cache.slot_of[e]) for e in sorted(self.cache.pinned)])
+        self.loaded = 0  # placing is not loading a miss
+
+    def in_place_for(self, x: torch.Tensor) -> InPlace | None:
+        """The tables to read this step's experts in place: always inside a CUDA graph, in
+        eager steps up to IN_PLACE_MAX_TOKENS tokens; None: run `rounds`."""
+        if self.in_place is None:
+            return None
+        if x.shape[0] <= IN_PLACE_MAX_TOKENS or (x.is_cuda and
+                                                 torch.cuda.is_current_stream_capturing()):
+            return self.in_place
+        return None
 
     def rounds(self, expert_ids: torch.Tensor) -> Iterator[torch.Tensor]:
         """`kernels.fused_moe`'s rounds for one layer's routing ([num_tokens, top_k]): per
@@ -131,6 +177,15 @@ class ExpertStore:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("an offloaded mixture-of-experts layer cannot run in a CUDA "
                                "graph: it reads its routed experts on the host")
+        if self.tables is not None:  # promotions still copying land first
+            self.tables.settle(self.layer)
+            if self.stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        yield from self._rounds(expert_ids)
+        if self.tables is not None:
+            self.tables.rebuild(self.layer)
+
+    def _rounds(self, expert_ids: torch.Tensor) -> Iterator[torch.Tensor]:
         for loads, slots in self.cache.plan(torch.unique(expert_ids).tolist()):
             self._copy(loads)
             rows = torch.full((self.num_experts,), -1, dtype=torch.int64)
@@ -140,9 +195,29 @@ class ExpertStore:
                 self.last_use = torch.cuda.Event()
                 self.last_use.record()
 
+    def load_async(self, loads: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """Promotions (`expert_tables.py`): copies (expert, slot) pairs after everything queued
+        so far, on the side stream, the compute stream not waiting; returns the copies' event
+        (None on the CPU, where they are done)."""
+        self.loaded += len(loads)
+        if self.stream is None:
+            for e, s in loads:
+                self.slot_gate_up[s].copy_(self.host_gate_up[e])
+                self.slot_down[s].copy_(self.host_down[e])
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for e, s in loads:
+                self.slot_gate_up[s].copy_(self.host_gate_up[e], non_blocking=True)
+                self.slot_down[s].copy_(self.host_down[e], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
     def _copy(self, loads: list[tuple[int, int]]) -> None:
         if not loads:
             return
+        self.loaded += len(loads)
         if self.stream is None:
             for e, s in loads:
                 self.slot_gate_up[s].copy_(self.host_gate_up[e])
@@ -159,14 +234,7 @@ class ExpertStore:
     def stats(self) -> tuple[int, int, int]:
         """(hits, misses, bytes loaded)."""
         c = self.cache
-        return c.hits, c.misses, c.misses * self.expert_bytes
-
-
-def has_experts(model) -> bool:
-    """Whether `model` has sparse layers of `SparseMoeBlock`s (Qwen3-MoE, Qwen3.5-MoE)."""
-    moe = getattr(model, "moe_cfg", None)
-    return moe is not None and all(isinstance(model.layers[i].mlp, SparseMoeBlock)
-                                   for i in moe.sparse_layers)
+        return c.hits, c.misses, self.loaded * self.expert_bytes
 
 
 class ExpertOffload:
@@ -177,6 +245,7 @@ class ExpertOffload:
         self.config = config
         self.stores: dict[int, ExpertStore] = {}
         self.num_slots = 0
+        self.tables: SlotTables | None = None
 
     def attach(self, model, dtype: torch.dtype, device: torch.device) -> None:
         """Gives each sparse layer of `model` (on the meta device, not loaded yet) its store;
@@ -208,6 +277,7 @@ class ExpertOffload:
             cache = ExpertCache(num_slots, pinned[i][:num_slots - moe.top_k])
             store = ExpertStore(moe.num_experts, moe.moe_intermediate_size, hidden, cache,
                                 num_slots, dtype, device)
+            store.layer = i
             model.layers[i].mlp.offload(store)
             self.stores[i] = store
         logger.info("expert offload: %d of %d experts per sparse layer on %s (%.1f of %.1f "
@@ -220,8 +290,33 @@ class ExpertOffload:
         """Whether some expert waits in host memory (False when all fit the budget)."""
         return bool(self.stores)
 
+    def start(self, device: torch.device, in_place: bool | None = None) -> bool:
+        """After the weights loaded: on a GPU running the Triton kernels (or when `in_place`
+        says so), sets up the slot tables that let steps read experts in place, so CUDA graphs
+        can capture them (`expert_tables.py`). Returns whether it did."""
+        from .. import kernels
+        if in_place is None:
+            in_place = device.type == "cuda" and kernels.use_triton(device)
+        if self.active and in_place:
+            self.tables = SlotTables(self.stores, device)
+        return self.tables is not None
+
+    def before_step(self) -> None:
+        if self.tables is not None:
+            self.tables.before_step()
+
+    def after_step(self) -> None:
+        if self.tables is not None:
+            self.tables.after_step()
+
+    def collect(self) -> None:
+        """Folds the counters of finished steps in (the engine's thread; see `stats`)."""
+        if self.tables is not None:
+            self.tables.collect()
+
     def stats(self) -> ExpertStats | None:
-        """The counters summed over the sparse layers; None when nothing is offloaded."""
+        """The counters summed over the sparse layers; None when nothing is offloaded. Read
+        in place, they cover the steps `collect` (or the next step) has folded in."""
         if not self.active:
             return None
         hits = misses = moved = 0
@@ -230,61 +325,3 @@ class ExpertOffload:
             hits, misses, moved = hits + h, misses + m, moved + b
         return ExpertStats(self.num_slots, sum(len(s.cache.pinned) for s in self.stores.values()),
                            hits, misses, moved)
-
-
-# calibration ------------------------------------------------------------------------------------
-@contextmanager
-def count_experts(model) -> Iterator[dict[int, torch.Tensor]]:
-    """While open, counts each sparse layer's routed (token, expert) pairs: layer -> int64
-    [num_experts] counts, on the host. Routes each router output again, as the layer does."""
-    if not has_experts(model):
-        raise ValueError(f"{type(model).__name__} has no experts to calibrate")
-    counts = {i: torch.zeros(model.moe_cfg.num_experts, dtype=torch.int64)
-              for i in model.moe_cfg.sparse_layers}
-
-    def hook(block: SparseMoeBlock, layer: int):
-        def count(_module, _inputs, logits):
-            _, ids = route_topk_ref(logits, block.top_k, block.renormalize)
-            counts[layer] += torch.bincount(ids.flatten(), minlength=len(counts[layer])).cpu()
-        return count
-
-    handles = [model.layers[i].mlp.gate.register_forward_hook(hook(model.layers[i].mlp, i))
-               for i in counts]
-    try:
-        yield counts
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def placement(counts: dict[int, torch.Tensor], model: str | None) -> dict:
-    """The placement file's content: per layer the experts by count, most used first (ties:
-    lower id first), and the counts by expert id."""
-    layers = {}
-    for i, c in counts.items():
-        order = sorted(range(len(c)), key=lambda e: (-int(c[e]), e))
-        layers[str(i)] = {"experts": order, "counts": c.tolist()}
-    num_experts = len(next(iter(counts.values())))
-    return {"format": PLACEMENT_FORMAT, "model": model, "num_experts": num_experts,
-            "layers": layers}
-
-
-def load_placement(path: str, layers: tuple[int, ...], num_experts: int) -> dict[int, list[int]]:
-    """A placement file's experts by count, per sparse layer; ValueError when it does not fit
-    the model."""
-    with open(path) as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
-        raise ValueError(f"--expert-placement {path}: not a `luceio calibrate-experts` file")
-    if data["num_experts"] != num_experts or sorted(map(int, data["layers"])) != list(layers):
-        raise ValueError(f"--expert-placement {path}: made for another model ({data['num_experts']}"
-                         f" experts, sparse layers {sorted(map(int, data['layers']))}; this one "
-                         f"has {num_experts}, sparse layers {list(layers)})")
-    out = {}
-    for i in layers:
-        order = data["layers"][str(i)]["experts"]
-        if sorted(order) != list(range(num_experts)):
-            raise ValueError(f"--expert-placement {path}: layer {i} does not list each expert "
-                             "once")
-        out[i] = order
-    return out

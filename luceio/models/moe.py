@@ -98,22 +98,24 @@ class SparseMoeBlock(nn.Module):
         """`shared`: (a shared expert's output, its gate logit), added as
         sigmoid(gate) * output (by the few-token path in its last launch)."""
         rounds = None
+        in_place = self.store.in_place_for(x) if self.store is not None else None
         if self.decodes(x):
             from ..kernels.moe_decode_triton import moe_decode, route_topk
             weights, expert_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
-            if self.store is not None:
+            if self.store is not None and in_place is None:
                 rounds = self.store.rounds(expert_ids)
             return moe_decode(x, self.w_gate_up, self.w_down, weights, expert_ids,
-                              *(shared or (None, None)), rounds=rounds)
+                              *(shared or (None, None)), rounds=rounds, in_place=in_place)
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
         if self.q_experts is not None:
             from ..kernels.moe import per_expert_moe
             routed = per_expert_moe(x, self.q_experts, weights, expert_ids, kernels.linear)
         else:
-            if self.store is not None:
+            if self.store is not None and in_place is None:
                 rounds = self.store.rounds(expert_ids)
             routed = kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids,
-                                       rounds=rounds)
+                                       rounds=rounds, **({"in_place": in_place} if in_place
+                                                         else {}))
         return routed if shared is None else routed + torch.sigmoid(shared[1]) * shared[0]
 
     def load_expert(self, expert: int, proj: str, tensor, dtype: torch.dtype,

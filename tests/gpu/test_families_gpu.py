@@ -1,6 +1,7 @@
 """The model families and paths added for issue 18, on the GPU with their Triton kernels:
-expert offload (pinned host experts, device slots filled on a side stream, the fused MoE kernel
-run in rounds) gives the fully resident model's tokens and logprobs bit for bit; Gemma 3's
+expert offload (pinned host experts read in place by the MoE kernels inside CUDA graphs,
+promoted into device slots on a side stream; long prefills in rounds) gives the fully resident
+model's tokens and logprobs bit for bit, and so do the kernels reading pinned host rows; Gemma 3's
 sliding-window layers on the GPU kernels give the CPU reference path's greedy tokens."""
 import pytest
 import torch
@@ -27,15 +28,62 @@ def logprobs(out) -> list[dict]:
 @pytest.mark.parametrize("name,fraction", [("e4k2", "0.3"), ("e6k3", "0.5")])
 def test_offloaded_experts_equal_resident_on_the_gpu(tmp_path, name, fraction):
     path = make_tiny_moe(str(tmp_path / name), name, seed=3, num_experts=8)
-    resident = LLM(path, **engine_kwargs(device="cuda", enforce_eager=True))
-    offloaded = LLM(path, **engine_kwargs(device="cuda", expert_memory=fraction))
-    ps = prompts(5, seed=2)
+    resident = LLM(path, **engine_kwargs(device="cuda", max_num_batched_tokens=96))
+    # prefill chunks of 96 tokens run in rounds, decode steps in place inside graphs
+    offloaded = LLM(path, **engine_kwargs(device="cuda", expert_memory=fraction,
+                                          max_num_batched_tokens=96))
+    runner = offloaded.engine.runner
+    assert runner.graphs is not None and runner.expert_offload.tables is not None
+    ps = prompts(5, seed=2) + [{"prompt_token_ids": list(range(3, 203))}]
     got, want = offloaded.generate(ps, GREEDY), resident.generate(ps, GREEDY)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert logprobs(g) == logprobs(w)
+    runner.expert_offload.collect()
+    torch.cuda.synchronize()
+    runner.expert_offload.collect()
     stats = offloaded.engine.stats().experts
-    assert stats.hits > 0 and stats.misses > 0
+    assert stats.hits > 0 and stats.misses > 0 and stats.bytes_loaded > 0
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6, 40])
+def test_moe_kernels_read_pinned_host_rows(num_tokens):
+    """The MoE kernels reading experts without a slot from pinned host memory (over the bus)
+    equal the resident kernels bit for bit, captured in a CUDA graph, and after the table
+    changes between replays."""
+    from luceio.kernels.moe import InPlace, route_topk_ref
+    from luceio.kernels.moe_decode_triton import moe_decode
+    from luceio.kernels.moe_triton import fused_moe
+    fn = moe_decode if num_tokens <= 8 else fused_moe
+    torch.manual_seed(num_tokens)
+    e, inter, hidden, k = 16, 256, 512, 4
+    host_gu = (torch.randn(e, 2 * inter, hidden) * 0.05).bfloat16().pin_memory()
+    host_d = (torch.randn(e, hidden, inter) * 0.05).bfloat16().pin_memory()
+    dev_gu, dev_d = host_gu.cuda(), host_d.cuda()
+    slot_gu, slot_d = dev_gu[[3, 9, 12]].clone(), dev_d[[3, 9, 12]].clone()
+    where = torch.full((e,), -1, dtype=torch.int64, device="cuda")
+    where[[3, 9, 12]] = torch.tensor([0, 1, 2], device="cuda")
+    counts = torch.zeros(2, e, dtype=torch.int32, device="cuda")
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    logits = torch.randn(num_tokens, e, device="cuda")
+    logits[:, 9] += 3
+    weights, ids = route_topk_ref(logits.bfloat16(), k, True)
+    want = fn(x, dev_gu, dev_d, weights, ids)
+    tables = InPlace(where, host_gu, host_d, counts)
+    fn(x, slot_gu, slot_d, weights, ids, in_place=tables)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn(x, slot_gu, slot_d, weights, ids, in_place=tables)
+    counts.zero_()
+    graph.replay()
+    assert torch.equal(got, want)
+    used = torch.bincount(ids.flatten(), minlength=e) > 0
+    assert counts[1].tolist() == (used & (where < 0)).int().tolist()
+    where[9] = -1  # expert 9 now read from the host, 5 from a slot holding it
+    slot_gu[1], slot_d[1] = dev_gu[5], dev_d[5]
+    where[5] = 1
+    graph.replay()
+    assert torch.equal(got, want)
 
 
 def test_gemma_on_gpu_kernels_equals_cpu(tmp_path):
