@@ -17,7 +17,10 @@ the LRU's hit rate high: neither is what a real model's routing looks like, so t
 measure the offload machinery's cost, not what calibration gains on real weights.
 Each row first decodes 8 tokens of another request (Triton compiles, slots and allocator warm),
 then times `--new` tokens after a `--context`-token prompt; the expert counters (hits, misses,
-bytes loaded) cover both requests, prefills included.
+bytes loaded) cover both requests, prefills included, the `decode_*` ones the timed decode
+steps only. Offloaded rows read their experts in place inside CUDA graphs
+(`models/expert_tables.py`); two more rows pin every slot but top-k for the placement (the cap
+before `PINNED_SHARE`), and run every step eagerly in rounds (the path before the tables).
 """
 from __future__ import annotations
 
@@ -125,20 +128,37 @@ def main() -> None:
     res = {"env": env_info(), "shape": "Qwen3-30B-A3B, " + f"{a.layers} of 48 layers",
            "fraction": a.fraction, "context": a.context, "rows": []}
 
-    def row(name: str, eng: LLMEngine, **extra):
-        luceio_decode_tps(eng, 64, new=8)  # warm: Triton compiles, slots filled, allocator
-        t = time.perf_counter()
-        tps = luceio_decode_tps(eng, a.context, new=a.new)
-        r = {"config": name, "tok_s": round(tps, 2), "seconds": round(time.perf_counter() - t, 1),
-             **extra}
+    def counters(eng: LLMEngine):
         torch.cuda.synchronize()
         if eng.runner.expert_offload is not None:  # counters of the steps in flight
             eng.runner.expert_offload.collect()
-        st = eng.stats().experts
+        return eng.stats().experts
+
+    def row(name: str, eng: LLMEngine, **extra):
+        luceio_decode_tps(eng, 64, new=8)  # warm: Triton compiles, slots filled, allocator
+        t = time.perf_counter()
+        decode_start = []  # the counters once the prompt is in (the helper syncs there)
+        step = eng.step
+
+        def first_step():
+            if not decode_start and any(r.num_output_tokens for r in eng.scheduler.running):
+                decode_start.append(counters(eng))
+            return step()
+        eng.step = first_step
+        tps = luceio_decode_tps(eng, a.context, new=a.new)
+        eng.step = step
+        r = {"config": name, "tok_s": round(tps, 2), "seconds": round(time.perf_counter() - t, 1),
+             **extra}
+        st = counters(eng)
         if st is not None:
             r.update(hits=st.hits, misses=st.misses, gib_loaded=round(st.bytes_loaded / 2**30, 2),
                      hit_rate=round(st.hits / max(st.hits + st.misses, 1), 3),
                      slots_per_layer=st.num_slots)
+            d = decode_start[0]
+            r.update(decode_misses_per_token=round((st.misses - d.misses) / a.new, 2),
+                     decode_hit_rate=round((st.hits - d.hits) / max(
+                         st.hits - d.hits + st.misses - d.misses, 1), 3),
+                     decode_gib_loaded=round((st.bytes_loaded - d.bytes_loaded) / 2**30, 2))
         print(r, flush=True)
         res["rows"].append(r)
         write_json(a.out, res)
@@ -175,6 +195,14 @@ def main() -> None:
         row(f"{a.fraction:.0%} of experts, {name}", eng, graphs=eng.runner.graphs is not None)
         del eng
         torch.cuda.empty_cache()
+    # a placement pinning every slot but top-k (the cap before PINNED_SHARE)
+    expert_offload.PINNED_SHARE = 1.0
+    eng = engine(c, a.context, expert_memory=str(a.fraction), expert_placement=good)
+    row(f"{a.fraction:.0%} of experts, calibrated placement on all slots but top-k", eng,
+        graphs=eng.runner.graphs is not None)
+    expert_offload.PINNED_SHARE = 0.5
+    del eng
+    torch.cuda.empty_cache()
     # the offload's eager path before the in-place tables (every step in rounds), for reference
     start, limit = ExpertOffload.start, expert_offload.IN_PLACE_MAX_TOKENS
     ExpertOffload.start = lambda self, device, in_place=None: start(self, device, False)

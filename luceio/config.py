@@ -152,14 +152,15 @@ class EngineArgs(CliArgs):
                                      "of 1024) or as a fraction of all experts' bytes (0.6; a "
                                      "decimal point makes it a fraction). The same number of "
                                      "experts per sparse layer fits; the rest wait in (pinned) "
-                                     "host memory and are copied into the layer's device slots "
-                                     "when a step needs them (LRU). Such models run eagerly, "
-                                     "without CUDA graphs. Default: every expert on the device")
+                                     "host memory; on GPUs a step reads them there in place and "
+                                     "they are copied into the layer's device slots between "
+                                     "steps (LRU), so decode steps keep their CUDA graphs. "
+                                     "Default: every expert on the device")
     expert_placement: str | None = _opt(None, "with --expert-memory: a placement file from "
                                         "`luceio calibrate-experts`; each layer's most-used "
-                                        "experts keep device slots for good (all its slots but "
-                                        "top-k, which stay the LRU cache). Default: every slot "
-                                        "is LRU")
+                                        "experts keep device slots for good (at most half its "
+                                        "slots, and all but top-k; the rest stay the LRU "
+                                        "cache). Default: every slot is LRU")
     speculative_method: str | None = _opt(None, "speculative decoding: ngram or draft (default off)",
                                           choices=["ngram", "draft"])
     draft_model: str | None = _opt(None, "draft model for --speculative-method draft")
