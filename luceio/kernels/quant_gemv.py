@@ -83,13 +83,14 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                PAIRED: tl.constexpr, PDL: tl.constexpr = False,
                PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False,
-               BLOCK_M2: tl.constexpr = 0):
+               BLOCK_M2: tl.constexpr = 0, M0=0):
     """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... . `PDL`:
     waits for the kernel before (`pdl_enter`) itself, after loading its first code words
     with PREFETCH and EARLY_LOAD (no kernel of a step writes weights). x's rows are one block
     of BLOCK_M (0 .. BLOCK_M - 1) or, with BLOCK_M2 > 0, two: BLOCK_M rows and the next
     BLOCK_M2 (5 rows as 4 + 1 instead of 8 with 3 masked; every weight tile is decoded once for
-    both)."""
+    both). M0: the first row of x (and of out) this program computes (`moe_quant_triton`:
+    one row of many per program)."""
     # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
     # so every type's tile is [BN, G * H, 4] with one thread per (half-)group; the M rows of x
     # are a leading axis that every weight tile is broadcast over (loaded and decoded once)
@@ -102,8 +103,8 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     nmask = rows < N
-    mi = tl.arange(0, BLOCK_M)
-    mi2 = BLOCK_M + tl.arange(0, BM2)
+    mi = M0 + tl.arange(0, BLOCK_M)
+    mi2 = M0 + BLOCK_M + tl.arange(0, BM2)
     jj = tl.arange(0, 4)[None, None, :]                                  # [1, 1, 4]
     g_start = split * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, KG)

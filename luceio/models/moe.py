@@ -76,6 +76,7 @@ class SparseMoeBlock(nn.Module):
         self._loaded: set[tuple[int, str]] = set()
         self._quantized: dict[tuple[int, str], object] = {}  # (expert, proj) -> QuantWeight
         self.q_experts: list | None = None  # quantized experts: [(gate_up, down)] per expert
+        self.q_stacks: tuple | None = None  # their stacked GPU form (`_stack_quantized`)
         self.store: ExpertStore | None = None  # expert offload
 
     def offload(self, store: ExpertStore) -> None:
@@ -89,10 +90,13 @@ class SparseMoeBlock(nn.Module):
         return {}
 
     def decodes(self, x: torch.Tensor) -> bool:
-        """Whether `x` takes the few-token path (`kernels/moe_decode_triton.py`): dense
-        experts (resident or offloaded) on the Triton kernels."""
-        return (x.shape[0] <= DECODE_MAX_TOKENS and self.q_experts is None
-                and kernels.use_triton(x))
+        """Whether `x` takes the few-token path (`kernels/moe_decode_triton.py`; stacked
+        quantized experts: `kernels/moe_quant_triton.py`, also every step inside a CUDA graph):
+        dense experts (resident or offloaded) or stacked quantized ones on the Triton kernels."""
+        if not kernels.use_triton(x) or (self.q_experts is not None and self.q_stacks is None):
+            return False
+        return x.shape[0] <= DECODE_MAX_TOKENS or (
+            self.q_stacks is not None and x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def forward(self, x: torch.Tensor, xqs: dict | None = None, shared=None) -> torch.Tensor:
         """`shared`: (a shared expert's output, its gate logit), added as
@@ -102,6 +106,10 @@ class SparseMoeBlock(nn.Module):
         if self.decodes(x):
             from ..kernels.moe_decode_triton import moe_decode, route_topk
             weights, expert_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+            if self.q_stacks is not None:
+                from ..kernels.moe_quant_triton import moe_decode_quant
+                return moe_decode_quant(x, *self.q_stacks, self.inter, weights, expert_ids,
+                                        *(shared or (None, None)))
             if self.store is not None and in_place is None:
                 rounds = self.store.rounds(expert_ids)
             return moe_decode(x, self.w_gate_up, self.w_down, weights, expert_ids,
@@ -175,6 +183,8 @@ class SparseMoeBlock(nn.Module):
                              "supported yet")
         dtype = self._dtype
         q, experts = self._quantized, []
+        if self._stack_quantized():
+            return
         for e in range(self.num_experts):
             gate, up, down = (q.get((e, p)) for p in ("gate_proj", "up_proj", "down_proj"))
             if gate is not None and up is not None and gate.qtype == up.qtype:
@@ -187,6 +197,29 @@ class SparseMoeBlock(nn.Module):
             down = kernels.prepare_weight(down, dtype) if down is not None else self.w_down[e]
             experts.append((gate_up, down))
         self.q_experts, self._quantized = experts, {}
+
+    def _stack_quantized(self) -> bool:
+        """On the Triton kernels, when every expert has gate, up (one qtype) and down (one
+        qtype, maybe another) quantized: each projection's experts stacked row-wise into one
+        weight (`q_stacks`: gate_up [E * 2 * inter, hidden], down [E * hidden, inter]) for
+        `kernels/moe_quant_triton.py`, the per-expert weights (`q_experts`, for steps of many
+        tokens) row views of the stacks, so the experts are held once. Returns whether it did;
+        other layouts keep per-expert weights only (and the model its eager decode)."""
+        from ..kernels.quant import cat_rows
+        q, e_all = self._quantized, range(self.num_experts)
+        ws = [[q.get((e, p)) for e in e_all] for p in ("gate_proj", "up_proj", "down_proj")]
+        if any(w is None for row in ws for w in row) or not kernels.use_triton(
+                ws[2][0].qs.device) or ws[0][0].qtype != ws[1][0].qtype or any(
+                w.qtype != row[0].qtype for row in ws for w in row):
+            return False
+        gate_up = kernels.prepare_weight(
+            cat_rows([w for e in e_all for w in (ws[0][e], ws[1][e])]), self._dtype)
+        down = kernels.prepare_weight(cat_rows(ws[2]), self._dtype)
+        self.q_stacks = (gate_up, down)
+        self.q_experts = [(_rows(gate_up, e, 2 * self.inter), _rows(down, e, self.hidden))
+                          for e in e_all]
+        self._quantized = {}
+        return True
 
     def quantized_bytes(self) -> int:
         """Bytes of the experts kept quantized (not parameters, so not in `parameters()`)."""
@@ -268,8 +301,16 @@ def quantized_expert_bytes(model) -> int:
 
 
 def routes_on_host(model) -> bool:
-    """Whether a forward of `model` reads expert routing on the host (quantized experts, or a
-    block that says so, `host_routing`: Gemma 4's torch experts); such models run without
-    CUDA graphs."""
-    return any((isinstance(m, SparseMoeBlock) and m.q_experts is not None)
+    """Whether a forward of `model` reads expert routing on the host (quantized experts that
+    could not be stacked, or a block that says so, `host_routing`: Gemma 4's torch experts);
+    such models run without CUDA graphs."""
+    return any((isinstance(m, SparseMoeBlock) and m.q_experts is not None
+                and m.q_stacks is None)
                or getattr(m, "host_routing", False) for m in model.modules())
+
+
+def _rows(w, e: int, n: int):
+    """Rows e * n ... (e + 1) * n of a quantized weight: views of its arrays."""
+    from dataclasses import replace
+    return replace(w, shape=(n, w.shape[1]),
+                   **{name: t[e * n:(e + 1) * n] for name, t in w.tensors().items()})
