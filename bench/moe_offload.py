@@ -59,8 +59,11 @@ def hf_config(layers: int, context: int) -> dict:
             "hidden_act": "silu"}
 
 
-def random_weights(c: dict, seed: int = 0):
-    """(HF name, bf16 tensor) for every weight of the config, drawn from one CPU generator."""
+def random_weights(c: dict, seed: int = 0, quant: tuple | None = None):
+    """(HF name, bf16 tensor) for every weight of the config, drawn from one CPU generator.
+    `quant` (gate/up qtype, down qtype): the experts as random quantized weights instead,
+    cycled from a pool of 8 per projection (a GGUF's expert stacks, as the loader yields them
+    with keep_quantized)."""
     g = torch.Generator().manual_seed(seed)
     h, e, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
     hd, nh, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
@@ -77,6 +80,12 @@ def random_weights(c: dict, seed: int = 0):
             return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, std, generator=g)
         start = offsets[next(turn) % len(offsets)]
         return pool[start:start + n].view(shape)
+    if quant is not None:
+        from luceio.kernels.quant import random_quant_weight
+        pools = {proj: [random_quant_weight(qt, *shape, generator=g) for _ in range(8)]
+                 for proj, qt, shape in (("gate_proj", quant[0], (inter, h)),
+                                         ("up_proj", quant[0], (inter, h)),
+                                         ("down_proj", quant[1], (h, inter)))}
     yield "model.embed_tokens.weight", rand(c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -89,6 +98,10 @@ def random_weights(c: dict, seed: int = 0):
         yield p + "self_attn.k_norm.weight", torch.ones(hd, dtype=torch.bfloat16)
         yield p + "mlp.gate.weight", rand(e, h, std=0.05)
         for x in range(e):
+            if quant is not None:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    yield p + f"mlp.experts.{x}.{proj}.weight", pools[proj][(x + i) % 8]
+                continue
             yield p + f"mlp.experts.{x}.gate_proj.weight", rand(inter, h)
             yield p + f"mlp.experts.{x}.up_proj.weight", rand(inter, h)
             yield p + f"mlp.experts.{x}.down_proj.weight", rand(h, inter)
@@ -96,9 +109,9 @@ def random_weights(c: dict, seed: int = 0):
     yield "lm_head.weight", rand(c["vocab_size"], h)
 
 
-def engine(c: dict, context: int, **kw) -> LLMEngine:
-    ckpt = Checkpoint(config=c, weights=lambda keep_quantized=False: random_weights(c),
-                      source=NAME)
+def engine(c: dict, context: int, quant: tuple | None = None, **kw) -> LLMEngine:
+    ckpt = Checkpoint(config=c, weights=lambda keep_quantized=False: random_weights(
+        c, quant=quant), source=NAME)
     engine_mod.load_checkpoint = lambda path: ckpt  # the bench's model, by name
     engine_mod.model_path = lambda name: name
     args = EngineArgs(model=NAME, dtype="bfloat16", device=DEVICE, max_model_len=context + 256,
@@ -113,6 +126,9 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.6)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--quant-experts", default=None, help="GU,DOWN qtypes (q4_k,q6_k): "
+                    "quantized experts, stacked with CUDA graphs against the per-expert eager "
+                    "path, instead of the offload rows")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: checks the "
                     "script, measures nothing")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
@@ -167,6 +183,9 @@ def main() -> None:
     row("resident, CUDA graphs", resident)
     del resident
     torch.cuda.empty_cache()
+    if a.quant_experts:
+        quant_rows(a, c, tuple(a.quant_experts.split(",")), res, row)
+        return
     eager = engine(c, a.context, enforce_eager=True)
     row("resident, eager", eager)
     # calibration: prompts of random tokens through the resident model, counted per layer
@@ -218,6 +237,27 @@ def main() -> None:
         r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)
     write_json(a.out, res)
     print(json.dumps(res["calibration"]))
+
+
+def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
+    """Quantized experts (offload is refused for them): stacked on the graph-capturable decode
+    path (`kernels/moe_quant_triton.py`), and per expert with a host read of the routing
+    (eager, the path before the stacks)."""
+    from luceio.models.moe import SparseMoeBlock
+    name = "/".join(q.upper() for q in quant)
+    eng = engine(c, a.context, quant=quant)
+    row(f"{name} experts, stacked, CUDA graphs", eng, graphs=eng.runner.graphs is not None)
+    del eng
+    torch.cuda.empty_cache()
+    stack = SparseMoeBlock._stack_quantized
+    SparseMoeBlock._stack_quantized = lambda self: False
+    eng = engine(c, a.context, quant=quant)
+    row(f"{name} experts, per expert, eager", eng, graphs=eng.runner.graphs is not None)
+    SparseMoeBlock._stack_quantized = stack
+    base = res["rows"][0]["tok_s"]
+    for r in res["rows"]:
+        r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -174,3 +174,60 @@ def test_qwen3_next_and_gemma4_on_gpu_equal_cpu(tmp_path):
         cpu = _greedy(LLM(folder, **engine_kwargs()), ps)
         gpu = _greedy(LLM(folder, **engine_kwargs(device="cuda", max_num_batched_tokens=32)), ps)
         assert gpu == cpu, folder
+
+
+@pytest.mark.parametrize("qtypes", [("q4_k", "q6_k"), ("q8_0", "q8_0")])
+def test_stacked_quantized_experts_on_the_gpu(qtypes):
+    """Quantized experts stacked per projection (`moe_quant_triton`), a Qwen3-30B-A3B layer's
+    shape, bf16, captured in a CUDA graph: close to the per-expert path over the same weights
+    (they differ in summation order: split-K partials, the k rows' roundings)."""
+    from luceio import kernels
+    from luceio.kernels.moe import per_expert_moe, route_topk_ref
+    from luceio.kernels.moe_quant_triton import moe_decode_quant
+    from luceio.kernels.quant import cat_rows, random_quant_weight
+    g = torch.Generator().manual_seed(0)
+    e, inter, hidden, k = 16, 768, 2048, 8
+    gate_up = [cat_rows([random_quant_weight(qtypes[0], inter, hidden, generator=g)
+                         for _ in "gu"]) for _ in range(e)]
+    down = [random_quant_weight(qtypes[1], hidden, inter, generator=g) for _ in range(e)]
+    stacks = [kernels.prepare_weight(cat_rows(ws).to("cuda"), torch.bfloat16)
+              for ws in (gate_up, down)]
+    each = [(kernels.prepare_weight(a.to("cuda"), torch.bfloat16),
+             kernels.prepare_weight(b.to("cuda"), torch.bfloat16)) for a, b in zip(gate_up, down)]
+    for n in (1, 4):
+        x = torch.randn(n, hidden, generator=g).bfloat16().cuda()
+        weights, ids = route_topk_ref(torch.randn(n, e, generator=g).bfloat16().cuda(), k, True)
+        want = per_expert_moe(x, each, weights, ids, kernels.linear).float()
+        moe_decode_quant(x, *stacks, inter, weights, ids)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = moe_decode_quant(x, *stacks, inter, weights, ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        err = (got.float() - want).abs().max().item()
+        assert err <= 0.02 * want.abs().max().item(), (n, err)
+
+
+def test_gguf_stacked_experts_keep_cuda_graphs(tmp_path, monkeypatch):
+    """A tiny GGUF with Q8_0 gate/up and down expert stacks on the GPU: the model keeps CUDA
+    graphs (stacked experts), and its greedy tokens equal the per-expert path's (eager, the
+    stacks turned off), logprobs close."""
+    import gguf
+
+    from luceio.models.moe import SparseMoeBlock
+    from test_moe import _write_gguf
+    folder = make_tiny_moe(str(tmp_path / "moe"), "e4k2", seed=4, moe_intermediate_size=64)
+    path = str(tmp_path / "q8.gguf")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    _write_gguf(folder, path, quant=q8, quant_down=q8)
+    stacked = LLM(path, **engine_kwargs(device="cuda"))
+    assert stacked.engine.runner.graphs is not None
+    monkeypatch.setattr(SparseMoeBlock, "_stack_quantized", lambda self: False)
+    each = LLM(path, **engine_kwargs(device="cuda"))
+    assert each.engine.runner.graphs is None
+    ps = prompts(4, seed=9)
+    got, want = stacked.generate(ps, GREEDY), each.generate(ps, GREEDY)
+    for g_, w in zip(got, want):
+        assert g_.outputs[0].token_ids == w.outputs[0].token_ids
+        for gl, wl in zip(logprobs(g_), logprobs(w)):
+            assert all(abs(gl[t] - wl[t]) < 1e-3 for t in wl if t in gl)
