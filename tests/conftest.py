@@ -418,6 +418,20 @@ def running(model: str, engine_options: dict | None = None, **server_options):
         sock.close()
 
 
+def seed_for(request=None) -> int:
+    """The seed of a test's random inputs: LUCEIO_TEST_SEED when set (replays a run), a fresh
+    random one with LUCEIO_TEST_RANDOM=1, else one fixed per test (a hash of its id; 0 without
+    `request`), so the suite draws the same inputs every run and cannot turn flaky on an
+    unlucky draw."""
+    import random
+    import zlib
+    if "LUCEIO_TEST_SEED" in os.environ:
+        return int(os.environ["LUCEIO_TEST_SEED"])
+    if os.environ.get("LUCEIO_TEST_RANDOM") == "1":
+        return random.randrange(2**31)
+    return zlib.crc32(request.node.nodeid.encode()) & 0x7FFFFFFF if request is not None else 0
+
+
 def engine_kwargs(**over) -> dict:
     kw = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=16, seed=0)
     kw.update(over)

@@ -1,12 +1,12 @@
 """The dense GEMV of decode steps (kernels/dense_gemv.py) against its torch reference, on CPU
 under TRITON_INTERPRET=1 (natively on a GPU when there is one): split and unsplit K, bias, the
 SiLU-and-mul input, rows computed as alone, and its dispatch from `kernels.linear` and the MLP.
-Inputs are random each run; messages carry the seed (LUCEIO_TEST_SEED replays one)."""
+Inputs are random, drawn from a seed fixed per test (`conftest.seed_for`: LUCEIO_TEST_RANDOM=1
+draws fresh ones); messages carry the seed (LUCEIO_TEST_SEED replays one)."""
 from __future__ import annotations
 
 import dataclasses
 import os
-import random
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 pytest.importorskip("triton")
 
+from conftest import seed_for  # noqa: E402
 from luceio import kernels  # noqa: E402
 from luceio.kernels import configs, dense_gemv as dg  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
@@ -42,8 +43,8 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
 
 
 @pytest.fixture
-def seed():
-    value = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+def seed(request):
+    value = seed_for(request)
     torch.manual_seed(value)
     return value
 
@@ -260,9 +261,12 @@ def test_presummed_norm_with_rope(seed, monkeypatch):
     monkeypatch.setenv("LUCEIO_KERNELS", "torch")
     normed, _ = kernels.rms_norm(x @ w0.T, nw, 1e-6, res)
     q_ref = kernels.qkv_rope_cache(normed @ w.T, positions, cos_sin, *caches[1], slots, nq, nkv)
-    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dt], msg=lambda e: f"seed {seed}: {e}")
+    # normed inputs differing by an ulp (the sum's order) move a 32-term bf16 dot product by up
+    # to ~0.028 (measured over 62 seeds; 2 of them exceeded TOL's 0.02)
+    tol = dict(atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(q.float(), q_ref.float(), **tol, msg=lambda e: f"seed {seed}: {e}")
     for a, e in zip(caches[0], caches[1]):
-        torch.testing.assert_close(a.float(), e.float(), **TOL[dt])
+        torch.testing.assert_close(a.float(), e.float(), **tol, msg=lambda e: f"seed {seed}: {e}")
     assert caches[0][0].abs().sum() > 0
 
 

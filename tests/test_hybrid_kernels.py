@@ -14,8 +14,9 @@ if not INTERPRETED and not torch.cuda.is_available():
 
 
 @pytest.fixture
-def gen():
-    return Rng()
+def gen(request):
+    from conftest import seed_for
+    return Rng(seed_for(request))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

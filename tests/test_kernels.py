@@ -1,7 +1,7 @@
 """Triton kernels vs their torch references, on CPU under TRITON_INTERPRET=1 (CI).
 
-Inputs are fresh random each run; every assertion message carries the seed
-(set LUCEIO_TEST_SEED=<seed> to replay one). On a machine with a GPU and no interpreter the same
+Inputs are random from a seed fixed per test (`conftest.seed_for`; LUCEIO_TEST_RANDOM=1 draws
+fresh ones); every assertion message carries it (LUCEIO_TEST_SEED=<seed> replays one). On a machine with a GPU and no interpreter the same
 tests run natively on the GPU.
 
 Tolerances (kernel vs the reference in the same dtype):
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import sys
 
 import pytest
@@ -27,6 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
+from conftest import seed_for  # noqa: E402
 from luceio.kernels import attention_triton, configs, triton_ops  # noqa: E402
 from luceio.kernels.activation import silu_and_mul_ref  # noqa: E402
 from luceio.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
@@ -53,14 +53,14 @@ SMALL = KernelConfig(decode_block_n=16, decode_min_tokens_per_split=32, decode_m
 class Rng:
     """A seeded torch.Generator that remembers its seed for assertion messages."""
 
-    def __init__(self):
-        self.seed_value = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+    def __init__(self, seed: int | None = None):
+        self.seed_value = seed_for() if seed is None else seed
         self.g = torch.Generator().manual_seed(self.seed_value)
 
 
 @pytest.fixture
-def gen():
-    return Rng()
+def gen(request):
+    return Rng(seed_for(request))
 
 
 def rnd(g, *shape, dtype=torch.float32, scale=1.0):

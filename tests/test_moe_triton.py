@@ -5,8 +5,8 @@ Tolerances (kernel vs the reference in the same dtype, outputs of magnitude ~1):
   fp32: atol 1e-5, rtol 1e-5 (GEMM summation order only)
   fp16: atol 2e-3, rtol 2e-3 (an intermediate rounding that flips one ulp, and a token's k rows
         added with one rounding where the reference rounds after each add)
-Inputs are fresh random each run; every assertion message carries the seed
-(LUCEIO_TEST_SEED=<seed> replays one).
+Inputs are random from a seed fixed per test (`conftest.seed_for`; LUCEIO_TEST_RANDOM=1 draws
+fresh ones); every assertion message carries the seed (LUCEIO_TEST_SEED=<seed> replays one).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
 Ragged shapes on small tiles (BLOCK_N 16, BLOCK_K 64): N = 7 and 33 (a partial row tile),
 K = 96 and 160 for the 32-element types (a partial K tile), K = 512 for the k-quants (tiles
 inside 256-blocks), M = 1 (the multiply + sum path), 3 and 16 (the tl.dot path), split-K on
-and off. Inputs are fresh random each run; the seed is in every message
+and off. Inputs are random from a seed fixed per test
+(`conftest.seed_for`; LUCEIO_TEST_RANDOM=1 draws fresh ones); the seed is in every message
 (LUCEIO_TEST_SEED=<seed> replays one).
 
 Tolerances (kernel vs the reference in the same dtype; both accumulate in fp32, the kernel
@@ -16,7 +17,6 @@ in another order, and on the multiply + sum path with the weight unrounded):
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 triton = pytest.importorskip("triton")
 
+from conftest import seed_for  # noqa: E402
 from luceio.kernels import configs, quant, quant_gemv, quant_triton as qt  # noqa: E402
 from luceio.kernels.configs import KernelConfig  # noqa: E402
 from luceio.kernels.quant import QTYPES, dequantize, quant_linear_ref  # noqa: E402
@@ -51,8 +52,8 @@ SPLIT = KernelConfig(**{**SMALL.__dict__, "qgemm_split_k_min_programs": 1000,
 
 
 class Rng:
-    def __init__(self):
-        self.seed_value = int(os.environ.get("LUCEIO_TEST_SEED", random.randrange(2**31)))
+    def __init__(self, seed: int | None = None):
+        self.seed_value = seed_for() if seed is None else seed
         self.g = torch.Generator().manual_seed(self.seed_value)
 
     def randn(self, *shape, dtype=torch.float32):
@@ -60,8 +61,8 @@ class Rng:
 
 
 @pytest.fixture
-def gen():
-    return Rng()
+def gen(request):
+    return Rng(seed_for(request))
 
 
 def check(out, ref, tol, g, what):
