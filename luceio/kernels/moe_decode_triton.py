@@ -23,8 +23,8 @@ grouped path reads too. Nothing reads back to the host, so CUDA graphs capture i
 offload's rounds, launches 1 and 2 run once per round over that round's pairs and launch 3
 after the last: the same kernels, the same bits as resident experts. Read in place
 (`moe.InPlace`, the offload's CUDA-graph path) they run once, each pair's expert read from
-the device slot or host row the table names (`expert_base`), the first column block of a
-expert's first pair counting it in the gate/up launch (`count_expert`).
+the device slot or host row the table names (`expert_base`), each expert counted once, by its
+first pair's first column block in the gate/up launch (`count_expert`).
 """
 from __future__ import annotations
 
