@@ -69,6 +69,13 @@ def test_in_place_kernels_equal_resident_and_count(num_tokens, dtype):
     assert counts[0].tolist() == used.int().tolist()
     assert counts[1].tolist() == (used & (where < 0)).int().tolist()
     assert counts[1].sum() > 0 and counts[1].sum() < counts[0].sum()
+    # the torch reference reads in place by the same rules and counts the same
+    from luceio.kernels.moe import fused_moe_ref
+    ref_counts = torch.zeros_like(counts)
+    ref = fused_moe_ref(x, slot_gu, slot_d, weights, ids,
+                        in_place=InPlace(where, gate_up, down, ref_counts))
+    assert torch.equal(ref, fused_moe_ref(x, gate_up, down, weights, ids))
+    assert torch.equal(ref_counts, counts)
 
 
 def _tables(dtype, num_slots: int, pinned=(4,)):

@@ -30,8 +30,9 @@ from .activation import silu_and_mul_ref
 
 
 class InPlace(NamedTuple):
-    """Expert offload read in place (`models/expert_offload.py`), for the Triton kernels: the
-    stacks they are given are the device slots; expert e is read from slot where[e], or at -1
+    """Expert offload read in place (`models/expert_offload.py`), for the Triton kernels and
+    `fused_moe_ref`: the stacks they are given are the device slots; expert e is read from
+    slot where[e], or at -1
     from row e of the host stacks (pinned memory the device reads over the bus). counts [2,
     num_experts] int32: a launch adds 1 to counts[0][e] for each expert e it computes, and to
     counts[1][e] when e is read from the host. Nothing is read back to the host, so a CUDA
@@ -68,11 +69,22 @@ def group_by_expert(expert_ids: torch.Tensor,
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   weights: torch.Tensor, expert_ids: torch.Tensor,
-                  rounds: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+                  rounds: Iterable[torch.Tensor] | None = None,
+                  in_place: InPlace | None = None) -> torch.Tensor:
     """x [num_tokens, hidden]; w_gate_up [num_rows, 2 * inter, hidden]; w_down
     [num_rows, hidden, inter]; weights, expert_ids [num_tokens, top_k] (`route_topk_ref`);
     rounds: None (expert e at row e) or [num_experts] int64 stack rows per round (see the
-    module docstring). Returns [num_tokens, hidden]."""
+    module docstring); in_place: `InPlace` (the stacks are its slots; counted as the kernels
+    count). Returns [num_tokens, hidden]."""
+    if in_place is not None:
+        where = in_place.where.to(torch.int64)
+        used = torch.bincount(expert_ids.flatten(), minlength=where.numel()) > 0
+        in_place.counts[0] += used.to(in_place.counts.dtype)
+        in_place.counts[1] += (used & (where < 0)).to(in_place.counts.dtype)
+        held = (where >= 0).to(x.device)
+        w_gate_up, w_down = (torch.where(held[:, None, None], slots[where.clamp(min=0)], host)
+                             for slots, host in ((w_gate_up, in_place.host_gate_up),
+                                                 (w_down, in_place.host_down)))
     top_k = expert_ids.shape[1]
     order, counts = group_by_expert(expert_ids, w_gate_up.shape[0])
     token_ids = order // top_k

@@ -22,8 +22,6 @@ steps of more than `moe.DECODE_MAX_TOKENS` tokens keep the per-expert path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +29,7 @@ import triton.language as tl
 from .configs import get_config
 from .quant import QuantWeight
 from .quant_args import weight_args, words
-from .quant_gemv import gemv_body, prepare_launch
+from .quant_gemv import gemv_body, prepare_launch, use_asm
 from .quant_x import quantize_x
 
 
@@ -66,13 +64,12 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, top_k: int, stack: QuantWeig
         1, cfg)
     xq, xs, xsum = quantize_x(x.contiguous().reshape(-1), planes=stack.qtype != "q8_0")
     pairs = ids.numel()
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     if pairs:
         _expert_gemv_kernel[(programs, pairs)](
             ids.contiguous(), top_k, xq.view(torch.int32), xs, xsum, *weights, out, num_m,
             rows_per_expert, k // 32, out.stride(0), *strides, QTYPE=stack.qtype,
             BLOCK_N=block_n, G=max(1, cfg.gemv_block_k // 32), PREFETCH=cfg.gemv_prefetch,
-            ASM=x.is_cuda and torch.version.hip is None and not interp, PAIRED=paired,
+            ASM=use_asm(x), PAIRED=paired,
             X_BY_TOKEN=by_token, num_warps=cfg.gemv_num_warps)
     return out
 

@@ -297,6 +297,12 @@ def runtime_args(xq, xs, xsum, weights, strides, bias, out_r, split, gps, rows, 
             counters if split > 1 else xsum, rows, n, k // 32, gps, out_r.stride(0), *strides)
 
 
+def use_asm(x: torch.Tensor) -> bool:
+    """Whether `dp4a` runs as PTX inline assembly for x's device (NVIDIA, not interpreted)."""
+    import os
+    return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def row_blocks(rows: int, blocks: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_M2) of a launch over `rows` rows of x: one power-of-two block, or with
     `blocks` >= 2 (`gemv_row_blocks`) two where that pads less: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2

@@ -13,7 +13,8 @@ import triton.language as tl
 from .configs import get_config
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_args import weight_args, words
-from .quant_gemv import gemv_body, prepare_launch, runtime_args, split_counters, x_forms
+from .quant_gemv import (gemv_body, prepare_launch, runtime_args, split_counters, use_asm,
+                         x_forms)
 
 
 @triton.jit
@@ -80,7 +81,6 @@ def matmul_parts_pair(x: torch.Tensor, parts: list, bias: torch.Tensor | None,
                       out: torch.Tensor, xqs: dict) -> None:
     """`quant_triton.quant_matmul_parts` of one row over two QuantWeight parts: `gemv_pair`
     on their GEMV forms, writing `out`'s two column ranges."""
-    from .quant_triton import _interpreting
     k = x.shape[-1]
     x1 = x.reshape(1, k)
     x1 = x1 if x1.stride(-1) == 1 else x1.contiguous()
@@ -92,5 +92,4 @@ def matmul_parts_pair(x: torch.Tensor, parts: list, bias: torch.Tensor | None,
                       bias[start:stop].contiguous() if bias is not None else None,
                       out2[:, start:stop]))
         start = stop
-    gemv_pair(x1, specs, k, get_config(x.device),
-              x.is_cuda and torch.version.hip is None and not _interpreting(), xqs)
+    gemv_pair(x1, specs, k, get_config(x.device), use_asm(x), xqs)

@@ -289,11 +289,11 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         block_m, block_n, num_warps = 1, cfg.skinny_row_block_n, cfg.skinny_row_num_warps
         block_k = cfg.skinny_row_block_k
     if gemv_rows:
-        from .quant_gemv import gemv
+        from .quant_gemv import gemv, use_asm
         qs, *rest = weights
         gemv(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,
              bias.contiguous() if bias is not None else None, out2, cfg,
-             use_asm=x.is_cuda and torch.version.hip is None and not interp, xqs=xqs)
+             use_asm=use_asm(x), xqs=xqs)
         return out
     n_programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))

@@ -202,17 +202,12 @@ class ExpertStore:
         """Promotions (`expert_tables.py`): copies (expert, slot) pairs after everything queued
         so far, on the side stream, the compute stream not waiting; returns the copies' event
         (None on the CPU, where they are done)."""
-        self.loaded += len(loads)
         if self.stream is None:
-            for e, s in loads:
-                self.slot_gate_up[s].copy_(self.host_gate_up[e])
-                self.slot_down[s].copy_(self.host_down[e])
+            self._copy_rows(loads)
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for e, s in loads:
-                self.slot_gate_up[s].copy_(self.host_gate_up[e], non_blocking=True)
-                self.slot_down[s].copy_(self.host_down[e], non_blocking=True)
+            self._copy_rows(loads)
             done = torch.cuda.Event()
             done.record()
         return done
@@ -220,19 +215,21 @@ class ExpertStore:
     def _copy(self, loads: list[tuple[int, int]]) -> None:
         if not loads:
             return
-        self.loaded += len(loads)
         if self.stream is None:
-            for e, s in loads:
-                self.slot_gate_up[s].copy_(self.host_gate_up[e])
-                self.slot_down[s].copy_(self.host_down[e])
+            self._copy_rows(loads)
             return
         with torch.cuda.stream(self.stream):
             if self.last_use is not None:
                 self.stream.wait_event(self.last_use)
-            for e, s in loads:
-                self.slot_gate_up[s].copy_(self.host_gate_up[e], non_blocking=True)
-                self.slot_down[s].copy_(self.host_down[e], non_blocking=True)
+            self._copy_rows(loads)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _copy_rows(self, loads: list[tuple[int, int]]) -> None:
+        """(expert, slot) pairs from the host stacks into the slots, on the current stream."""
+        self.loaded += len(loads)
+        for e, s in loads:
+            self.slot_gate_up[s].copy_(self.host_gate_up[e], non_blocking=True)
+            self.slot_down[s].copy_(self.host_down[e], non_blocking=True)
 
     def stats(self) -> tuple[int, int, int]:
         """(hits, misses, bytes loaded)."""

@@ -122,8 +122,7 @@ class SparseMoeBlock(nn.Module):
             if self.store is not None and in_place is None:
                 rounds = self.store.rounds(expert_ids)
             routed = kernels.fused_moe(x, self.w_gate_up, self.w_down, weights, expert_ids,
-                                       rounds=rounds, **({"in_place": in_place} if in_place
-                                                         else {}))
+                                       rounds=rounds, in_place=in_place)
         return routed if shared is None else routed + torch.sigmoid(shared[1]) * shared[0]
 
     def load_expert(self, expert: int, proj: str, tensor, dtype: torch.dtype,
