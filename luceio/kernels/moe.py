@@ -32,11 +32,10 @@ from .activation import silu_and_mul_ref
 class InPlace(NamedTuple):
     """Expert offload read in place (`models/expert_offload.py`), for the Triton kernels and
     `fused_moe_ref`: the stacks they are given are the device slots; expert e is read from
-    slot where[e], or at -1
-    from row e of the host stacks (pinned memory the device reads over the bus). counts [2,
-    num_experts] int32: a launch adds 1 to counts[0][e] for each expert e it computes, and to
-    counts[1][e] when e is read from the host. Nothing is read back to the host, so a CUDA
-    graph captures it."""
+    slot where[e], or at -1 from row e of the host stacks (pinned memory the device reads over
+    the bus). counts [2, num_experts] int32: a launch adds 1 to counts[0][e] for each expert e
+    it computes, and to counts[1][e] when e is read from the host. Nothing is read back to the
+    host, so a CUDA graph captures it."""
     where: torch.Tensor
     host_gate_up: torch.Tensor
     host_down: torch.Tensor
