@@ -35,7 +35,8 @@ class InPlace(NamedTuple):
     slot where[e], or at -1 from row e of the host stacks (pinned memory the device reads over
     the bus). counts [2, num_experts] int32: a launch adds 1 to counts[0][e] for each expert e
     it computes, and to counts[1][e] when e is read from the host. Nothing is read back to the
-    host, so a CUDA graph captures it."""
+    host, so a CUDA graph captures it. Quantized experts (`moe_quant_triton.py`): the host
+    stacks are `QuantWeight`s laid out as the device slots, expert e at rows e * n ... ."""
     where: torch.Tensor
     host_gate_up: torch.Tensor
     host_down: torch.Tensor
@@ -102,25 +103,33 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def per_expert_moe(x: torch.Tensor, experts: list, weights: torch.Tensor,
-                   expert_ids: torch.Tensor, linear) -> torch.Tensor:
+                   expert_ids: torch.Tensor, linear,
+                   rounds: Iterable[torch.Tensor] | None = None,
+                   num_experts: int | None = None) -> torch.Tensor:
     """`fused_moe_ref` over experts stored one by one (quantized ones: `QuantWeight`s or the
     CPU's packed forms): experts[e] = (gate_up, down), gate_up one [2 * inter, hidden] weight or
-    a (gate, up) pair; `linear(x, w)` is `kernels.linear`. The groups' sizes are read on the
-    host, so a step that runs this cannot be a CUDA graph."""
+    a (gate, up) pair; `linear(x, w)` is `kernels.linear`. With `rounds` (expert offload, see
+    the module docstring) `experts` are the device slots, expert e computed from
+    experts[row] in the round whose row for it is >= 0, and `num_experts` counts the experts.
+    The groups' sizes are read on the host, so a step that runs this cannot be a CUDA graph."""
     top_k = expert_ids.shape[1]
-    order, counts = group_by_expert(expert_ids, len(experts))
+    order, counts = group_by_expert(expert_ids, num_experts or len(experts))
     token_ids = order // top_k
     rows = x[token_ids]
     out = torch.empty_like(rows)
-    start = 0
-    for (gate_up, down), count in zip(experts, counts):
-        if count:
-            group = rows[start:start + count]
+    starts = [0, *itertools.accumulate(counts)]
+    for stack_rows in [range(len(counts))] if rounds is None else (r.tolist() for r in rounds):
+        for expert, count in enumerate(counts):
+            row = stack_rows[expert] if count else -1
+            if row < 0:
+                continue
+            gate_up, down = experts[row]
+            group = slice(starts[expert], starts[expert + 1])
             if isinstance(gate_up, tuple):
-                h = torch.cat([linear(group, gate_up[0]), linear(group, gate_up[1])], dim=-1)
+                h = torch.cat([linear(rows[group], gate_up[0]),
+                               linear(rows[group], gate_up[1])], dim=-1)
             else:
-                h = linear(group, gate_up)
-            out[start:start + count] = linear(silu_and_mul_ref(h), down)
-            start += count
+                h = linear(rows[group], gate_up)
+            out[group] = linear(silu_and_mul_ref(h), down)
     out *= weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token_ids, out)

@@ -1,7 +1,10 @@
 """What the quantized kernels are given for a `QuantWeight`: its arrays as kernel arguments
 (4-bit codes and high bits as int32 words) and their strides, with the GPU's paired scale form
-(`quant.pair_scales`) passed as it is."""
+(`quant.pair_scales`) passed as it is; `laid_out`, a weight's arrays in fresh memory (pinned
+host memory, device slots) in that form."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -45,3 +48,24 @@ def paired(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dim() == 2 and a.stride(1) == 2 and b.stride() == a.stride()
             and a.stride(0) == 2 * a.shape[1] and a.dtype == b.dtype
             and b.data_ptr() == a.data_ptr() + a.element_size())
+
+
+def laid_out(w, rows: int, alloc, copy: bool):
+    """A `QuantWeight` like w with `rows` rows in fresh arrays from alloc(shape, dtype), q4_k /
+    q5_k's scale pairs interleaved as `quant.pair_scales` lays them out; copy: w's values (w
+    has `rows` rows). Returns (the weight, its row-major arrays: what a row copy moves)."""
+    src, arrays, bases = w.tensors(), {}, []
+    pairs = (("sc", "mn"), ("d", "m")) if w.qtype in ("q4_k", "q5_k") else ()
+    paired = {name for pair in pairs for name in pair}
+    for name, t in src.items():
+        if name not in paired:
+            arrays[name] = alloc((rows, *t.shape[1:]), t.dtype)
+            bases.append(arrays[name])
+    for a, b in pairs:
+        both = alloc((rows, *src[a].shape[1:], 2), src[a].dtype)
+        arrays[a], arrays[b] = both[..., 0], both[..., 1]
+        bases.append(both)
+    if copy:
+        for name, t in src.items():
+            arrays[name].copy_(t)
+    return replace(w, shape=(rows, w.shape[1]), **arrays), bases

@@ -125,7 +125,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
         else:
             model = LlamaForCausalLM(cfg, bias=bias)
     if expert_offload is not None:
-        expert_offload.attach(model, dtype, device)
+        expert_offload.attach(model, dtype, device, quantized_file=ckpt.source.endswith(
+            ".gguf") and quantization == "auto")
     quantize = quantization if quantization in ("int8", "int4") else None
     if quantize and ckpt.source.endswith(".gguf"):
         raise ValueError(f"--quantization {quantization}: {ckpt.source} is a GGUF file, which "

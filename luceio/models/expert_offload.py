@@ -6,9 +6,12 @@ ones ([num_slots, 2 * inter, hidden], [num_slots, hidden, inter]), which the lay
 `w_gate_up` / `w_down` parameters become.
 
 Rules:
-- The budget buys the same number of slots in every sparse layer: budget // (sparse layers x
-  one expert's bytes), capped at the experts per layer. At least top-k slots per layer (one
-  token's experts), or the budget is refused; enough for every expert, and nothing is offloaded.
+- The budget is split evenly over the sparse layers; each buys slots of its own experts'
+  bytes, capped at the experts per layer: dense ones are counted at attach, quantized ones (a
+  GGUF's, `ExpertStore.hold_quantized`) when the layer's experts have loaded (then the host and
+  slot stacks are stacked quantized weights, `kernels/moe_quant_triton.py`, read in place only).
+  At least top-k slots per layer (one token's experts), or the budget is refused; enough for
+  every expert, and nothing is offloaded.
 - `ExpertCache` (ids only) decides which expert sits in which slot. Slots [0, P) hold the
   layer's pinned experts for good: a placement file's first P experts of the layer, P at most
   half the slots (PINNED_SHARE) and num_slots - top_k, so a decoding token's misses fit the LRU
@@ -20,7 +23,8 @@ Rules:
     its pinned host row over the bus, as a device table says; nothing comes back to the host,
     so decode steps replay CUDA graphs. Between steps, experts that were read from the host
     are promoted into LRU slots by copies on a side stream, landing in the table when done.
-    Every step inside a graph, and eager steps of up to IN_PLACE_MAX_TOKENS tokens, run so.
+    Every step inside a graph, and eager steps of up to IN_PLACE_MAX_TOKENS tokens (quantized
+    experts: `moe.DECODE_MAX_TOKENS`, as their resident stacks run), run so.
   - Rounds (the CPU; eager steps of more tokens, where reading a weight in place once per
     tile of its tokens would cross the bus several times): the layer reads its routed experts
     on the host (one sync per sparse layer). Hits (pinned or cached) are touched; misses are
@@ -61,7 +65,8 @@ PINNED_SHARE = 0.5  # of a layer's slots, at most, for a placement's experts
 
 @dataclass(frozen=True)
 class ExpertStats:
-    num_slots: int         # device slots per sparse layer
+    num_slots: int         # device slots per sparse layer (the fewest: quantized experts of
+    #                        types that differ by layer take different numbers of slots)
     num_pinned: int        # of them, held for good by placed experts (summed over layers)
     hits: int
     misses: int
@@ -140,24 +145,80 @@ class ExpertCache:
 
 
 class ExpertStore:
-    """One sparse layer's experts: all of them on the host, `num_slots` on the device."""
+    """One sparse layer's experts: all of them on the host, `num_slots` on the device; dense
+    stacks from `allocate_dense`, quantized ones from `hold_quantized`."""
 
     def __init__(self, num_experts: int, inter: int, hidden: int, cache: ExpertCache,
-                 num_slots: int, dtype: torch.dtype, device: torch.device):
-        pin = device.type == "cuda"
-        self.host_gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=dtype,
-                                        pin_memory=pin)
-        self.host_down = torch.empty(num_experts, hidden, inter, dtype=dtype, pin_memory=pin)
-        self.slot_gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)
-        self.slot_down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)
+                 num_slots: int, dtype: torch.dtype | None, device: torch.device):
         self.cache, self.num_experts, self.device = cache, num_experts, device
-        self.layer = -1  # the model's layer (`ExpertOffload.attach`)
-        self.expert_bytes = 3 * inter * hidden * self.host_down.element_size()
+        self.inter, self.hidden, self.num_slots = inter, hidden, num_slots
+        self.host_gate_up = self.host_down = self.slot_gate_up = self.slot_down = None
+        self.quantized = False
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (host, slots, rows)
+        self.layer = -1  # the model's layer; then sizing: this layer's bytes, placement, ...
+        self.budget, self.top_k, self.placement, self.num_layers = 0, 1, [], 1  # (`attach`)
+        self.expert_bytes = 0
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last_use: torch.cuda.Event | None = None  # the slots' last reader, queued
         self.loaded = 0  # experts copied into slots
         self.tables: SlotTables | None = None  # read in place (`expert_tables.py`)
         self.in_place: InPlace | None = None
+        if dtype is not None:
+            self.allocate_dense(dtype)
+
+    def allocate_dense(self, dtype: torch.dtype) -> None:
+        """The dense host stacks (pinned on a CUDA device) and slot stacks, once (at the
+        layer's first dense expert)."""
+        if self.host_gate_up is not None:
+            return
+        if self.num_slots < self.top_k:
+            raise ValueError(
+                f"--expert-memory holds {self.num_slots} experts per sparse layer; a step needs "
+                f"the top-{self.top_k}: give at least "
+                f"{self.top_k * self.num_layers * 3 * self.inter * self.hidden * dtype.itemsize}"
+                " bytes")
+        pin = self.device.type == "cuda"
+        e, i, h, s = self.num_experts, self.inter, self.hidden, self.num_slots
+        self.host_gate_up = torch.empty(e, 2 * i, h, dtype=dtype, pin_memory=pin)
+        self.host_down = torch.empty(e, h, i, dtype=dtype, pin_memory=pin)
+        self.slot_gate_up = torch.empty(s, 2 * i, h, dtype=dtype, device=self.device)
+        self.slot_down = torch.empty(s, h, i, dtype=dtype, device=self.device)
+        self.expert_bytes = 3 * i * h * dtype.itemsize
+        self._pairs = [(self.host_gate_up, self.slot_gate_up, 1),
+                       (self.host_down, self.slot_down, 1)]
+
+    def hold_quantized(self, gate_up, down) -> bool:
+        """The layer's quantized experts stacked row-wise (`QuantWeight`s on the host,
+        gate_up [E * 2 * inter, hidden], down [E * hidden, inter], one qtype each): the slots are
+        sized by their bytes from the layer's budget, the stacks laid out as the GPU kernels
+        read them (`quant.pair_scales`) in pinned host memory, the slots likewise on the
+        device. Returns False when every expert fits the budget (nothing to offload)."""
+        from ..kernels import weight_nbytes
+        from ..kernels.quant_args import laid_out
+        e = self.num_experts
+        expert_bytes = (weight_nbytes(gate_up) + weight_nbytes(down)) // e
+        slots = min(e, self.budget // expert_bytes)
+        if slots == e:
+            return False
+        if slots < self.top_k:
+            raise ValueError(
+                f"--expert-memory holds {slots} quantized experts ({expert_bytes} bytes each) per "
+                f"sparse layer; a step needs the top-{self.top_k}: give at least "
+                f"{self.top_k * self.num_layers * expert_bytes} bytes")
+        self.num_slots, self.expert_bytes, self.quantized = slots, expert_bytes, True
+        self.cache = ExpertCache(slots, self.placement[:min(slots - self.top_k,
+                                                            int(slots * PINNED_SHARE))])
+        pin = self.device.type == "cuda"
+        self._pairs = []
+        for w, n, name in ((gate_up, 2 * self.inter, "gate_up"), (down, self.hidden, "down")):
+            host, host_arrays = laid_out(w, w.shape[0], lambda shape, dt: torch.empty(
+                shape, dtype=dt, pin_memory=pin), copy=True)
+            slot, slot_arrays = laid_out(w, slots * n, lambda shape, dt: torch.empty(
+                shape, dtype=dt, device=self.device), copy=False)
+            setattr(self, f"host_{name}", host)
+            setattr(self, f"slot_{name}", slot)
+            self._pairs += [(h, s, n) for h, s in zip(host_arrays, slot_arrays)]
+        return True
 
     def place_pinned(self) -> None:
         """Copies the pinned experts into their slots (once their weights are loaded)."""
@@ -228,8 +289,8 @@ class ExpertStore:
         """(expert, slot) pairs from the host stacks into the slots, on the current stream."""
         self.loaded += len(loads)
         for e, s in loads:
-            self.slot_gate_up[s].copy_(self.host_gate_up[e], non_blocking=True)
-            self.slot_down[s].copy_(self.host_down[e], non_blocking=True)
+            for host, slots, n in self._pairs:
+                slots[s * n:(s + 1) * n].copy_(host[e * n:(e + 1) * n], non_blocking=True)
 
     def stats(self) -> tuple[int, int, int]:
         """(hits, misses, bytes loaded)."""
@@ -247,10 +308,12 @@ class ExpertOffload:
         self.num_slots = 0
         self.tables: SlotTables | None = None
 
-    def attach(self, model, dtype: torch.dtype, device: torch.device) -> None:
+    def attach(self, model, dtype: torch.dtype, device: torch.device,
+               quantized_file: bool = False) -> None:
         """Gives each sparse layer of `model` (on the meta device, not loaded yet) its store;
         raises ValueError for a model without experts or a budget or placement that does not
-        fit it. Every expert fitting the budget attaches nothing."""
+        fit its `dtype` experts (`quantized_file`: a GGUF's experts may load quantized, judged
+        then, `ExpertStore.hold_quantized`). Every expert fitting the budget attaches nothing."""
         if not has_experts(model):
             raise ValueError(f"--expert-memory applies to mixture-of-experts models; "
                              f"{type(model).__name__} has no experts")
@@ -261,7 +324,7 @@ class ExpertOffload:
         budget = self.config.memory if isinstance(self.config.memory, int) else \
             int(self.config.memory * total)
         num_slots = min(moe.num_experts, budget // (len(layers) * expert_bytes))
-        if num_slots < moe.top_k:
+        if num_slots < moe.top_k and not quantized_file:
             raise ValueError(
                 f"--expert-memory {self.config.memory!r} ({budget} bytes) holds {num_slots} "
                 f"experts per sparse layer; a step needs the top-{moe.top_k}: give at least "
@@ -274,15 +337,19 @@ class ExpertOffload:
             return
         self.num_slots = num_slots
         for i in layers:
-            cache = ExpertCache(num_slots, pinned[i][:min(num_slots - moe.top_k,
-                                                          int(num_slots * PINNED_SHARE))])
+            cache = ExpertCache(max(num_slots, 1), pinned[i][:max(0, min(
+                num_slots - moe.top_k, int(num_slots * PINNED_SHARE)))])
             store = ExpertStore(moe.num_experts, moe.moe_intermediate_size, hidden, cache,
-                                num_slots, dtype, device)
+                                num_slots, None, device)
             store.layer = i
+            store.budget, store.top_k, store.num_layers = budget // len(layers), moe.top_k, \
+                len(layers)
+            store.placement = pinned[i]
             model.layers[i].mlp.offload(store)
             self.stores[i] = store
         logger.info("expert offload: %d of %d experts per sparse layer on %s (%.1f of %.1f "
-                    "MiB), %d pinned per layer", num_slots, moe.num_experts, device,
+                    "MiB), %d pinned per layer (dense experts; quantized ones are counted "
+                    "when they load)", num_slots, moe.num_experts, device,
                     num_slots * len(layers) * expert_bytes / 2**20, total / 2**20,
                     len(cache.pinned))
 
@@ -294,10 +361,16 @@ class ExpertOffload:
     def start(self, device: torch.device, in_place: bool | None = None) -> bool:
         """After the weights loaded: on a GPU running the Triton kernels (or when `in_place`
         says so), sets up the slot tables that let steps read experts in place, so CUDA graphs
-        can capture them (`expert_tables.py`). Returns whether it did."""
+        can capture them (`expert_tables.py`). Layers whose quantized experts all fit the
+        budget keep them resident (no store). Returns whether it set up tables."""
         from .. import kernels
+        self.stores = {i: s for i, s in self.stores.items() if s.host_gate_up is not None}
+        if self.stores:
+            self.num_slots = min(s.num_slots for s in self.stores.values())
         if in_place is None:
             in_place = device.type == "cuda" and kernels.use_triton(device)
+        if any(s.quantized for s in self.stores.values()):
+            in_place = True  # quantized experts decode in place only (`SparseMoeBlock`)
         if self.active and in_place:
             self.tables = SlotTables(self.stores, device)
         return self.tables is not None
@@ -320,9 +393,6 @@ class ExpertOffload:
         in place, they cover the steps `collect` (or the next step) has folded in."""
         if not self.active:
             return None
-        hits = misses = moved = 0
-        for store in list(self.stores.values()):
-            h, m, b = store.stats()
-            hits, misses, moved = hits + h, misses + m, moved + b
+        hits, misses, moved = (sum(v) for v in zip(*(s.stats() for s in self.stores.values())))
         return ExpertStats(self.num_slots, sum(len(s.cache.pinned) for s in self.stores.values()),
                            hits, misses, moved)

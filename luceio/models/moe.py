@@ -12,14 +12,17 @@ Rules:
   and the router `mlp.gate.weight`) and are stacked per layer: `w_gate_up`
   [num_experts, 2 * inter, hidden] ([gate | up] rows), `w_down` [num_experts, hidden, inter].
 - Expert weights are dense in the model dtype, stacked, or, from a GGUF whose expert stacks are
-  in a repacked type (Q4_K, Q8_0, ...), kept quantized expert by expert (`q_experts`, each
-  projection through `kernels.linear`: the GPU's quantized GEMM, the CPU's packed matmuls).
-  Such layers read their routing on the host each step (`kernels.moe.per_expert_moe`), so the
-  model runs without CUDA graphs; expert offload is refused for them. `--quantization
-  int8|int4` is refused for these models.
+  in a repacked type (Q4_K, Q8_0, ...), kept quantized: on the Triton kernels, with one qtype for every
+  expert's gate/up and one for the downs, stacked per projection (`q_stacks`, read by
+  `kernels/moe_quant_triton.py` at decode sizes and in CUDA graphs; `q_experts` are row views
+  for steps of many tokens); otherwise expert by expert (`q_experts`, each projection through
+  `kernels.linear`), reading the routing on the host each step (`kernels.moe.per_expert_moe`),
+  so the model runs without CUDA graphs. `--quantization int8|int4` is refused for these models.
 - Expert offload (`--expert-memory`, `expert_offload.py`): a layer given an `ExpertStore` before
-  loading loads its experts into the store's host stacks; its `w_gate_up` / `w_down` are then
-  the store's device slots, and each forward runs the experts in the store's rounds.
+  loading loads its dense experts into the store's host stacks (its `w_gate_up` / `w_down` are
+  then the store's device slots), or hands its stacked quantized experts to the store at
+  `finalize` (`q_stacks` are then the slots; other quantized layouts are refused). Steps read
+  the experts in place (`expert_tables.py`) or run them in the store's rounds.
 """
 from __future__ import annotations
 
@@ -82,8 +85,6 @@ class SparseMoeBlock(nn.Module):
     def offload(self, store: ExpertStore) -> None:
         """Keeps the experts in `store` (before the weights load): see the module docstring."""
         self.store = store
-        self.w_gate_up = nn.Parameter(store.slot_gate_up, requires_grad=False)
-        self.w_down = nn.Parameter(store.slot_down, requires_grad=False)
 
     def int8_input(self, rows: int, device: torch.device) -> dict:
         """No quantized one-row GEMV reads this block's input (see `MLP.int8_input`)."""
@@ -108,14 +109,25 @@ class SparseMoeBlock(nn.Module):
             weights, expert_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
             if self.q_stacks is not None:
                 from ..kernels.moe_quant_triton import moe_decode_quant
+                if self.store is not None and in_place is None:
+                    raise RuntimeError("offloaded quantized experts decode in place only "
+                                       "(`ExpertOffload.start` sets the tables up)")
                 return moe_decode_quant(x, *self.q_stacks, self.inter, weights, expert_ids,
-                                        *(shared or (None, None)))
+                                        *(shared or (None, None)), in_place=in_place)
             if self.store is not None and in_place is None:
                 rounds = self.store.rounds(expert_ids)
             return moe_decode(x, self.w_gate_up, self.w_down, weights, expert_ids,
                               *(shared or (None, None)), rounds=rounds, in_place=in_place)
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
-        if self.q_experts is not None:
+        if self.q_stacks is not None and self.store is not None:  # quantized, offloaded
+            from ..kernels.moe import per_expert_moe
+            slots = [(_rows(self.q_stacks[0], s, 2 * self.inter),
+                      _rows(self.q_stacks[1], s, self.hidden))
+                     for s in range(self.store.num_slots)]
+            routed = per_expert_moe(x, slots, weights, expert_ids, kernels.linear,
+                                    rounds=self.store.rounds(expert_ids),
+                                    num_experts=self.num_experts)
+        elif self.q_experts is not None:
             from ..kernels.moe import per_expert_moe
             routed = per_expert_moe(x, self.q_experts, weights, expert_ids, kernels.linear)
         else:
@@ -137,14 +149,19 @@ class SparseMoeBlock(nn.Module):
             if tuple(tensor.shape) != want:
                 raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)}, "
                                  f"expected {want}")
-            self._quantized[expert, proj] = tensor.to(device)
+            # offloaded: kept on the host until `finalize` hands them to the store
+            self._quantized[expert, proj] = tensor.to(device if self.store is None else "cpu")
             self._loaded.add((expert, proj))
-            self._dtype = dtype
+            self._dtype, self._device = dtype, device
             if getattr(self, stack).is_meta:  # no dense stack (so far): it takes no memory
                 setattr(self, stack, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
                                                   requires_grad=False))
             return
         if self.store is not None:
+            if self.store.host_gate_up is None:
+                self.store.allocate_dense(dtype)
+                self.w_gate_up = nn.Parameter(self.store.slot_gate_up, requires_grad=False)
+                self.w_down = nn.Parameter(self.store.slot_down, requires_grad=False)
             w_gate_up, w_down = self.store.host_gate_up, self.store.host_down
         else:  # each stack allocated when its first dense expert arrives
             if getattr(self, stack).is_meta or not getattr(self, stack).numel():
@@ -177,9 +194,8 @@ class SparseMoeBlock(nn.Module):
         """Per expert (gate_up, down) in the device's quantized forms; dense projections of the
         same layer (a file may quantize some stacks only) stay slices of the stacks."""
         from ..kernels.quant import cat_rows
-        if self.store is not None:
-            raise ValueError("--expert-memory (expert offload) with quantized experts is not "
-                             "supported yet")
+        if self.store is not None and self._offload_quantized():
+            return
         dtype = self._dtype
         q, experts = self._quantized, []
         if self._stack_quantized():
@@ -196,6 +212,32 @@ class SparseMoeBlock(nn.Module):
             down = kernels.prepare_weight(down, dtype) if down is not None else self.w_down[e]
             experts.append((gate_up, down))
         self.q_experts, self._quantized = experts, {}
+
+    def _offload_quantized(self) -> bool:
+        """Hands the layer's quantized experts, stacked, to its store (`hold_quantized`), the
+        stacks' device slots becoming `q_stacks`. Returns False when every expert fits the
+        budget: the store is dropped and the experts stay resident. Raises ValueError for
+        layouts the in-place kernels cannot read."""
+        from ..kernels.quant import cat_rows
+        q, e_all = self._quantized, range(self.num_experts)
+        ws = [[q.get((e, p)) for e in e_all] for p in ("gate_proj", "up_proj", "down_proj")]
+        kinds = sorted({w.qtype if w is not None else "dense" for row in ws for w in row})
+        if not kernels.use_triton(self._device) or any(w is None for row in ws for w in row) \
+                or any(w.qtype != row[0].qtype for row in ws for w in row) \
+                or ws[0][0].qtype != ws[1][0].qtype:
+            raise ValueError(
+                "--expert-memory with quantized experts needs the Triton kernels (a GPU) and "
+                "every expert's gate and up in one quantized type and its down in one; layer "
+                f"{self.store.layer} has {', '.join(kinds)} experts on {self._device}")
+        gate_up = cat_rows([w for e in e_all for w in (ws[0][e], ws[1][e])])
+        down = cat_rows(ws[2])
+        if not self.store.hold_quantized(gate_up, down):
+            self.store = None
+            self._quantized = {k: w.to(self._device) for k, w in q.items()}
+            return False
+        self.q_stacks = (self.store.slot_gate_up, self.store.slot_down)
+        self._quantized = {}
+        return True
 
     def _stack_quantized(self) -> bool:
         """On the Triton kernels, when every expert has gate, up (one qtype) and down (one
@@ -222,6 +264,8 @@ class SparseMoeBlock(nn.Module):
 
     def quantized_bytes(self) -> int:
         """Bytes of the experts kept quantized (not parameters, so not in `parameters()`)."""
+        if self.q_stacks is not None:  # per-expert weights are views of them
+            return sum(kernels.weight_nbytes(w) for w in self.q_stacks)
         if self.q_experts is None:
             return 0
         seen, total = set(), 0
