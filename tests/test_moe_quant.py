@@ -197,7 +197,8 @@ def test_gguf_quantized_experts_offloaded_equal_resident(tmp_path, monkeypatch):
 
 
 def test_gguf_quantized_expert_budgets(tmp_path):
-    """A budget that holds every quantized expert (half the fp32 experts' bytes) offloads
+    """A fraction counts quantized experts (0.5: 2 of 4 slots, though half the fp32 experts'
+    bytes would hold them all); a byte budget that holds every quantized expert offloads
     nothing; one below top-k quantized experts a layer is refused, naming the bytes needed."""
     import gguf
 
@@ -209,7 +210,9 @@ def test_gguf_quantized_expert_budgets(tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0
     _write_gguf(folder, path, quant=q8, quant_down=q8)
     with _wide_tiles():
-        llm = LLM(path, **engine_kwargs(expert_memory="0.5"))
+        assert LLM(path, **engine_kwargs(expert_memory="0.5")).engine.stats().experts \
+            .num_slots == 2
+        llm = LLM(path, **engine_kwargs(expert_memory="1G"))
         model = llm.engine.runner.model
         assert llm.engine.stats().experts is None
         assert all(model.layers[i].mlp.store is None and model.layers[i].mlp.q_stacks

@@ -16,6 +16,10 @@ one launch over (column blocks, pairs):
   and rounded once (`moe_decode_triton._sum_pairs_kernel`, a shared expert's gated output
   added there). `per_expert_moe` adds the rows in expert order rounding after each add, so the
   two differ by rounding only (tests state the tolerance).
+- Expert offload read in place (`kernels.moe.InPlace`, `models/expert_tables.py`): the stacks
+  are the device slots, expert e at slot where[e] or, at -1, at rows e * N ... of the host
+  stacks (pinned, the same layout: `ExpertStore.hold_quantized`), each pointer picked per
+  program; the gate/up launch counts each expert once (by its first pair) and its host reads.
 Each expert's weights are read once per pair that picked it (at a few tokens, what the
 per-expert path reads too); at many pairs this reads far more than grouping would, so eager
 steps of more than `moe.DECODE_MAX_TOKENS` tokens keep the per-expert path.

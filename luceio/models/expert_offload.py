@@ -6,12 +6,12 @@ ones ([num_slots, 2 * inter, hidden], [num_slots, hidden, inter]), which the lay
 `w_gate_up` / `w_down` parameters become.
 
 Rules:
-- The budget is split evenly over the sparse layers; each buys slots of its own experts'
-  bytes, capped at the experts per layer: dense ones are counted at attach, quantized ones (a
-  GGUF's, `ExpertStore.hold_quantized`) when the layer's experts have loaded (then the host and
-  slot stacks are stacked quantized weights, `kernels/moe_quant_triton.py`, read in place only).
-  At least top-k slots per layer (one token's experts), or the budget is refused; enough for
-  every expert, and nothing is offloaded.
+- The budget (bytes, or a fraction of the experts' bytes) is split evenly over the sparse
+  layers; each buys slots of its own experts' bytes, capped at the experts per layer: dense
+  ones counted at attach, quantized ones (a GGUF's, `ExpertStore.hold_quantized`) once the
+  layer's experts loaded (host and slot stacks are then stacked quantized weights,
+  `kernels/moe_quant_triton.py`, read in place only). At least top-k slots per layer (one
+  token's experts), or the budget is refused; enough for every expert, and nothing is offloaded.
 - `ExpertCache` (ids only) decides which expert sits in which slot. Slots [0, P) hold the
   layer's pinned experts for good: a placement file's first P experts of the layer, P at most
   half the slots (PINNED_SHARE) and num_slots - top_k, so a decoding token's misses fit the LRU
@@ -157,6 +157,7 @@ class ExpertStore:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (host, slots, rows)
         self.layer = -1  # the model's layer; then sizing: this layer's bytes, placement, ...
         self.budget, self.top_k, self.placement, self.num_layers = 0, 1, [], 1  # (`attach`)
+        self.fraction: float | None = None  # --expert-memory as a fraction of the experts
         self.expert_bytes = 0
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last_use: torch.cuda.Event | None = None  # the slots' last reader, queued
@@ -197,7 +198,8 @@ class ExpertStore:
         from ..kernels.quant_args import laid_out
         e = self.num_experts
         expert_bytes = (weight_nbytes(gate_up) + weight_nbytes(down)) // e
-        slots = min(e, self.budget // expert_bytes)
+        budget = self.budget if self.fraction is None else int(self.fraction * e * expert_bytes)
+        slots = min(e, budget // expert_bytes)
         if slots == e:
             return False
         if slots < self.top_k:
@@ -342,9 +344,9 @@ class ExpertOffload:
             store = ExpertStore(moe.num_experts, moe.moe_intermediate_size, hidden, cache,
                                 num_slots, None, device)
             store.layer = i
-            store.budget, store.top_k, store.num_layers = budget // len(layers), moe.top_k, \
-                len(layers)
-            store.placement = pinned[i]
+            store.budget, store.top_k, store.num_layers, store.placement, store.fraction = (
+                budget // len(layers), moe.top_k, len(layers), pinned[i],
+                self.config.memory if isinstance(self.config.memory, float) else None)
             model.layers[i].mlp.offload(store)
             self.stores[i] = store
         logger.info("expert offload: %d of %d experts per sparse layer on %s (%.1f of %.1f "
