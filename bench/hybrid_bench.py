@@ -4,17 +4,20 @@ and off.
 
     python bench/hybrid_bench.py [--shapes qwen3.5-9b,qwen3.5-35b-a3b] [--context 512]
                                  [--out bench/results/h200/hybrid_bench.json]
-                                 [--no-eager] [--profile-steps 32]
+                                 [--no-eager] [--profile-steps 32] [--batches 1,64]
 
 Shapes: `qwen3.5-9b` is transformers' `Qwen3_5TextConfig` defaults (hidden 4096, 32 layers, 24
 of them Gated DeltaNet, 16 / 32 key / value heads of 128, 8 full-attention layers of 16 heads
-(4 KV) of 256, vocab 248320); `qwen3.5-35b-a3b` is `Qwen3_5MoeTextConfig`'s defaults (hidden
-2048, 40 layers, 256 experts of width 512, top-8, a shared expert of 512). Roofline per token
+(4 KV) of 256, vocab 248320); `qwen3.5-27b` the same with hidden 5120, 64 layers (48 DeltaNet),
+MLP 17408, 48 value heads, 24 attention heads (Qwen3.5-27B's published shape);
+`qwen3.5-35b-a3b` is `Qwen3_5MoeTextConfig`'s defaults (hidden 2048, 40 layers, 256 experts
+of width 512, top-8, a shared expert of 512). Roofline per token
 = (weights a decode step reads: every dense weight and the LM head, for an MoE only the top-k
 experts' + the KV of the context read + the DeltaNet state read and written) / the copy
 bandwidth measured in the same run. With `--profile-steps N` (default 32, 0: none) the CUDA-graph
 row also carries step_profile.py's breakdown of N profiled steps: kernels per step, GPU busy
-time, idle share, the kernels with the most GPU time.
+time, idle share, the kernels with the most GPU time. `--batches 1,64`: a CUDA-graph row per
+batch size (concurrent requests, decode tok/s summed over them).
 """
 from __future__ import annotations
 
@@ -28,7 +31,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth, env_info, write_json  # noqa: E402
 from gpu_bench import luceio_decode_tps, make_engine  # noqa: E402
 
-SHAPES = {"qwen3.5-9b": ("qwen3_5", {}), "qwen3.5-35b-a3b": ("qwen3_5_moe", {})}
+SHAPES = {"qwen3.5-9b": ("qwen3_5", {}), "qwen3.5-35b-a3b": ("qwen3_5_moe", {}),
+          # Qwen3.5-27B's dense hybrid shape as published (not checked against a file here)
+          "qwen3.5-27b": ("qwen3_5", {"hidden_size": 5120, "num_hidden_layers": 64,
+                                      "intermediate_size": 17408, "num_attention_heads": 24,
+                                      "num_key_value_heads": 4, "linear_num_value_heads": 48})}
 
 
 def hf_config(shape: str) -> dict:
@@ -93,6 +100,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--no-eager", action="store_true", help="CUDA-graph rows only")
     ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--batches", default="1", help="concurrent requests per row, e.g. 1,64: "
+                    "decode tok/s summed over them (CUDA graphs; the roofline share and the "
+                    "profile at batch 1 only)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
                                                   "hybrid_bench.json"))
     a = ap.parse_args()
@@ -103,15 +113,18 @@ def main() -> None:
         model, c = random_hybrid(shape, a.context + 1024)
         parts = bytes_per_token(model, c, a.context + 64)
         roofline = bw / sum(parts.values())
-        for eager in (False,) if a.no_eager else (False, True):
-            eng = make_engine(model, a.context + 512, kv_gib=2, max_num_seqs=4,
-                              enforce_eager=eager)
-            tps = luceio_decode_tps(eng, a.context)
-            row = {"shape": shape, "cuda_graphs": not eager, "tok_s": round(tps, 1),
-                   "roofline_tok_s": round(roofline, 1),
-                   "fraction_of_roofline": round(tps / roofline, 3),
-                   "bytes_per_token": parts}
-            if a.profile_steps and not eager:
+        runs = [(False, b) for b in map(int, a.batches.split(","))]
+        for eager, batch in runs if a.no_eager else runs[:1] + [(True, 1)] + runs[1:]:
+            eng = make_engine(model, a.context + 512, kv_gib=2 * max(1, batch // 8),
+                              max_num_seqs=max(4, batch), enforce_eager=eager)
+            tps = luceio_decode_tps(eng, a.context, batch=batch)
+            row = {"shape": shape, "cuda_graphs": not eager, "batch": batch,
+                   "tok_s": round(tps, 1)}
+            if batch == 1:
+                row.update(roofline_tok_s=round(roofline, 1),
+                           fraction_of_roofline=round(tps / roofline, 3),
+                           bytes_per_token=parts)
+            if a.profile_steps and not eager and batch == 1:
                 from step_profile import profile_decode
                 row["profile"] = profile_decode(eng, a.context, a.profile_steps)
             print(row, flush=True)

@@ -115,8 +115,8 @@ def engine(c: dict, context: int, quant: tuple | None = None, **kw) -> LLMEngine
     engine_mod.load_checkpoint = lambda path: ckpt  # the bench's model, by name
     engine_mod.model_path = lambda name: name
     args = EngineArgs(model=NAME, dtype="bfloat16", device=DEVICE, max_model_len=context + 256,
-                      kv_cache_memory=2 << 30, max_num_seqs=4, max_num_batched_tokens=2048,
-                      **kw)
+                      max_num_seqs=4, max_num_batched_tokens=2048,
+                      **{"kv_cache_memory": 2 << 30, **kw})
     return LLMEngine(args)
 
 
@@ -128,7 +128,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--quant-experts", default=None, help="GU,DOWN qtypes (q4_k,q6_k): "
                     "quantized experts, stacked with CUDA graphs against the per-expert eager "
-                    "path, instead of the offload rows")
+                    "path and offloaded to --fraction, instead of the bf16 offload rows")
+    ap.add_argument("--no-eager", action="store_true", help="with --quant-experts: skip the "
+                    "per-expert eager row")
+    ap.add_argument("--cap-gib", type=float, default=0.0, help="with --quant-experts: one more "
+                    "row under this device memory cap (torch's per-process fraction), the "
+                    "experts' budget what the cap leaves after the other weights, a KV pool of "
+                    "--cap-kv-tokens tokens and the resident run's other memory")
+    ap.add_argument("--cap-kv-tokens", type=int, default=32768)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: checks the "
                     "script, measures nothing")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
@@ -240,25 +247,64 @@ def main() -> None:
 
 
 def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
-    """Quantized experts (offload is refused for them): stacked on the graph-capturable decode
-    path (`kernels/moe_quant_triton.py`), and per expert with a host read of the routing
-    (eager, the path before the stacks)."""
-    from luceio.models.moe import SparseMoeBlock
+    """Quantized experts: stacked on the graph-capturable decode path
+    (`kernels/moe_quant_triton.py`) all resident, offloaded to `--fraction` of their bytes
+    (read in place, LRU only), optionally under `--cap-gib`, and per expert with a host read of
+    the routing (eager, the path before the stacks)."""
+    from luceio.models.moe import SparseMoeBlock, quantized_expert_bytes
     name = "/".join(q.upper() for q in quant)
+    torch.cuda.reset_peak_memory_stats()
     eng = engine(c, a.context, quant=quant)
     row(f"{name} experts, stacked, CUDA graphs", eng, graphs=eng.runner.graphs is not None)
+    model = eng.runner.model
+    experts, weights = quantized_expert_bytes(model), model.weight_bytes()
+    other = torch.cuda.max_memory_allocated() - weights - (2 << 30)  # activations, graphs
+    res["memory"] = {"weights_gib": round(weights / 2**30, 2),
+                     "experts_gib": round(experts / 2**30, 2),
+                     "resident_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                     "other_gib": round(other / 2**30, 2)}
+    del eng, model
+    torch.cuda.empty_cache()
+    eng = engine(c, a.context, quant=quant, expert_memory=str(a.fraction))
+    row(f"{name} experts, {a.fraction:.0%} resident, LRU only, CUDA graphs", eng,
+        graphs=eng.runner.graphs is not None)
     del eng
     torch.cuda.empty_cache()
-    stack = SparseMoeBlock._stack_quantized
-    SparseMoeBlock._stack_quantized = lambda self: False
-    eng = engine(c, a.context, quant=quant)
-    row(f"{name} experts, per expert, eager", eng, graphs=eng.runner.graphs is not None)
-    SparseMoeBlock._stack_quantized = stack
-    base = res["rows"][0]["tok_s"]
+    if a.cap_gib:
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        cap = int(a.cap_gib * 2**30)
+        kv = a.cap_kv_tokens * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * \
+            c["head_dim"] * 2
+        budget = cap - (weights - experts) - kv - other - (512 << 20)  # a 512 MiB margin
+        res["memory"].update(cap_gib=a.cap_gib, cap_kv_tokens=a.cap_kv_tokens,
+                             cap_kv_gib=round(kv / 2**30, 2),
+                             cap_expert_budget_gib=round(budget / 2**30, 2),
+                             resident_would_need_gib=round((weights + kv + other) / 2**30, 2),
+                             allocated_before_gib=round(torch.cuda.memory_allocated() / 2**30, 2))
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            eng = engine(c, a.context, quant=quant, expert_memory=str(budget),
+                         kv_cache_memory=kv)
+            row(f"{name} experts under a {a.cap_gib:g} GiB cap ({a.cap_kv_tokens}-token KV "
+                "pool), LRU only, CUDA graphs", eng, graphs=eng.runner.graphs is not None,
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            del eng
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    if not a.no_eager:
+        stack = SparseMoeBlock._stack_quantized
+        SparseMoeBlock._stack_quantized = lambda self: False
+        eng = engine(c, a.context, quant=quant)
+        row(f"{name} experts, per expert, eager", eng, graphs=eng.runner.graphs is not None)
+        SparseMoeBlock._stack_quantized = stack
+        del eng
+    base, qbase = res["rows"][0]["tok_s"], res["rows"][1]["tok_s"]
     for r in res["rows"]:
         r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)
+        r["vs_quant_resident"] = round(r["tok_s"] / qbase, 3)
     write_json(a.out, res)
-
-
-if __name__ == "__main__":
-    main()

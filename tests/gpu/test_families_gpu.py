@@ -1,8 +1,9 @@
 """The model families and paths added for issue 18, on the GPU with their Triton kernels:
 expert offload (pinned host experts read in place by the MoE kernels inside CUDA graphs,
 promoted into device slots on a side stream; long prefills in rounds) gives the fully resident
-model's tokens and logprobs bit for bit, and so do the kernels reading pinned host rows; Gemma 3's
-sliding-window layers on the GPU kernels give the CPU reference path's greedy tokens."""
+model's tokens and logprobs bit for bit (a GGUF's quantized experts too), and so do the kernels
+reading pinned host rows; Gemma 3's sliding-window layers on the GPU kernels give the CPU
+reference path's greedy tokens."""
 import pytest
 import torch
 
@@ -231,3 +232,83 @@ def test_gguf_stacked_experts_keep_cuda_graphs(tmp_path, monkeypatch):
         assert g_.outputs[0].token_ids == w.outputs[0].token_ids
         for gl, wl in zip(logprobs(g_), logprobs(w)):
             assert all(abs(gl[t] - wl[t]) < 1e-3 for t in wl if t in gl)
+
+
+@pytest.mark.parametrize("qtypes,slots", [(("Q8_0", "Q8_0"), 3), (("Q4_0", "Q5_0"), 4)])
+def test_gguf_quantized_experts_offloaded_with_graphs(tmp_path, qtypes, slots):
+    """A tiny GGUF's quantized expert stacks offloaded (`slots` of 8 experts a layer, in
+    quantized bytes) on the GPU: CUDA graphs kept, decode read in place from pinned host
+    stacks and slots, prefill chunks of 96 in rounds; tokens and logprobs equal the resident
+    model's bit for bit, and experts were promoted. (gguf's writer cannot quantize K-quants;
+    their paired scales read in place are tested on the CPU, test_moe_quant.py.)"""
+    import gguf
+
+    from luceio.kernels import weight_nbytes
+    from test_moe import _write_gguf
+    folder = make_tiny_moe(str(tmp_path / "moe"), "e4k2", seed=4, num_experts=8,
+                           moe_intermediate_size=64)
+    path = str(tmp_path / "q.gguf")
+    t = gguf.GGMLQuantizationType
+    _write_gguf(folder, path, quant=t[qtypes[0]], quant_down=t[qtypes[1]])
+    kw = engine_kwargs(device="cuda", max_num_batched_tokens=96)
+    resident = LLM(path, **kw)
+    model = resident.engine.runner.model
+    sparse = model.moe_cfg.sparse_layers
+    expert = sum(weight_nbytes(w) for w in model.layers[sparse[0]].mlp.q_stacks) // 8
+    offloaded = LLM(path, **engine_kwargs(device="cuda", max_num_batched_tokens=96,
+                                          expert_memory=str(len(sparse) * slots * expert)))
+    runner = offloaded.engine.runner
+    assert runner.graphs is not None and runner.expert_offload.tables is not None
+    assert runner.model.layers[sparse[0]].mlp.store.host_gate_up.qs.is_pinned()
+    ps = prompts(5, seed=3) + [{"prompt_token_ids": list(range(3, 203))}]
+    got, want = offloaded.generate(ps, GREEDY), resident.generate(ps, GREEDY)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert logprobs(g) == logprobs(w)
+    torch.cuda.synchronize()
+    runner.expert_offload.collect()
+    stats = offloaded.engine.stats().experts
+    assert stats.num_slots == slots and stats.misses > 0 and stats.bytes_loaded > 0
+
+
+@pytest.mark.parametrize("qtypes", [("q4_k", "q6_k"), ("q8_0", "q5_0")])
+def test_quantized_expert_stacks_read_pinned_host_rows(qtypes):
+    """The stacked expert GEMV reading offloaded experts in place on the GPU: slots hold
+    experts 4, 1, 2, the rest are read from pinned host stacks laid out as
+    `ExpertStore.hold_quantized` lays them (K-quant scale pairs interleaved), at Qwen3-30B-A3B's
+    expert shape; equal to the resident stacks bit for bit, host reads counted."""
+    from luceio import kernels
+    from luceio.kernels.moe import InPlace
+    from luceio.kernels.moe_quant_triton import moe_decode_quant
+    from luceio.kernels.quant import cat_rows, random_quant_weight
+    from luceio.kernels.quant_args import laid_out
+    experts, held, inter, hidden = 8, (4, 1, 2), 768, 2048
+    g = torch.Generator().manual_seed(3)
+    gate_up = cat_rows([random_quant_weight(qtypes[0], inter, hidden, generator=g)
+                        for _ in range(2 * experts)])
+    down = cat_rows([random_quant_weight(qtypes[1], hidden, inter, generator=g)
+                     for _ in range(experts)])
+    resident = [kernels.prepare_weight(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
+    host, slots = [], []
+    for w, n in ((gate_up, 2 * inter), (down, hidden)):
+        host.append(laid_out(w, w.shape[0], lambda s, d: torch.empty(s, dtype=d,
+                                                                     pin_memory=True),
+                             copy=True)[0])
+        slot = laid_out(w, len(held) * n, lambda s, d: torch.empty(s, dtype=d, device="cuda"),
+                        copy=False)[0]
+        for s, e in enumerate(held):
+            for name, t in slot.tensors().items():
+                t[s * n:(s + 1) * n].copy_(w.tensors()[name][e * n:(e + 1) * n])
+        slots.append(slot)
+    where = torch.full((experts,), -1, dtype=torch.int64)
+    where[list(held)] = torch.arange(len(held))
+    where = where.cuda()
+    counts = torch.zeros(2, experts, dtype=torch.int32, device="cuda")
+    ids = torch.tensor([[4, 0], [1, 5], [0, 4]], device="cuda")
+    weights = torch.softmax(torch.randn(3, 2, generator=g), dim=-1).to("cuda", torch.bfloat16)
+    x = torch.randn(3, hidden, generator=g).to("cuda", torch.bfloat16)
+    want = moe_decode_quant(x, *resident, inter, weights, ids)
+    got = moe_decode_quant(x, *slots, inter, weights, ids, in_place=InPlace(where, *host, counts))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert counts.tolist() == [[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0]]
