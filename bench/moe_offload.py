@@ -308,3 +308,7 @@ def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
         r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)
         r["vs_quant_resident"] = round(r["tok_s"] / qbase, 3)
     write_json(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
