@@ -251,19 +251,26 @@ def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
     (`kernels/moe_quant_triton.py`) all resident, offloaded to `--fraction` of their bytes
     (read in place, LRU only), optionally under `--cap-gib`, and per expert with a host read of
     the routing (eager, the path before the stacks)."""
+    import gc
     from luceio.models.moe import SparseMoeBlock, quantized_expert_bytes
     name = "/".join(q.upper() for q in quant)
+    gc.collect()  # the bf16 engine's memory, freed before the peak is measured
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     eng = engine(c, a.context, quant=quant)
     row(f"{name} experts, stacked, CUDA graphs", eng, graphs=eng.runner.graphs is not None)
     model = eng.runner.model
     experts, weights = quantized_expert_bytes(model), model.weight_bytes()
-    other = torch.cuda.max_memory_allocated() - weights - (2 << 30)  # activations, graphs
+    peak = torch.cuda.max_memory_allocated() - before
+    other = peak - weights - (2 << 30)  # activations, graphs, buffers
     res["memory"] = {"weights_gib": round(weights / 2**30, 2),
                      "experts_gib": round(experts / 2**30, 2),
-                     "resident_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                     "resident_peak_gib": round(peak / 2**30, 2),
+                     "allocated_before_gib": round(before / 2**30, 2),
                      "other_gib": round(other / 2**30, 2)}
     del eng, model
+    gc.collect()
     torch.cuda.empty_cache()
     eng = engine(c, a.context, quant=quant, expert_memory=str(a.fraction))
     row(f"{name} experts, {a.fraction:.0%} resident, LRU only, CUDA graphs", eng,
@@ -271,18 +278,20 @@ def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
     del eng
     torch.cuda.empty_cache()
     if a.cap_gib:
-        import gc
         gc.collect()
         torch.cuda.empty_cache()
         cap = int(a.cap_gib * 2**30)
         kv = a.cap_kv_tokens * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * \
             c["head_dim"] * 2
         budget = cap - (weights - experts) - kv - other - (512 << 20)  # a 512 MiB margin
+        if budget <= 0:
+            raise SystemExit(f"a {a.cap_gib} GiB cap leaves no room for experts: {res['memory']}")
         res["memory"].update(cap_gib=a.cap_gib, cap_kv_tokens=a.cap_kv_tokens,
                              cap_kv_gib=round(kv / 2**30, 2),
                              cap_expert_budget_gib=round(budget / 2**30, 2),
                              resident_would_need_gib=round((weights + kv + other) / 2**30, 2),
-                             allocated_before_gib=round(torch.cuda.memory_allocated() / 2**30, 2))
+                             cap_allocated_before_gib=round(
+                                 torch.cuda.memory_allocated() / 2**30, 2))
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total)
         torch.cuda.reset_peak_memory_stats()
