@@ -115,9 +115,39 @@ def engine(c: dict, context: int, quant: tuple | None = None, **kw) -> LLMEngine
     engine_mod.load_checkpoint = lambda path: ckpt  # the bench's model, by name
     engine_mod.model_path = lambda name: name
     args = EngineArgs(model=NAME, dtype="bfloat16", device=DEVICE, max_model_len=context + 256,
-                      max_num_seqs=4, max_num_batched_tokens=2048,
-                      **{"kv_cache_memory": 2 << 30, **kw})
+                      max_num_batched_tokens=2048,
+                      **{"kv_cache_memory": 2 << 30, "max_num_seqs": 4, **kw})
     return LLMEngine(args)
+
+
+def read_bytes(eng: LLMEngine, context: int) -> int:
+    """Bytes a batch-1 decode step reads at `context` tokens: every weight but the embedding
+    table (one row) and the experts a token does not route to, + the KV of the context."""
+    from luceio.models.moe import quantized_expert_bytes
+    model, moe = eng.runner.model, eng.runner.model.moe_cfg
+    cfg = model.cfg
+    total = model.weight_bytes()
+    if not cfg.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    experts = quantized_expert_bytes(model) + sum(
+        w.numel() * w.element_size() for i in moe.sparse_layers
+        for w in (model.layers[i].mlp.w_gate_up, model.layers[i].mlp.w_down))
+    kv = context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    return int(total - experts * (moe.num_experts - moe.top_k) / moe.num_experts + kv)
+
+
+def batch_row(a, c: dict, name: str, res: dict, batch: int, **kw) -> None:
+    """Decode tok/s summed over `batch` concurrent requests (resident, CUDA graphs)."""
+    eng = engine(c, a.context, max_num_seqs=batch, kv_cache_memory=(2 << 30) * max(
+        1, batch // 16), **kw)
+    luceio_decode_tps(eng, 64, new=8, batch=batch)  # warm
+    r = {"config": f"{name}, {batch} concurrent", "batch": batch,
+         "tok_s": round(luceio_decode_tps(eng, a.context, new=a.new, batch=batch), 1)}
+    print(r, flush=True)
+    res.setdefault("batch_rows", []).append(r)
+    write_json(a.out, res)
+    del eng
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -136,6 +166,8 @@ def main() -> None:
                     "experts' budget what the cap leaves after the other weights, a KV pool of "
                     "--cap-kv-tokens tokens and the resident run's other memory")
     ap.add_argument("--cap-kv-tokens", type=int, default=32768)
+    ap.add_argument("--batches", default="", help="e.g. 64: resident rows with that many "
+                    "concurrent requests (decode tok/s summed)")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: checks the "
                     "script, measures nothing")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
@@ -187,8 +219,15 @@ def main() -> None:
         write_json(a.out, res)
 
     resident = engine(c, a.context)
+    if DEVICE == "cuda":  # the batch-1 roofline: bytes a step reads over the copy bandwidth
+        from common import copy_bandwidth
+        bw = copy_bandwidth()
+        res["copy_bandwidth_GB_s"] = round(bw / 1e9, 1)
+        res["roofline_tok_s"] = {"bf16": round(bw / read_bytes(resident, a.context + 48), 1)}
     row("resident, CUDA graphs", resident)
     del resident
+    for b in filter(None, a.batches.split(",")):
+        batch_row(a, c, "bf16 experts, resident", res, int(b))
     torch.cuda.empty_cache()
     if a.quant_experts:
         quant_rows(a, c, tuple(a.quant_experts.split(",")), res, row)
@@ -259,6 +298,9 @@ def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     eng = engine(c, a.context, quant=quant)
+    if "roofline_tok_s" in res:
+        res["roofline_tok_s"][name] = round(res["copy_bandwidth_GB_s"] * 1e9 / read_bytes(
+            eng, a.context + 48), 1)
     row(f"{name} experts, stacked, CUDA graphs", eng, graphs=eng.runner.graphs is not None)
     model = eng.runner.model
     experts, weights = quantized_expert_bytes(model), model.weight_bytes()
@@ -272,6 +314,8 @@ def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
     del eng, model
     gc.collect()
     torch.cuda.empty_cache()
+    for b in filter(None, a.batches.split(",")):
+        batch_row(a, c, f"{name} experts, resident (stacked)", res, int(b), quant=quant)
     eng = engine(c, a.context, quant=quant, expert_memory=str(a.fraction))
     row(f"{name} experts, {a.fraction:.0%} resident, LRU only, CUDA graphs", eng,
         graphs=eng.runner.graphs is not None)
@@ -313,6 +357,9 @@ def quant_rows(a, c: dict, quant: tuple, res: dict, row) -> None:
         SparseMoeBlock._stack_quantized = stack
         del eng
     base, qbase = res["rows"][0]["tok_s"], res["rows"][1]["tok_s"]
+    if "roofline_tok_s" in res:
+        for r, key in zip(res["rows"], ("bf16", name)):
+            r["fraction_of_roofline"] = round(r["tok_s"] / res["roofline_tok_s"][key], 3)
     for r in res["rows"]:
         r["vs_resident_graphs"] = round(r["tok_s"] / base, 3)
         r["vs_quant_resident"] = round(r["tok_s"] / qbase, 3)
