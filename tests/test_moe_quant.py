@@ -105,6 +105,25 @@ def _host_alloc(shape, dtype):
     return torch.empty(shape, dtype=dtype)
 
 
+def offload_stacks(gate_up, down, inter: int, hidden: int, held: tuple, num_experts: int,
+                   host_alloc, slot_alloc):
+    """Quantized expert stacks as `ExpertStore.hold_quantized` lays them out: (host stacks
+    holding every expert, slot stacks holding experts `held` in that order, the `where` table:
+    each expert's slot or -1)."""
+    from luceio.kernels.quant_args import laid_out
+    host, slots = [], []
+    for w, n in ((gate_up, 2 * inter), (down, hidden)):
+        host.append(laid_out(w, w.shape[0], host_alloc, copy=True)[0])
+        slot = laid_out(w, len(held) * n, slot_alloc, copy=False)[0]
+        for s, e in enumerate(held):
+            for name, t in slot.tensors().items():
+                t[s * n:(s + 1) * n].copy_(w.tensors()[name][e * n:(e + 1) * n])
+        slots.append(slot)
+    where = torch.full((num_experts,), -1, dtype=torch.int64)
+    where[list(held)] = torch.arange(len(held))
+    return host, slots, where
+
+
 @pytest.mark.parametrize("qgu,qd,inter,hidden", [("q8_0", "q5_0", 64, 96),
                                                  ("q4_k", "q6_k", 256, 256)])
 def test_offloaded_stacks_read_in_place_equal_resident_and_count(qgu, qd, inter, hidden):
@@ -115,23 +134,14 @@ def test_offloaded_stacks_read_in_place_equal_resident_and_count(qgu, qd, inter,
     4 and 0 are picked by two tokens) and its host reads."""
     from luceio.kernels.moe import InPlace
     from luceio.kernels.moe_quant_triton import moe_decode_quant
-    from luceio.kernels.quant_args import laid_out
     experts, held = 6, (4, 1, 2)
     g = torch.Generator().manual_seed(7)
     gate_up = cat_rows([random_quant_weight(qgu, inter, hidden, generator=g)
                         for _ in range(2 * experts)])
     down = cat_rows([random_quant_weight(qd, hidden, inter, generator=g) for _ in range(experts)])
     resident = [kernels.prepare_weight(w, torch.float32) for w in (gate_up, down)]
-    host, slots = [], []
-    for w, n in ((gate_up, 2 * inter), (down, hidden)):
-        host.append(laid_out(w, w.shape[0], _host_alloc, copy=True)[0])
-        slot = laid_out(w, len(held) * n, _host_alloc, copy=False)[0]
-        for s, e in enumerate(held):
-            for name, t in slot.tensors().items():
-                t[s * n:(s + 1) * n].copy_(w.tensors()[name][e * n:(e + 1) * n])
-        slots.append(slot)
-    where = torch.full((experts,), -1, dtype=torch.int64)
-    where[list(held)] = torch.arange(len(held))
+    host, slots, where = offload_stacks(gate_up, down, inter, hidden, held, experts,
+                                        _host_alloc, _host_alloc)
     counts = torch.zeros(2, experts, dtype=torch.int32)
     ids = torch.tensor([[4, 0], [1, 5], [0, 4]])
     weights = torch.softmax(torch.randn(3, 2, generator=g), dim=-1)

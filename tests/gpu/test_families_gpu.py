@@ -26,6 +26,22 @@ def logprobs(out) -> list[dict]:
     return [{t: lp.logprob for t, lp in d.items()} for d in out.outputs[0].logprobs]
 
 
+def offloaded_equals_resident(offloaded, resident, seed: int):
+    """Five short prompts and a 200-token one (prefill chunks of 96 in rounds, decode in
+    place inside graphs): tokens and logprobs equal bit for bit; returns the expert stats with
+    every step's counters folded in."""
+    runner = offloaded.engine.runner
+    assert runner.graphs is not None and runner.expert_offload.tables is not None
+    ps = prompts(5, seed=seed) + [{"prompt_token_ids": list(range(3, 203))}]
+    got, want = offloaded.generate(ps, GREEDY), resident.generate(ps, GREEDY)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert logprobs(g) == logprobs(w)
+    torch.cuda.synchronize()
+    runner.expert_offload.collect()
+    return offloaded.engine.stats().experts
+
+
 @pytest.mark.parametrize("name,fraction", [("e4k2", "0.3"), ("e6k3", "0.5")])
 def test_offloaded_experts_equal_resident_on_the_gpu(tmp_path, name, fraction):
     path = make_tiny_moe(str(tmp_path / name), name, seed=3, num_experts=8)
@@ -33,17 +49,7 @@ def test_offloaded_experts_equal_resident_on_the_gpu(tmp_path, name, fraction):
     # prefill chunks of 96 tokens run in rounds, decode steps in place inside graphs
     offloaded = LLM(path, **engine_kwargs(device="cuda", expert_memory=fraction,
                                           max_num_batched_tokens=96))
-    runner = offloaded.engine.runner
-    assert runner.graphs is not None and runner.expert_offload.tables is not None
-    ps = prompts(5, seed=2) + [{"prompt_token_ids": list(range(3, 203))}]
-    got, want = offloaded.generate(ps, GREEDY), resident.generate(ps, GREEDY)
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert logprobs(g) == logprobs(w)
-    runner.expert_offload.collect()
-    torch.cuda.synchronize()
-    runner.expert_offload.collect()
-    stats = offloaded.engine.stats().experts
+    stats = offloaded_equals_resident(offloaded, resident, seed=2)
     assert stats.hits > 0 and stats.misses > 0 and stats.bytes_loaded > 0
 
 
@@ -257,17 +263,8 @@ def test_gguf_quantized_experts_offloaded_with_graphs(tmp_path, qtypes, slots):
     expert = sum(weight_nbytes(w) for w in model.layers[sparse[0]].mlp.q_stacks) // 8
     offloaded = LLM(path, **engine_kwargs(device="cuda", max_num_batched_tokens=96,
                                           expert_memory=str(len(sparse) * slots * expert)))
-    runner = offloaded.engine.runner
-    assert runner.graphs is not None and runner.expert_offload.tables is not None
-    assert runner.model.layers[sparse[0]].mlp.store.host_gate_up.qs.is_pinned()
-    ps = prompts(5, seed=3) + [{"prompt_token_ids": list(range(3, 203))}]
-    got, want = offloaded.generate(ps, GREEDY), resident.generate(ps, GREEDY)
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert logprobs(g) == logprobs(w)
-    torch.cuda.synchronize()
-    runner.expert_offload.collect()
-    stats = offloaded.engine.stats().experts
+    assert offloaded.engine.runner.model.layers[sparse[0]].mlp.store.host_gate_up.qs.is_pinned()
+    stats = offloaded_equals_resident(offloaded, resident, seed=3)
     assert stats.num_slots == slots and stats.misses > 0 and stats.bytes_loaded > 0
 
 
@@ -281,7 +278,7 @@ def test_quantized_expert_stacks_read_pinned_host_rows(qtypes):
     from luceio.kernels.moe import InPlace
     from luceio.kernels.moe_quant_triton import moe_decode_quant
     from luceio.kernels.quant import cat_rows, random_quant_weight
-    from luceio.kernels.quant_args import laid_out
+    from test_moe_quant import offload_stacks
     experts, held, inter, hidden = 8, (4, 1, 2), 768, 2048
     g = torch.Generator().manual_seed(3)
     gate_up = cat_rows([random_quant_weight(qtypes[0], inter, hidden, generator=g)
@@ -289,19 +286,10 @@ def test_quantized_expert_stacks_read_pinned_host_rows(qtypes):
     down = cat_rows([random_quant_weight(qtypes[1], hidden, inter, generator=g)
                      for _ in range(experts)])
     resident = [kernels.prepare_weight(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
-    host, slots = [], []
-    for w, n in ((gate_up, 2 * inter), (down, hidden)):
-        host.append(laid_out(w, w.shape[0], lambda s, d: torch.empty(s, dtype=d,
-                                                                     pin_memory=True),
-                             copy=True)[0])
-        slot = laid_out(w, len(held) * n, lambda s, d: torch.empty(s, dtype=d, device="cuda"),
-                        copy=False)[0]
-        for s, e in enumerate(held):
-            for name, t in slot.tensors().items():
-                t[s * n:(s + 1) * n].copy_(w.tensors()[name][e * n:(e + 1) * n])
-        slots.append(slot)
-    where = torch.full((experts,), -1, dtype=torch.int64)
-    where[list(held)] = torch.arange(len(held))
+    host, slots, where = offload_stacks(
+        gate_up, down, inter, hidden, held, experts,
+        lambda s, d: torch.empty(s, dtype=d, pin_memory=True),
+        lambda s, d: torch.empty(s, dtype=d, device="cuda"))
     where = where.cuda()
     counts = torch.zeros(2, experts, dtype=torch.int32, device="cuda")
     ids = torch.tensor([[4, 0], [1, 5], [0, 4]], device="cuda")
