@@ -120,3 +120,33 @@ def test_gated_qkv_rope_cache(gen, dtype, heads, kv_heads, head_dim, rotary_dim)
     check(q, want_q, TOL[dtype], gen, "q")
     check(k_cache, ref_k, TOL[dtype], gen, "k cache")
     assert torch.equal(v_cache.cpu(), ref_v.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_heads,v_heads,k_dim,v_dim,tiled", [(2, 4, 32, 48, False),
+                                                               (1, 2, 128, 32, True)])
+def test_gdn_prefill(gen, dtype, k_heads, v_heads, k_dim, v_dim, tiled):
+    """The chunked prefill kernel (kernels/delta_rule_prefill_triton.py) against
+    `gated_delta_rule_chunked`: sequences of 1, 37, 70 and 0 tokens (32-token chunks: one
+    partial, one crossing two boundaries, an empty sequence) continuing from random states in
+    slots 3, 0, 5, 1 (the other slots untouched), grouped and tiled v heads, a v_dim that is
+    not a multiple of the state's column blocks."""
+    import itertools
+
+    from luceio.kernels.delta_rule_prefill_triton import gdn_prefill
+    lens = [1, 37, 70, 0]
+    n = sum(lens)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+    q, k = (rnd(gen, n, k_heads, k_dim, dtype=dtype) for _ in "qk")
+    v = rnd(gen, n, v_heads, v_dim, dtype=dtype)
+    g = (-torch.rand(n, v_heads, generator=gen.g) * 0.5).to(DEVICE)  # fp32, as gdn_gates gives
+    beta = torch.rand(n, v_heads, generator=gen.g).to(dtype).to(DEVICE)
+    state = rnd(gen, 6, v_heads, k_dim, v_dim, scale=0.5)
+    slots = torch.tensor([3, 0, 5, 1], device=DEVICE)
+    want_state = state.clone()
+    want = delta_rule.gated_delta_rule_chunked(q, k, v, g, beta, want_state, cu, slots,
+                                               tiled=tiled)
+    got = gdn_prefill(q, k, v, g, beta, state, cu, slots, tiled=tiled)
+    check(got, want, TOL[dtype], gen, "outputs")
+    check(state, want_state, TOL[torch.float32], gen, "states")
+    assert torch.equal(state[[2, 4]], want_state[[2, 4]])

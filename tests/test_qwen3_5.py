@@ -85,8 +85,8 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
 
 
 def test_triton_engine_equals_reference(qwen35_models, monkeypatch):
-    """The attention layers on the (interpreted) Triton kernels, the DeltaNet on its torch
-    references: the GPU's path."""
+    """The GPU's path on the (interpreted) Triton kernels: attention layers, the DeltaNet's
+    decode launches and its chunked prefill kernel (three prompts in one varlen batch)."""
     assert_triton_engine_equals_reference(qwen35_models["mha_untied"], monkeypatch)
 
 
