@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 
@@ -101,6 +102,19 @@ def env_info() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def cuda_median_ms(fn, repeats: int = 20) -> float:
+    """The median of `repeats` timings of fn() in ms, each between two CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def write_json(path: str, data: dict) -> None:

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, write_json  # noqa: E402
+from common import cuda_median_ms, env_info, write_json  # noqa: E402
 
 from luceio.kernels.delta_rule import gated_delta_rule_chunked  # noqa: E402
 from luceio.kernels.delta_rule_prefill_triton import gdn_prefill  # noqa: E402
@@ -27,15 +27,7 @@ from luceio.kernels.delta_rule_prefill_triton import gdn_prefill  # noqa: E402
 def median_ms(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(fn, reps)
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 from dataclasses import replace
 
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth, env_info, write_json  # noqa: E402
+from common import copy_bandwidth, cuda_median_ms, env_info, write_json  # noqa: E402
 
 from luceio.kernels import configs, prepare_weight  # noqa: E402
 from luceio.kernels.quant import dequantize, nbytes, random_quant_weight  # noqa: E402
@@ -88,15 +87,7 @@ def time_per_call(fns, repeats: int) -> float:
             for fn in calls:
                 fn()
     run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return statistics.median(times)
+    return cuda_median_ms(run, repeats) / 1e3 / len(calls)
 
 
 def verify(out: torch.Tensor, exact: torch.Tensor) -> tuple[bool, float]:
