@@ -3,7 +3,9 @@ resident against `--expert-memory` of a fraction of them (LRU only; with a place
 on prompts run through the same model; with a placement that ranks the experts backwards).
 
     python bench/moe_offload.py [--layers 16] [--fraction 0.6] [--context 512] [--new 96]
-                                [--out bench/results/h200/moe_offload.json]
+                                [--out bench/results/h200/moe_offload.json] [--batches 64]
+                                [--quant-experts q4_k,q6_k [--no-eager]
+                                 [--cap-gib 24 --cap-kv-tokens 65536]]
 
 The model is Qwen3-30B-A3B's shape (hidden 2048, 128 experts of width 768, top-8, 32 / 4
 heads of 128, vocab 151936) cut to `--layers` layers (every layer has the same shape, so a
@@ -21,6 +23,9 @@ bytes loaded) cover both requests, prefills included, the `decode_*` ones the ti
 steps only. Offloaded rows read their experts in place inside CUDA graphs
 (`models/expert_tables.py`); two more rows pin every slot but top-k for the placement (the cap
 before `PINNED_SHARE`), and run every step eagerly in rounds (the path before the tables).
+On the GPU the result also carries the batch-1 roofline (`read_bytes` over the copy bandwidth);
+`--batches` adds resident rows of that many concurrent requests; `--quant-experts` replaces the
+bf16 offload rows by quantized ones (`quant_rows`).
 """
 from __future__ import annotations
 
