@@ -206,10 +206,11 @@ def test_gguf_quantized_experts_offloaded_equal_resident(tmp_path, monkeypatch):
     assert stats.num_slots == 3 and stats.misses > 0 and stats.hits > 0
 
 
-def test_gguf_quantized_expert_budgets(tmp_path):
+def test_gguf_quantized_expert_budgets(tmp_path, monkeypatch):
     """A fraction counts quantized experts (0.5: 2 of 4 slots, though half the fp32 experts'
     bytes would hold them all); a byte budget that holds every quantized expert offloads
-    nothing; one below top-k quantized experts a layer is refused, naming the bytes needed."""
+    nothing; one below top-k quantized experts a layer is refused, naming the bytes needed;
+    without the Triton kernels (the CPU's packed forms) offloading them is refused."""
     import gguf
 
     from conftest import engine_kwargs
@@ -229,3 +230,6 @@ def test_gguf_quantized_expert_budgets(tmp_path):
                    for i in model.moe_cfg.sparse_layers)
         with pytest.raises(ValueError, match="a step needs the top-2: give at least"):
             LLM(path, **engine_kwargs(expert_memory="20000"))
+    monkeypatch.setenv("LUCEIO_KERNELS", "auto")  # the CPU's packed forms: no stacks to offload
+    with pytest.raises(ValueError, match="quantized experts needs the Triton kernels"):
+        LLM(path, **engine_kwargs(expert_memory="0.5"))
