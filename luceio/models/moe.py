@@ -80,6 +80,7 @@ class SparseMoeBlock(nn.Module):
         self._quantized: dict[tuple[int, str], object] = {}  # (expert, proj) -> QuantWeight
         self.q_experts: list | None = None  # quantized experts: [(gate_up, down)] per expert
         self.q_stacks: tuple | None = None  # their stacked GPU form (`_stack_quantized`)
+        self.q_slots: list | None = None  # offloaded: (gate_up, down) views of each slot
         self.store: ExpertStore | None = None  # expert offload
 
     def offload(self, store: ExpertStore) -> None:
@@ -121,10 +122,7 @@ class SparseMoeBlock(nn.Module):
         weights, expert_ids = route_topk_ref(self.gate(x), self.top_k, self.renormalize)
         if self.q_stacks is not None and self.store is not None:  # quantized, offloaded
             from ..kernels.moe import per_expert_moe
-            slots = [(_rows(self.q_stacks[0], s, 2 * self.inter),
-                      _rows(self.q_stacks[1], s, self.hidden))
-                     for s in range(self.store.num_slots)]
-            routed = per_expert_moe(x, slots, weights, expert_ids, kernels.linear,
+            routed = per_expert_moe(x, self.q_slots, weights, expert_ids, kernels.linear,
                                     rounds=self.store.rounds(expert_ids),
                                     num_experts=self.num_experts)
         elif self.q_experts is not None:
@@ -152,7 +150,7 @@ class SparseMoeBlock(nn.Module):
             # offloaded: kept on the host until `finalize` hands them to the store
             self._quantized[expert, proj] = tensor.to(device if self.store is None else "cpu")
             self._loaded.add((expert, proj))
-            self._dtype, self._device = dtype, device
+            self._dtype, self._device = dtype, torch.device(device)
             if getattr(self, stack).is_meta:  # no dense stack (so far): it takes no memory
                 setattr(self, stack, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
                                                   requires_grad=False))
@@ -218,26 +216,39 @@ class SparseMoeBlock(nn.Module):
         stacks' device slots becoming `q_stacks`. Returns False when every expert fits the
         budget: the store is dropped and the experts stay resident. Raises ValueError for
         layouts the in-place kernels cannot read."""
-        from ..kernels.quant import cat_rows
-        q, e_all = self._quantized, range(self.num_experts)
-        ws = [[q.get((e, p)) for e in e_all] for p in ("gate_proj", "up_proj", "down_proj")]
-        kinds = sorted({w.qtype if w is not None else "dense" for row in ws for w in row})
-        if not kernels.use_triton(self._device) or any(w is None for row in ws for w in row) \
-                or any(w.qtype != row[0].qtype for row in ws for w in row) \
-                or ws[0][0].qtype != ws[1][0].qtype:
+        stacks = self._plain_stacks()
+        if stacks is None:
+            kinds = sorted({getattr(self._quantized.get((e, p)), "qtype", "dense")
+                            for e in range(self.num_experts)
+                            for p in ("gate_proj", "up_proj", "down_proj")})
             raise ValueError(
                 "--expert-memory with quantized experts needs the Triton kernels (a GPU) and "
                 "every expert's gate and up in one quantized type and its down in one; layer "
                 f"{self.store.layer} has {', '.join(kinds)} experts on {self._device}")
-        gate_up = cat_rows([w for e in e_all for w in (ws[0][e], ws[1][e])])
-        down = cat_rows(ws[2])
-        if not self.store.hold_quantized(gate_up, down):
+        if not self.store.hold_quantized(*stacks):
             self.store = None
-            self._quantized = {k: w.to(self._device) for k, w in q.items()}
+            self._quantized = {k: w.to(self._device) for k, w in self._quantized.items()}
             return False
         self.q_stacks = (self.store.slot_gate_up, self.store.slot_down)
+        self.q_slots = [(_rows(self.q_stacks[0], s, 2 * self.inter),
+                         _rows(self.q_stacks[1], s, self.hidden))
+                        for s in range(self.store.num_slots)]
         self._quantized = {}
         return True
+
+    def _plain_stacks(self) -> tuple | None:
+        """(gate_up [E * 2 * inter, hidden], down [E * hidden, inter]): every expert's
+        projections stacked row-wise in expert order, when the Triton kernels run and every
+        expert has gate, up (one qtype) and down (one qtype, maybe another) quantized; else
+        None."""
+        from ..kernels.quant import cat_rows
+        q, e_all = self._quantized, range(self.num_experts)
+        ws = [[q.get((e, p)) for e in e_all] for p in ("gate_proj", "up_proj", "down_proj")]
+        if any(w is None for row in ws for w in row) or not kernels.use_triton(self._device) \
+                or ws[0][0].qtype != ws[1][0].qtype \
+                or any(w.qtype != row[0].qtype for row in ws for w in row):
+            return None
+        return cat_rows([w for e in e_all for w in (ws[0][e], ws[1][e])]), cat_rows(ws[2])
 
     def _stack_quantized(self) -> bool:
         """On the Triton kernels, when every expert has gate, up (one qtype) and down (one
@@ -246,19 +257,13 @@ class SparseMoeBlock(nn.Module):
         `kernels/moe_quant_triton.py`, the per-expert weights (`q_experts`, for steps of many
         tokens) row views of the stacks, so the experts are held once. Returns whether it did;
         other layouts keep per-expert weights only (and the model its eager decode)."""
-        from ..kernels.quant import cat_rows
-        q, e_all = self._quantized, range(self.num_experts)
-        ws = [[q.get((e, p)) for e in e_all] for p in ("gate_proj", "up_proj", "down_proj")]
-        if any(w is None for row in ws for w in row) or not kernels.use_triton(
-                ws[2][0].qs.device) or ws[0][0].qtype != ws[1][0].qtype or any(
-                w.qtype != row[0].qtype for row in ws for w in row):
+        stacks = self._plain_stacks()
+        if stacks is None:
             return False
-        gate_up = kernels.prepare_weight(
-            cat_rows([w for e in e_all for w in (ws[0][e], ws[1][e])]), self._dtype)
-        down = kernels.prepare_weight(cat_rows(ws[2]), self._dtype)
+        gate_up, down = (kernels.prepare_weight(w, self._dtype) for w in stacks)
         self.q_stacks = (gate_up, down)
         self.q_experts = [(_rows(gate_up, e, 2 * self.inter), _rows(down, e, self.hidden))
-                          for e in e_all]
+                          for e in range(self.num_experts)]
         self._quantized = {}
         return True
 
