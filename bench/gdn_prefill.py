@@ -1,17 +1,25 @@
-"""The Gated DeltaNet's prefill on the GPU: the chunked Triton kernel
-(`kernels/delta_rule_prefill_triton.py`) against the torch reference it replaced there
-(`delta_rule.gated_delta_rule_chunked`, chunks of 64 per sequence), one layer's delta rule at
-Qwen3.5's shape (16 key / 32 value heads of 128), random bf16 inputs, fp32 state.
+"""The Gated DeltaNet's prefill on the GPU: the chunked Triton kernels
+(`kernels/delta_rule_prefill_triton.py`) against the torch reference they replaced there
+(`delta_rule.gated_delta_rule_chunked`, chunks of 64 per sequence) and, when it imports, the
+`fla-core` package's `chunk_gated_delta_rule` (flash-linear-attention's Triton kernels, the
+engines' usual choice), one layer's delta rule at Qwen3.5's shape (16 key / 32 value heads of
+128), random bf16 inputs, fp32 state.
 
     python bench/gdn_prefill.py [--tokens 512,4096] [--seqs 1,8]
+                                [--configs 32,32,ieee,4,4;64,64,tf32,8,4]
                                 [--out bench/results/h200/gdn_prefill.json]
 
 Each row: `--seqs` sequences of tokens / seqs tokens in one varlen batch, the median of 20
-timed calls (after 3 warm-up calls) of each, and the largest output difference between them.
+timed calls (after 3 warm-up calls) of each, and the largest output / state difference from the
+reference. `--configs`: launch configs to time, each gdn_block_t, gdn_block_v,
+gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps (default: the arch's table entry only).
+fla gets q and k repeated to the 32 value heads before timing (its grouped-head support varies
+by version) and l2-normalises them in its kernel, as luceio's does.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -20,8 +28,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cuda_median_ms, env_info, write_json  # noqa: E402
 
+from luceio.kernels import configs  # noqa: E402
 from luceio.kernels.delta_rule import gated_delta_rule_chunked  # noqa: E402
 from luceio.kernels.delta_rule_prefill_triton import gdn_prefill  # noqa: E402
+
+FIELDS = ("gdn_block_t", "gdn_block_v", "gdn_dot_precision", "gdn_num_warps",
+          "gdn_chunk_num_warps")
 
 
 def median_ms(fn, reps: int = 20) -> float:
@@ -30,15 +42,40 @@ def median_ms(fn, reps: int = 20) -> float:
     return cuda_median_ms(fn, reps)
 
 
+def parse_configs(text: str | None) -> list[dict]:
+    if not text:
+        base = configs.get_config(torch.device("cuda"))
+        return [{f: getattr(base, f) for f in FIELDS}]
+    out = []
+    for spec in text.split(";"):
+        vals = spec.split(",")
+        out.append({f: (v if f == "gdn_dot_precision" else int(v)) for f, v in zip(FIELDS, vals)})
+    return out
+
+
+def fla_fn():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # not installed, or it does not import on this torch/triton
+        print(f"fla: {type(e).__name__}: {e}", flush=True)
+        return None
+    return chunk_gated_delta_rule
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--seqs", default="1,8")
+    ap.add_argument("--configs", default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
                                                   "gdn_prefill.json"))
     a = ap.parse_args()
-    res = {"env": env_info(), "shape": "16 k heads, 32 v heads, 128 x 128", "rows": []}
+    cfgs = parse_configs(a.configs)
+    fla = fla_fn()
+    res = {"env": env_info(), "shape": "16 k heads, 32 v heads, 128 x 128", "configs": cfgs,
+           "rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
+    base = configs.get_config(torch.device("cuda"))
     for tokens in map(int, a.tokens.split(",")):
         for seqs in map(int, a.seqs.split(",")):
             n = tokens - tokens % seqs
@@ -50,18 +87,36 @@ def main() -> None:
             cu = torch.arange(0, n + 1, n // seqs, device="cuda", dtype=torch.int32)
             slots = torch.arange(seqs, device="cuda")
             state = torch.randn(seqs, 32, 128, 128, device="cuda", generator=g) * 0.1
-            ref_state, tri_state = state.clone(), state.clone()
+            ref_state = state.clone()
             ref = gated_delta_rule_chunked(q, k, v, gate, beta, ref_state, cu, slots)
-            tri = gdn_prefill(q, k, v, gate, beta, tri_state, cu, slots)
-            row = {"tokens": n, "seqs": seqs,
-                   "torch_ms": round(median_ms(lambda: gated_delta_rule_chunked(
-                       q, k, v, gate, beta, state.clone(), cu, slots)), 3),
-                   "triton_ms": round(median_ms(lambda: gdn_prefill(
-                       q, k, v, gate, beta, state.clone(), cu, slots)), 3),
-                   "max_out_diff": (ref.float() - tri.float()).abs().max().item(),
-                   "max_state_diff": (ref_state - tri_state).abs().max().item()}
-            row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
-            print(row, flush=True)
+            row = {"tokens": n, "seqs": seqs, "torch_ms": round(median_ms(
+                lambda: gated_delta_rule_chunked(q, k, v, gate, beta, state.clone(), cu,
+                                                 slots)), 3), "configs": []}
+            for c in cfgs:
+                with configs.use_config(dataclasses.replace(base, **c)):
+                    tri_state = state.clone()
+                    tri = gdn_prefill(q, k, v, gate, beta, tri_state, cu, slots)
+                    ms = median_ms(lambda: gdn_prefill(q, k, v, gate, beta, state.clone(), cu,
+                                                       slots))
+                row["configs"].append({
+                    **c, "ms": round(ms, 3), "speedup": round(row["torch_ms"] / ms, 2),
+                    "max_out_diff": (ref.float() - tri.float()).abs().max().item(),
+                    "max_state_diff": (ref_state - tri_state).abs().max().item()})
+            if fla is not None:
+                qf, kf = (x.repeat_interleave(2, dim=1)[None] for x in (q, k))
+                args = (qf, kf, v[None], gate[None], beta[None])
+                kw = dict(scale=128 ** -0.5, initial_state=state.clone(),
+                          output_final_state=True, cu_seqlens=cu.long(),
+                          use_qk_l2norm_in_kernel=True)
+                try:
+                    fo, fs = fla(*args, **kw)
+                    row["fla_ms"] = round(median_ms(lambda: fla(*args, **kw)), 3)
+                    row["fla_max_out_diff"] = (ref.float() - fo[0].float()).abs().max().item()
+                    row["fla_max_state_diff"] = (ref_state - fs.float()).abs().max().item()
+                except Exception as e:
+                    row["fla_error"] = f"{type(e).__name__}: {e}"[:300]
+            best = min(row["configs"], key=lambda r: r["ms"])
+            print({k: v for k, v in row.items() if k != "configs"}, "best:", best, flush=True)
             res["rows"].append(row)
             write_json(a.out, res)
 

@@ -142,6 +142,14 @@ class KernelConfig:
     # launch from their start
     pdl: bool = False
     pdl_early_max_programs: int = 1024
+    # the Gated DeltaNet's chunked prefill (delta_rule_prefill_triton.py): chunks of gdn_block_t
+    # tokens (a power of two >= 16), state tiles of gdn_block_v columns, the products' precision
+    # for 16-bit inputs ("ieee" fp32 or "tf32" tensor cores; fp32 inputs always "ieee")
+    gdn_block_t: int = 32
+    gdn_block_v: int = 32
+    gdn_num_warps: int = 4
+    gdn_chunk_num_warps: int = 4
+    gdn_dot_precision: str = "ieee"
     source: str = NOT_MEASURED
 
 
