@@ -6,13 +6,14 @@ engines' usual choice), one layer's delta rule at Qwen3.5's shape (16 key / 32 v
 128), random bf16 inputs, fp32 state.
 
     python bench/gdn_prefill.py [--tokens 512,4096] [--seqs 1,8]
-                                [--configs 32,32,ieee,4,4;64,64,tf32,8,4]
+                                [--configs '32,32,ieee,4,4,2;64,64,tf32,8,4,2']
                                 [--out bench/results/h200/gdn_prefill.json]
 
 Each row: `--seqs` sequences of tokens / seqs tokens in one varlen batch, the median of 20
 timed calls (after 3 warm-up calls) of each, and the largest output / state difference from the
 reference. `--configs`: launch configs to time, each gdn_block_t, gdn_block_v,
-gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps (default: the arch's table entry only).
+gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps, gdn_num_stages (default: the arch's
+table entry only); a config that does not compile or launch is recorded with its error.
 fla gets q and k repeated to the 32 value heads before timing (its grouped-head support varies
 by version) and l2-normalises them in its kernel, as luceio's does.
 """
@@ -33,7 +34,7 @@ from luceio.kernels.delta_rule import gated_delta_rule_chunked  # noqa: E402
 from luceio.kernels.delta_rule_prefill_triton import gdn_prefill  # noqa: E402
 
 FIELDS = ("gdn_block_t", "gdn_block_v", "gdn_dot_precision", "gdn_num_warps",
-          "gdn_chunk_num_warps")
+          "gdn_chunk_num_warps", "gdn_num_stages")
 
 
 def median_ms(fn, reps: int = 20) -> float:
@@ -93,11 +94,15 @@ def main() -> None:
                 lambda: gated_delta_rule_chunked(q, k, v, gate, beta, state.clone(), cu,
                                                  slots)), 3), "configs": []}
             for c in cfgs:
-                with configs.use_config(dataclasses.replace(base, **c)):
-                    tri_state = state.clone()
-                    tri = gdn_prefill(q, k, v, gate, beta, tri_state, cu, slots)
-                    ms = median_ms(lambda: gdn_prefill(q, k, v, gate, beta, state.clone(), cu,
-                                                       slots))
+                try:
+                    with configs.use_config(dataclasses.replace(base, **c)):
+                        tri_state = state.clone()
+                        tri = gdn_prefill(q, k, v, gate, beta, tri_state, cu, slots)
+                        ms = median_ms(lambda: gdn_prefill(q, k, v, gate, beta, state.clone(),
+                                                           cu, slots))
+                except Exception as e:  # out of shared memory, registers, ...
+                    row["configs"].append({**c, "error": f"{type(e).__name__}: {e}"[:200]})
+                    continue
                 row["configs"].append({
                     **c, "ms": round(ms, 3), "speedup": round(row["torch_ms"] / ms, 2),
                     "max_out_diff": (ref.float() - tri.float()).abs().max().item(),
@@ -115,7 +120,8 @@ def main() -> None:
                     row["fla_max_state_diff"] = (ref_state - fs.float()).abs().max().item()
                 except Exception as e:
                     row["fla_error"] = f"{type(e).__name__}: {e}"[:300]
-            best = min(row["configs"], key=lambda r: r["ms"])
+            best = min((r for r in row["configs"] if "ms" in r), key=lambda r: r["ms"],
+                       default=None)
             print({k: v for k, v in row.items() if k != "configs"}, "best:", best, flush=True)
             res["rows"].append(row)
             write_json(a.out, res)

@@ -149,6 +149,7 @@ class KernelConfig:
     gdn_block_v: int = 32
     gdn_num_warps: int = 4
     gdn_chunk_num_warps: int = 4
+    gdn_num_stages: int = 2              # the state pass's loop (its loads are pipelined)
     gdn_dot_precision: str = "ieee"
     source: str = NOT_MEASURED
 

@@ -175,5 +175,6 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         q, k, v, g, beta, state, slots, cu, ccu, inv, qk, out, q.stride(0), q.stride(1),
         v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1), state.stride(0),
         state.stride(1), state.stride(2), L2NORM_EPS, k_dim ** -0.5, V_DIM=v_dim,
-        BLOCK_V=block_v, num_warps=cfg.gdn_num_warps, **common)
+        BLOCK_V=block_v, num_warps=cfg.gdn_num_warps, num_stages=cfg.gdn_num_stages,
+        **common)
     return out
