@@ -5,6 +5,7 @@ and off.
     python bench/hybrid_bench.py [--shapes qwen3.5-9b,qwen3.5-35b-a3b] [--context 512]
                                  [--out bench/results/h200/hybrid_bench.json]
                                  [--no-eager] [--profile-steps 32] [--batches 1,64]
+                                 [--prefill 16384 [--prefill-only]]
 
 Shapes: `qwen3.5-9b` is transformers' `Qwen3_5TextConfig` defaults (hidden 4096, 32 layers, 24
 of them Gated DeltaNet, 16 / 32 key / value heads of 128, 8 full-attention layers of 16 heads
@@ -17,7 +18,9 @@ experts' + the KV of the context read + the DeltaNet state read and written) / t
 bandwidth measured in the same run. With `--profile-steps N` (default 32, 0: none) the CUDA-graph
 row also carries step_profile.py's breakdown of N profiled steps: kernels per step, GPU busy
 time, idle share, the kernels with the most GPU time. `--batches 1,64`: a CUDA-graph row per
-batch size (concurrent requests, decode tok/s summed over them).
+batch size (concurrent requests, decode tok/s summed over them). `--prefill N`: a row of
+prompt tok/s for one N-token prompt, with the DeltaNet prefill kernels and with the torch
+reference they replaced (same model, same run).
 """
 from __future__ import annotations
 
@@ -94,6 +97,39 @@ def bytes_per_token(model, c: dict, context: int) -> dict:
     return {"weights": weights, "kv": kv, "state_read_write": state}
 
 
+def prefill_tps(model, tokens: int, reference: bool) -> float:
+    """Prompt tokens a second of one `tokens`-token prompt (steps of 8192 tokens, eager), the
+    DeltaNet layers' delta rule on the Triton kernels or (`reference`) on the torch reference
+    those kernels replaced, after a 1024-token warm-up prompt."""
+    import time
+
+    import luceio.kernels.delta_rule_prefill_triton as dpt
+    from luceio.kernels.delta_rule import gated_delta_rule_chunked
+    from luceio import SamplingParams
+    saved = dpt.gdn_prefill
+    if reference:
+        dpt.gdn_prefill = gated_delta_rule_chunked  # the model imports it at each call
+    try:
+        eng = make_engine(model, tokens + 64, kv_gib=2 * (1 + tokens // 16384), max_num_seqs=4,
+                          enforce_eager=True)
+        vocab = eng.runner.cfg.vocab_size
+        elapsed = 0.0
+        for n in (1024, tokens):
+            eng.add_request(None, torch.randint(0, vocab, (n,)).tolist(),
+                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            while eng.has_unfinished_requests():
+                eng.step()
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t
+        del eng
+        torch.cuda.empty_cache()
+        return tokens / elapsed
+    finally:
+        dpt.gdn_prefill = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3.5-9b,qwen3.5-35b-a3b")
@@ -103,6 +139,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1", help="concurrent requests per row, e.g. 1,64: "
                     "decode tok/s summed over them (CUDA graphs; the roofline share and the "
                     "profile at batch 1 only)")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one prompt of this many "
+                    "tokens, the delta rule on the Triton kernels and on the torch reference "
+                    "(prompt tok/s)")
+    ap.add_argument("--prefill-only", action="store_true", help="no decode rows")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
                                                   "hybrid_bench.json"))
     a = ap.parse_args()
@@ -110,11 +150,20 @@ def main() -> None:
     results = {"env": env_info(), "copy_bandwidth_GB_s": round(bw / 1e9, 1),
                "context": a.context, "rows": []}
     for shape in a.shapes.split(","):
-        model, c = random_hybrid(shape, a.context + 1024)
+        model, c = random_hybrid(shape, max(a.context + 1024, a.prefill + 64))
         parts = bytes_per_token(model, c, a.context + 64)
         roofline = bw / sum(parts.values())
-        runs = [(False, b) for b in map(int, a.batches.split(","))]
-        for eager, batch in runs if a.no_eager else runs[:1] + [(True, 1)] + runs[1:]:
+        if a.prefill:
+            rows = {ref: prefill_tps(model, a.prefill, ref) for ref in (False, True)}
+            row = {"shape": shape, "prefill_tokens": a.prefill,
+                   "prefill_tok_s": round(rows[False], 1),
+                   "prefill_tok_s_torch_delta_rule": round(rows[True], 1),
+                   "speedup": round(rows[False] / rows[True], 2)}
+            print(row, flush=True)
+            results["rows"].append(row)
+            write_json(a.out, results)
+        runs = [] if a.prefill_only else [(False, b) for b in map(int, a.batches.split(","))]
+        for eager, batch in runs if a.no_eager or not runs else runs[:1] + [(True, 1)] + runs[1:]:
             eng = make_engine(model, a.context + 512, kv_gib=2 * max(1, batch // 8),
                               max_num_seqs=max(4, batch), enforce_eager=eager)
             tps = luceio_decode_tps(eng, a.context, batch=batch)

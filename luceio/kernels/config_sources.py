@@ -44,5 +44,9 @@ SM_90 = (
     '16.7 -> 20.2, 14.9 -> 15.9% of copy; 5 rows 21.6 -> 20.6; '
     'results/h200/gemv_rows_prefetch_session23.json); 7B Q4_K_M decode at batch 8 6.14 -> '
     '5.71 ms a step, batch 1 chain k=2 verify 3.52 -> 3.31, k=4 4.32 -> 4.43 (two alternating'
-    ' rounds, results/h200/tree_verify_rows_prefetch_7b.json), 2026-12-04'
+    ' rounds, results/h200/tree_verify_rows_prefetch_7b.json), 2026-12-04; gdn_*: '
+    'bench/gdn_prefill.py --configs (12 configs, 512 / 4096 / 16384 tokens in 1 or 8 sequences,'
+    ' 32 v heads; tf32 products 15-30x faster than ieee fp32; 64 x 32 tiles best for one '
+    'sequence (4096 tokens 0.74 ms, 32 x 32 1.03), 32 x 64 from 8 sequences (16384 tokens 1.88 '
+    'ms, 64 x 32 2.63), results/h200/gdn_prefill_sweep_session26.json), 2026-12-04'
 )

@@ -149,7 +149,12 @@ class KernelConfig:
     gdn_block_v: int = 32
     gdn_num_warps: int = 4
     gdn_chunk_num_warps: int = 4
-    gdn_num_stages: int = 2              # the state pass's loop (its loads are pipelined)
+    gdn_num_stages: int = 1              # the state pass's loop (its loads are pipelined)
+    # at least this many state-pass programs (sequences x v heads x column blocks; 0: never):
+    # the wide tile instead (more columns a program, shorter chunks)
+    gdn_wide_min_programs: int = 0
+    gdn_wide_block_t: int = 32
+    gdn_wide_block_v: int = 64
     gdn_dot_precision: str = "ieee"
     source: str = NOT_MEASURED
 
@@ -159,12 +164,13 @@ TABLE: dict[str, KernelConfig] = {
     "sm_86": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=2,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=2, max_shared_kb=96,
-                          qgemm_split_k_min_programs=164),
+                          qgemm_split_k_min_programs=164, gdn_dot_precision="tf32"),
     # Ada AD102 (RTX 4090): 128 SMs, 100 KiB shared memory per SM
     "sm_89": KernelConfig(decode_block_n=64, decode_num_warps=4, decode_num_stages=3,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=2, max_shared_kb=96,
-                          qgemm_num_stages=3, qgemm_split_k_min_programs=256),
+                          qgemm_num_stages=3, qgemm_split_k_min_programs=256,
+                          gdn_dot_precision="tf32"),
     # Hopper (H100 / H200): 132 SMs, 228 KiB shared memory per SM, HBM3(e)
     "sm_90": KernelConfig(decode_block_n=64, decode_num_warps=2, decode_num_warps_wide=8,
                           decode_num_stages=2,
@@ -186,6 +192,8 @@ TABLE: dict[str, KernelConfig] = {
                           moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
                           moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,
                           moe_decode_down_block_k=256, moe_decode_down_num_warps=1,
+                          gdn_block_t=64, gdn_block_v=32, gdn_dot_precision="tf32",
+                          gdn_num_stages=2, gdn_wide_min_programs=528,
                           source=config_sources.SM_90),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
     # RDNA runs wave32: num_warps=4 is 4 x 32 = 128 lanes here (256 on a wave64 CDNA part)

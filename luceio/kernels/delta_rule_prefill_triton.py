@@ -153,6 +153,9 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         return out
     cfg = get_config(q.device)
     block_t, block_v = cfg.gdn_block_t, cfg.gdn_block_v
+    if cfg.gdn_wide_min_programs and \
+            seqs * v_heads * triton.cdiv(v_dim, block_v) >= cfg.gdn_wide_min_programs:
+        block_t, block_v = cfg.gdn_wide_block_t, cfg.gdn_wide_block_v
     prec = "ieee" if q.dtype == torch.float32 else cfg.gdn_dot_precision
     # chunk table: chunk i of the batch belongs to sequence cseq[i], whose chunks start at ccu
     cu = cu_seqlens.to(torch.int32)
