@@ -100,7 +100,8 @@ def bytes_per_token(model, c: dict, context: int) -> dict:
 def prefill_tps(model, tokens: int, reference: bool) -> float:
     """Prompt tokens a second of one `tokens`-token prompt (steps of 8192 tokens, eager), the
     DeltaNet layers' delta rule on the Triton kernels or (`reference`) on the torch reference
-    those kernels replaced, after a 1024-token warm-up prompt."""
+    those kernels replaced; the second of two such prompts (the first compiles every kernel at
+    these shapes)."""
     import time
 
     import luceio.kernels.delta_rule_prefill_triton as dpt
@@ -114,7 +115,7 @@ def prefill_tps(model, tokens: int, reference: bool) -> float:
                           enforce_eager=True)
         vocab = eng.runner.cfg.vocab_size
         elapsed = 0.0
-        for n in (1024, tokens):
+        for n in (tokens, tokens):
             eng.add_request(None, torch.randint(0, vocab, (n,)).tolist(),
                             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             torch.cuda.synchronize()
