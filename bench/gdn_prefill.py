@@ -13,7 +13,9 @@ Each row: `--seqs` sequences of tokens / seqs tokens in one varlen batch, the me
 timed calls (after 3 warm-up calls) of each, and the largest output / state difference from the
 reference. `--configs`: launch configs to time, each gdn_block_t, gdn_block_v,
 gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps, gdn_num_stages (default: the arch's
-table entry only); a config that does not compile or launch is recorded with its error.
+table entry only, whose wide tile replaces gdn_block_t / gdn_block_v in launches of enough
+programs: the row records the narrow tile); a config that does not compile or launch is
+recorded with its error.
 fla gets q and k repeated to the 32 value heads before timing (its grouped-head support varies
 by version) and l2-normalises them in its kernel, as luceio's does.
 """
