@@ -157,6 +157,10 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             seqs * v_heads * triton.cdiv(v_dim, block_v) >= cfg.gdn_wide_min_programs:
         block_t, block_v = cfg.gdn_wide_block_t, cfg.gdn_wide_block_v
     prec = "ieee" if q.dtype == torch.float32 else cfg.gdn_dot_precision
+    if prec not in ("ieee", "tf32", "tf32x3") or block_t < 16 or block_t & (block_t - 1) or \
+            block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"gdn_prefill: kernel config gdn_dot_precision={prec!r} (ieee, tf32, "
+                         f"tf32x3), tiles {block_t} x {block_v} (powers of two >= 16)")
     # chunk table: chunk i of the batch belongs to sequence cseq[i], whose chunks start at ccu
     cu = cu_seqlens.to(torch.int32)
     ccu = torch.zeros(seqs + 1, dtype=torch.int32, device=q.device)
