@@ -11,11 +11,12 @@ engines' usual choice), one layer's delta rule at Qwen3.5's shape (16 key / 32 v
 
 Each row: `--seqs` sequences of tokens / seqs tokens in one varlen batch, the median of 20
 timed calls (after 3 warm-up calls) of each, and the largest output / state difference from the
-reference. `--configs`: launch configs to time, each gdn_block_t, gdn_block_v,
+reference, on these inputs and (corr_*) on keys sharing one direction (`--corr`), where the
+chunk's triangular system is hardest. `--configs`: launch configs to time, each gdn_block_t, gdn_block_v,
 gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps, gdn_num_stages (default: the arch's
 table entry only, whose wide tile replaces gdn_block_t / gdn_block_v in launches of enough
-programs: the row records the narrow tile); a config that does not compile or launch is
-recorded with its error.
+programs: the row records the narrow tile; listed configs run their own tile, the wide one off);
+a config that does not compile or launch is recorded with its error.
 fla gets q and k repeated to the 32 value heads before timing (its grouped-head support varies
 by version) and l2-normalises them in its kernel, as luceio's does.
 """
@@ -70,10 +71,15 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--seqs", default="1,8")
     ap.add_argument("--configs", default=None)
+    ap.add_argument("--corr", type=float, default=2.0, help="the accuracy rows' keys: randn + "
+                    "this times one random direction a head (mean cosine ~0.8 at 2)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200",
                                                   "gdn_prefill.json"))
     a = ap.parse_args()
     cfgs = parse_configs(a.configs)
+    if a.configs:  # each row runs the tile it names (the table's wide tile stays off)
+        for c in cfgs:
+            c.setdefault("gdn_wide_min_programs", 0)
     fla = fla_fn()
     res = {"env": env_info(), "shape": "16 k heads, 32 v heads, 128 x 128", "configs": cfgs,
            "rows": []}
@@ -84,6 +90,8 @@ def main() -> None:
             n = tokens - tokens % seqs
             q, k = (torch.randn(n, 16, 128, device="cuda", generator=g).bfloat16()
                     for _ in "qk")
+            shared = torch.randn(16, 128, device="cuda", generator=g) * a.corr
+            k_corr = (k.float() + shared).bfloat16()  # keys sharing one direction a head
             v = torch.randn(n, 32, 128, device="cuda", generator=g).bfloat16()
             gate = -torch.rand(n, 32, device="cuda", generator=g) * 0.3
             beta = torch.rand(n, 32, device="cuda", generator=g).bfloat16()
@@ -92,6 +100,8 @@ def main() -> None:
             state = torch.randn(seqs, 32, 128, 128, device="cuda", generator=g) * 0.1
             ref_state = state.clone()
             ref = gated_delta_rule_chunked(q, k, v, gate, beta, ref_state, cu, slots)
+            corr_state = state.clone()
+            corr_ref = gated_delta_rule_chunked(q, k_corr, v, gate, beta, corr_state, cu, slots)
             row = {"tokens": n, "seqs": seqs, "torch_ms": round(median_ms(
                 lambda: gated_delta_rule_chunked(q, k, v, gate, beta, state.clone(), cu,
                                                  slots)), 3), "configs": []}
@@ -100,6 +110,9 @@ def main() -> None:
                     with configs.use_config(dataclasses.replace(base, **c)):
                         tri_state = state.clone()
                         tri = gdn_prefill(q, k, v, gate, beta, tri_state, cu, slots)
+                        corr_tri_state = state.clone()
+                        corr_tri = gdn_prefill(q, k_corr, v, gate, beta, corr_tri_state, cu,
+                                               slots)
                         ms = median_ms(lambda: gdn_prefill(q, k, v, gate, beta, state.clone(),
                                                            cu, slots))
                 except Exception as e:  # out of shared memory, registers, ...
@@ -108,7 +121,9 @@ def main() -> None:
                 row["configs"].append({
                     **c, "ms": round(ms, 3), "speedup": round(row["torch_ms"] / ms, 2),
                     "max_out_diff": (ref.float() - tri.float()).abs().max().item(),
-                    "max_state_diff": (ref_state - tri_state).abs().max().item()})
+                    "max_state_diff": (ref_state - tri_state).abs().max().item(),
+                    "corr_max_out_diff": (corr_ref.float() - corr_tri.float()).abs().max().item(),
+                    "corr_max_state_diff": (corr_state - corr_tri_state).abs().max().item()})
             if fla is not None:
                 qf, kf = (x.repeat_interleave(2, dim=1)[None] for x in (q, k))
                 args = (qf, kf, v[None], gate[None], beta[None])
@@ -117,9 +132,13 @@ def main() -> None:
                           use_qk_l2norm_in_kernel=True)
                 try:
                     fo, fs = fla(*args, **kw)
-                    row["fla_ms"] = round(median_ms(lambda: fla(*args, **kw)), 3)
+                    row["fla_ms"] = round(median_ms(lambda: fla(*args, **{
+                        **kw, "initial_state": state.clone()})), 3)  # the clone, as luceio's
                     row["fla_max_out_diff"] = (ref.float() - fo[0].float()).abs().max().item()
                     row["fla_max_state_diff"] = (ref_state - fs.float()).abs().max().item()
+                    fo, fs = fla(qf, k_corr.repeat_interleave(2, dim=1)[None], *args[2:], **kw)
+                    row["fla_corr_max_out_diff"] = (corr_ref.float() - fo[0].float()).abs().max().item()
+                    row["fla_corr_max_state_diff"] = (corr_state - fs.float()).abs().max().item()
                 except Exception as e:
                     row["fla_error"] = f"{type(e).__name__}: {e}"[:300]
             best = min((r for r in row["configs"] if "ms" in r), key=lambda r: r["ms"],

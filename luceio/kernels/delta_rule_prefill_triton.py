@@ -8,15 +8,17 @@ Per chunk, with G_t = exp(cumsum g) and A[t, j] = beta_t (G_t / G_j) k_t.k_j for
 - S = G_L S + (K diag(G_L / G_j))^T U.
 T and QK do not depend on the state, so two launches:
 1. `_gdn_chunk_kernel`, one program per (chunk, v head), every chunk of the batch at once:
-   T by log2 products (A is strictly lower triangular, so A^BLOCK_T = 0 and
-   T = (I - A)(I + A^2)(I + A^4)...(I + A^(BLOCK_T / 2))) and QK, into fp32 scratch;
+   T by forward substitution (row i = e_i - A[i, :] T, fp32) and QK (fp32 products), into
+   fp32 scratch. (The product form (I - A)(I + A^2)(I + A^4)..., exact since A is nilpotent,
+   is not stable: with correlated keys the powers of A grow by orders of magnitude before
+   they cancel, and outputs went wrong or NaN in fp32 at 64-token chunks and in TF32.);
 2. `_gdn_state_kernel`, one program per (sequence, v head, BLOCK_V state columns): the state
    tile [k_dim, BLOCK_V] stays in registers (fp32) while the program walks the sequence's
    chunks (five products a chunk), and is stored once at the end.
 Every exponent is <= 0 (g <= 0, masked above the diagonal before exp), so nothing overflows.
 Tokens past a sequence's end load as zeros (beta = g = 0): they add nothing and keep G_L. The
-products' precision is the arch config's `gdn_dot_precision` ("ieee" fp32, or "tf32" on
-tensor cores) for bf16/fp16 inputs; fp32 inputs always use "ieee".
+state pass's products take the arch config's `gdn_dot_precision` ("ieee" fp32, "tf32" or
+"tf32x3" on tensor cores) for bf16/fp16 inputs; fp32 inputs always use "ieee".
 q and k are l2-normalised here and q scaled by k_dim ** -0.5 (`delta_rule._prepare_qk`); v head
 h reads k head h // GROUP, or h % k heads with TILED (llama.cpp's order).
 """
@@ -55,7 +57,7 @@ def _k_head(h, num_heads, GROUP: tl.constexpr, TILED: tl.constexpr):
 def _gdn_chunk_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, ccu_ptr, cseq_ptr, t_ptr, qk_ptr,
                       s_qt, s_qh, s_gt, eps, scale, GROUP: tl.constexpr, TILED: tl.constexpr,
                       K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      LOG_T: tl.constexpr, PREC: tl.constexpr):
+                      PREC: tl.constexpr):
     ci = tl.program_id(0)
     h = tl.program_id(1)
     kh = _k_head(h, tl.num_programs(1), GROUP, TILED)
@@ -72,14 +74,14 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, ccu_ptr, cseq_ptr, 
     causal = ts[:, None] >= ts[None, :]
     gc = tl.cumsum(g, 0)                                              # log G_t
     decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-    kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
     a = tl.where(ts[:, None] > ts[None, :], beta[:, None] * decay * kk, 0.0)
-    inv = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0) - a         # (I + A)^-1, see above
-    p = tl.dot(a, a, input_precision=PREC)
-    for _ in tl.static_range(1, LOG_T):
-        inv = inv + tl.dot(inv, p, input_precision=PREC)
-        p = tl.dot(p, p, input_precision=PREC)
-    qk = tl.where(causal, decay * tl.dot(q, tl.trans(k), input_precision=PREC), 0.0)
+    rows = ts[:, None]
+    inv = tl.where(rows == ts[None, :], 1.0, 0.0)                    # (I + A)^-1, see above
+    for i in range(1, BLOCK_T):  # row i = e_i - A[i, :] T (rows j < i are final)
+        a_i = tl.sum(tl.where(rows == i, a, 0.0), 0)
+        inv = tl.where(rows == i, inv - tl.sum(a_i[:, None] * inv, 0)[None, :], inv)
+    qk = tl.where(causal, decay * tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
     base = (ci.to(tl.int64) * tl.num_programs(1) + h) * (BLOCK_T * BLOCK_T)
     tile = base + ts[:, None] * BLOCK_T + ts[None, :]
     tl.store(t_ptr + tile, inv)
@@ -132,6 +134,16 @@ def _gdn_state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
     tl.store(sp, s, mask=smask)
 
 
+def _check_config(cfg) -> None:
+    """Both tiles and the precision, whichever a launch would take (a user's JSON entry)."""
+    tiles = (cfg.gdn_block_t, cfg.gdn_block_v, cfg.gdn_wide_block_t, cfg.gdn_wide_block_v)
+    if cfg.gdn_dot_precision not in ("ieee", "tf32", "tf32x3") or not all(
+            isinstance(x, int) and 16 <= x <= 256 and not x & (x - 1) for x in tiles):
+        raise ValueError(f"gdn_prefill: kernel config gdn_dot_precision="
+                         f"{cfg.gdn_dot_precision!r} (ieee, tf32 or tf32x3), tiles {tiles} "
+                         f"(powers of two from 16 to 256)")
+
+
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                 slots: torch.Tensor, tiled: bool = False) -> torch.Tensor:
@@ -152,15 +164,12 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if n == 0 or seqs == 0:
         return out
     cfg = get_config(q.device)
+    _check_config(cfg)
     block_t, block_v = cfg.gdn_block_t, cfg.gdn_block_v
-    if cfg.gdn_wide_min_programs and \
+    if cfg.gdn_wide_min_programs > 0 and \
             seqs * v_heads * triton.cdiv(v_dim, block_v) >= cfg.gdn_wide_min_programs:
         block_t, block_v = cfg.gdn_wide_block_t, cfg.gdn_wide_block_v
     prec = "ieee" if q.dtype == torch.float32 else cfg.gdn_dot_precision
-    if prec not in ("ieee", "tf32", "tf32x3") or block_t < 16 or block_t & (block_t - 1) or \
-            block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"gdn_prefill: kernel config gdn_dot_precision={prec!r} (ieee, tf32, "
-                         f"tf32x3), tiles {block_t} x {block_v} (powers of two >= 16)")
     # chunk table: chunk i of the batch belongs to sequence cseq[i], whose chunks start at ccu
     cu = cu_seqlens.to(torch.int32)
     ccu = torch.zeros(seqs + 1, dtype=torch.int32, device=q.device)
@@ -176,7 +185,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                   BLOCK_T=block_t, PREC=prec)
     _gdn_chunk_kernel[(bound, v_heads)](
         q, k, g, beta, cu, ccu, cseq, inv, qk, q.stride(0), q.stride(1), g.stride(0), L2NORM_EPS,
-        k_dim ** -0.5, LOG_T=block_t.bit_length() - 1, num_warps=cfg.gdn_chunk_num_warps,
+        k_dim ** -0.5, num_warps=cfg.gdn_chunk_num_warps,
         **common)
     _gdn_state_kernel[(seqs, v_heads, triton.cdiv(v_dim, block_v))](
         q, k, v, g, beta, state, slots, cu, ccu, inv, qk, out, q.stride(0), q.stride(1),
