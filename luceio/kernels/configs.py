@@ -192,7 +192,7 @@ TABLE: dict[str, KernelConfig] = {
                           moe_decode_gu_block_n=4, moe_decode_gu_block_k=1024,
                           moe_decode_gu_num_warps=2, moe_decode_down_block_n=8,
                           moe_decode_down_block_k=256, moe_decode_down_num_warps=1,
-                          gdn_block_t=64, gdn_block_v=32, gdn_dot_precision="tf32",
+                          gdn_block_t=32, gdn_block_v=32, gdn_dot_precision="tf32",
                           gdn_num_stages=2, gdn_wide_min_programs=528,
                           source=config_sources.SM_90),
     # RDNA4 (Radeon AI PRO R9700): 64 CUs, wave32 WMMA, 64 KiB LDS per workgroup.
