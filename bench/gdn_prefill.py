@@ -13,7 +13,8 @@ Each row: `--seqs` sequences of tokens / seqs tokens in one varlen batch, the me
 timed calls (after 3 warm-up calls) of each, and the largest output / state difference from the
 reference, on these inputs and (corr_*) on keys sharing one direction (`--corr`), where the
 chunk's triangular system is hardest. `--configs`: launch configs to time, each gdn_block_t, gdn_block_v,
-gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps, gdn_num_stages (default: the arch's
+gdn_dot_precision, gdn_num_warps, gdn_chunk_num_warps, gdn_num_stages[, gdn_inverse_blocks
+0/1] (default: the arch's
 table entry only, whose wide tile replaces gdn_block_t / gdn_block_v in launches of enough
 programs: the row records the narrow tile; listed configs run their own tile, the wide one off);
 a config that does not compile or launch is recorded with its error.
@@ -37,7 +38,7 @@ from luceio.kernels.delta_rule import gated_delta_rule_chunked  # noqa: E402
 from luceio.kernels.delta_rule_prefill_triton import gdn_prefill  # noqa: E402
 
 FIELDS = ("gdn_block_t", "gdn_block_v", "gdn_dot_precision", "gdn_num_warps",
-          "gdn_chunk_num_warps", "gdn_num_stages")
+          "gdn_chunk_num_warps", "gdn_num_stages", "gdn_inverse_blocks")
 
 
 def median_ms(fn, reps: int = 20) -> float:
@@ -53,7 +54,8 @@ def parse_configs(text: str | None) -> list[dict]:
     out = []
     for spec in text.split(";"):
         vals = spec.split(",")
-        out.append({f: (v if f == "gdn_dot_precision" else int(v)) for f, v in zip(FIELDS, vals)})
+        out.append({f: (v if f == "gdn_dot_precision" else bool(int(v)) if f == "gdn_inverse_blocks"
+                        else int(v)) for f, v in zip(FIELDS, vals)})
     return out
 
 

@@ -124,20 +124,22 @@ def test_gated_qkv_rope_cache(gen, dtype, heads, kv_heads, head_dim, rotary_dim)
 
 GDN_TILES = {"table": {},  # the arch's entry (interpreted: "default", 32-token chunks)
              "t64": dict(gdn_block_t=64, gdn_block_v=16, gdn_dot_precision="tf32"),
-             "wide": dict(gdn_wide_min_programs=1, gdn_wide_block_t=16, gdn_wide_block_v=64)}
+             "wide": dict(gdn_wide_min_programs=1, gdn_wide_block_t=16, gdn_wide_block_v=64),
+             "blocked": dict(gdn_block_t=32, gdn_inverse_blocks=True)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k_heads,v_heads,k_dim,v_dim,tiled,tile", [
     (2, 4, 32, 48, False, "table"), (1, 2, 128, 32, True, "table"),
-    (2, 4, 32, 48, False, "t64"), (1, 2, 32, 48, True, "wide")])
+    (2, 4, 32, 48, False, "t64"), (1, 2, 32, 48, True, "wide"),
+    (2, 4, 128, 32, False, "blocked")])
 def test_gdn_prefill(gen, dtype, k_heads, v_heads, k_dim, v_dim, tiled, tile):
     """The chunked prefill kernels (kernels/delta_rule_prefill_triton.py) against
     `gated_delta_rule_chunked`: sequences of 1, 37, 70 and 0 tokens (32-token chunks: one
     partial, one crossing two boundaries, an empty sequence) continuing from random states in
     slots 3, 0, 5, 1 (the other slots untouched), grouped and tiled v heads, a v_dim that is
     not a multiple of the state's column blocks; other tiles: 64-token chunks, 16-token chunks
-    of the wide tile."""
+    of the wide tile, the inverse from 16 x 16 blocks."""
     import dataclasses
 
     from luceio.kernels import configs
@@ -167,7 +169,7 @@ def _check_gdn_prefill(gen, dtype, k_heads, v_heads, k_dim, v_dim, tiled, gdn_pr
     assert torch.equal(state[[2, 4]], want_state[[2, 4]])
 
 
-@pytest.mark.parametrize("tile", ["table", "t64"])
+@pytest.mark.parametrize("tile", ["table", "t64", "blocked"])
 def test_gdn_prefill_correlated_keys(gen, tile):
     """Keys sharing one direction (mean cosine ~0.8 within a chunk, beta near 1, slow decay):
     the chunk's triangular system is far from the identity, where inverting it by products of

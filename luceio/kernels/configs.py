@@ -156,6 +156,9 @@ class KernelConfig:
     gdn_wide_block_t: int = 32
     gdn_wide_block_v: int = 64
     gdn_dot_precision: str = "ieee"
+    # the chunk's inverse from 16 x 16 blocks (32-token chunks only) instead of row by row over
+    # the whole tile; tested under the interpreter, not yet measured on a GPU
+    gdn_inverse_blocks: bool = False
     source: str = NOT_MEASURED
 
 

@@ -57,7 +57,7 @@ def _k_head(h, num_heads, GROUP: tl.constexpr, TILED: tl.constexpr):
 def _gdn_chunk_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, ccu_ptr, cseq_ptr, t_ptr, qk_ptr,
                       s_qt, s_qh, s_gt, eps, scale, GROUP: tl.constexpr, TILED: tl.constexpr,
                       K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, BLOCKED: tl.constexpr):
     ci = tl.program_id(0)
     h = tl.program_id(1)
     kh = _k_head(h, tl.num_programs(1), GROUP, TILED)
@@ -74,18 +74,70 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, ccu_ptr, cseq_ptr, 
     causal = ts[:, None] >= ts[None, :]
     gc = tl.cumsum(g, 0)                                              # log G_t
     decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-    a = tl.where(ts[:, None] > ts[None, :], beta[:, None] * decay * kk, 0.0)
-    rows = ts[:, None]
-    inv = tl.where(rows == ts[None, :], 1.0, 0.0)                    # (I + A)^-1, see above
-    for i in range(1, BLOCK_T):  # row i = e_i - A[i, :] T (rows j < i are final)
-        a_i = tl.sum(tl.where(rows == i, a, 0.0), 0)
-        inv = tl.where(rows == i, inv - tl.sum(a_i[:, None] * inv, 0)[None, :], inv)
     qk = tl.where(causal, decay * tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
     base = (ci.to(tl.int64) * tl.num_programs(1) + h) * (BLOCK_T * BLOCK_T)
     tile = base + ts[:, None] * BLOCK_T + ts[None, :]
-    tl.store(t_ptr + tile, inv)
     tl.store(qk_ptr + tile, qk)
+    if BLOCKED:  # BLOCK_T = 32: two 16-token halves (see `_blocked_inverse`)
+        _blocked_inverse(k_ptr, g_ptr, beta_ptr, t_ptr, base, c0, end, kh, h, ks, s_qt, s_qh,
+                         s_gt, eps, K_DIM)
+    else:
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        a = tl.where(ts[:, None] > ts[None, :], beta[:, None] * decay * kk, 0.0)
+        rows = ts[:, None]
+        inv = tl.where(rows == ts[None, :], 1.0, 0.0)                # (I + A)^-1, see above
+        for i in range(1, BLOCK_T):  # row i = e_i - A[i, :] T (rows j < i are final)
+            a_i = tl.sum(tl.where(rows == i, a, 0.0), 0)
+            inv = tl.where(rows == i, inv - tl.sum(a_i[:, None] * inv, 0)[None, :], inv)
+        tl.store(t_ptr + tile, inv)
+
+
+@triton.jit
+def _half(k_ptr, g_ptr, beta_ptr, t, end, kh, h, ks, s_qt, s_qh, s_gt, eps, K_DIM: tl.constexpr):
+    """16 rows of k (l2-normalised), g and beta from token t[0] on."""
+    tm = t < end
+    k = tl.load(k_ptr + t[:, None] * s_qt + kh * s_qh + ks[None, :],
+                mask=tm[:, None] & (ks < K_DIM)[None, :], other=0.0).to(tl.float32)
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, 1) + eps))[:, None]
+    g = tl.load(g_ptr + t * s_gt + h, mask=tm, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + t * s_gt + h, mask=tm, other=0.0).to(tl.float32)
+    return k, g, beta
+
+
+@triton.jit
+def _blocked_inverse(k_ptr, g_ptr, beta_ptr, t_ptr, base, c0, end, kh, h, ks, s_qt, s_qh, s_gt,
+                     eps, K_DIM: tl.constexpr):
+    """T = (I + A)^-1 of a 32-token chunk from its 16 x 16 blocks: with L_ii = I + A_ii,
+    T = [[L_00^-1, 0], [-L_11^-1 A_10 L_00^-1, L_11^-1]], the diagonal blocks' inverses by
+    forward substitution side by side (15 row steps on 16 x 16 tiles instead of 31 on 32 x 32),
+    stored into the chunk's [32, 32] tile of T."""
+    hs = tl.arange(0, 16)
+    rows, cols = hs[:, None], hs[None, :]
+    strict = rows > cols
+    k0, g0, b0 = _half(k_ptr, g_ptr, beta_ptr, c0 + hs, end, kh, h, ks, s_qt, s_qh, s_gt, eps,
+                       K_DIM)
+    k1, g1, b1 = _half(k_ptr, g_ptr, beta_ptr, c0 + 16 + hs, end, kh, h, ks, s_qt, s_qh, s_gt,
+                       eps, K_DIM)
+    gc0 = tl.cumsum(g0, 0)
+    gc1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
+    a00 = tl.where(strict, b0[:, None] * tl.exp(tl.where(strict, gc0[:, None] - gc0[None, :], 0.0))
+                   * tl.dot(k0, tl.trans(k0), input_precision="ieee"), 0.0)
+    a11 = tl.where(strict, b1[:, None] * tl.exp(tl.where(strict, gc1[:, None] - gc1[None, :], 0.0))
+                   * tl.dot(k1, tl.trans(k1), input_precision="ieee"), 0.0)
+    a10 = b1[:, None] * tl.exp(gc1[:, None] - gc0[None, :]) * \
+        tl.dot(k1, tl.trans(k0), input_precision="ieee")             # every exponent <= 0
+    inv0 = tl.where(rows == cols, 1.0, 0.0)
+    inv1 = inv0
+    for i in range(1, 16):
+        r0 = tl.sum(tl.where(rows == i, a00, 0.0), 0)
+        r1 = tl.sum(tl.where(rows == i, a11, 0.0), 0)
+        inv0 = tl.where(rows == i, inv0 - tl.sum(r0[:, None] * inv0, 0)[None, :], inv0)
+        inv1 = tl.where(rows == i, inv1 - tl.sum(r1[:, None] * inv1, 0)[None, :], inv1)
+    inv10 = -tl.dot(tl.dot(inv1, a10, input_precision="ieee"), inv0, input_precision="ieee")
+    tl.store(t_ptr + base + rows * 32 + cols, inv0)
+    tl.store(t_ptr + base + rows * 32 + cols + 16, tl.zeros([16, 16], tl.float32))
+    tl.store(t_ptr + base + (rows + 16) * 32 + cols, inv10)
+    tl.store(t_ptr + base + (rows + 16) * 32 + cols + 16, inv1)
 
 
 @triton.jit
@@ -142,6 +194,10 @@ def _check_config(cfg) -> None:
         raise ValueError(f"gdn_prefill: kernel config gdn_dot_precision="
                          f"{cfg.gdn_dot_precision!r} (ieee, tf32 or tf32x3), tiles {tiles} "
                          f"(powers of two from 16 to 256)")
+    if cfg.gdn_inverse_blocks and (cfg.gdn_block_t != 32 or cfg.gdn_wide_block_t != 32):
+        raise ValueError("gdn_prefill: gdn_inverse_blocks needs 32-token chunks "
+                         f"(gdn_block_t {cfg.gdn_block_t}, gdn_wide_block_t "
+                         f"{cfg.gdn_wide_block_t})")
 
 
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -185,7 +241,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                   BLOCK_T=block_t, PREC=prec)
     _gdn_chunk_kernel[(bound, v_heads)](
         q, k, g, beta, cu, ccu, cseq, inv, qk, q.stride(0), q.stride(1), g.stride(0), L2NORM_EPS,
-        k_dim ** -0.5, num_warps=cfg.gdn_chunk_num_warps,
+        k_dim ** -0.5, BLOCKED=cfg.gdn_inverse_blocks, num_warps=cfg.gdn_chunk_num_warps,
         **common)
     _gdn_state_kernel[(seqs, v_heads, triton.cdiv(v_dim, block_v))](
         q, k, v, g, beta, state, slots, cu, ccu, inv, qk, out, q.stride(0), q.stride(1),
