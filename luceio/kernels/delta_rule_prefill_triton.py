@@ -33,16 +33,19 @@ from .delta_rule import L2NORM_EPS
 
 
 @triton.jit
+def _l2_rows(ptr, t, tm, kh, ks, km, s_qt, s_qh, eps):
+    """Rows t of head kh of q or k, l2-normalised, fp32 [len(t), BLOCK_K] (rows past the end:
+    zeros)."""
+    x = tl.load(ptr + t[:, None] * s_qt + kh * s_qh + ks[None, :],
+                mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, 1) + eps))[:, None]
+
+
+@triton.jit
 def _load_qk(q_ptr, k_ptr, t, tm, kh, ks, km, s_qt, s_qh, eps, scale):
     """Rows t of q and k head kh, l2-normalised (q scaled), fp32 [BLOCK_T, BLOCK_K]."""
-    qk_mask = tm[:, None] & km[None, :]
-    q = tl.load(q_ptr + t[:, None] * s_qt + kh * s_qh + ks[None, :], mask=qk_mask,
-                other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + t[:, None] * s_qt + kh * s_qh + ks[None, :], mask=qk_mask,
-                other=0.0).to(tl.float32)
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, 1) + eps))[:, None] * scale
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, 1) + eps))[:, None]
-    return q, k
+    q = _l2_rows(q_ptr, t, tm, kh, ks, km, s_qt, s_qh, eps) * scale
+    return q, _l2_rows(k_ptr, t, tm, kh, ks, km, s_qt, s_qh, eps)
 
 
 @triton.jit
@@ -57,7 +60,7 @@ def _k_head(h, num_heads, GROUP: tl.constexpr, TILED: tl.constexpr):
 def _gdn_chunk_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, ccu_ptr, cseq_ptr, t_ptr, qk_ptr,
                       s_qt, s_qh, s_gt, eps, scale, GROUP: tl.constexpr, TILED: tl.constexpr,
                       K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      PREC: tl.constexpr, BLOCKED: tl.constexpr):
+                      BLOCKED: tl.constexpr):
     ci = tl.program_id(0)
     h = tl.program_id(1)
     kh = _k_head(h, tl.num_programs(1), GROUP, TILED)
@@ -96,9 +99,7 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, ccu_ptr, cseq_ptr, 
 def _half(k_ptr, g_ptr, beta_ptr, t, end, kh, h, ks, s_qt, s_qh, s_gt, eps, K_DIM: tl.constexpr):
     """16 rows of k (l2-normalised), g and beta from token t[0] on."""
     tm = t < end
-    k = tl.load(k_ptr + t[:, None] * s_qt + kh * s_qh + ks[None, :],
-                mask=tm[:, None] & (ks < K_DIM)[None, :], other=0.0).to(tl.float32)
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, 1) + eps))[:, None]
+    k = _l2_rows(k_ptr, t, tm, kh, ks, ks < K_DIM, s_qt, s_qh, eps)
     g = tl.load(g_ptr + t * s_gt + h, mask=tm, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + t * s_gt + h, mask=tm, other=0.0).to(tl.float32)
     return k, g, beta
@@ -238,7 +239,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     qk = torch.empty_like(inv)
     block_k = max(16, triton.next_power_of_2(k_dim))
     common = dict(GROUP=v_heads // k_heads, TILED=tiled, K_DIM=k_dim, BLOCK_K=block_k,
-                  BLOCK_T=block_t, PREC=prec)
+                  BLOCK_T=block_t)
     _gdn_chunk_kernel[(bound, v_heads)](
         q, k, g, beta, cu, ccu, cseq, inv, qk, q.stride(0), q.stride(1), g.stride(0), L2NORM_EPS,
         k_dim ** -0.5, BLOCKED=cfg.gdn_inverse_blocks, num_warps=cfg.gdn_chunk_num_warps,
@@ -247,6 +248,6 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         q, k, v, g, beta, state, slots, cu, ccu, inv, qk, out, q.stride(0), q.stride(1),
         v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1), state.stride(0),
         state.stride(1), state.stride(2), L2NORM_EPS, k_dim ** -0.5, V_DIM=v_dim,
-        BLOCK_V=block_v, num_warps=cfg.gdn_num_warps, num_stages=cfg.gdn_num_stages,
-        **common)
+        BLOCK_V=block_v, PREC=prec, num_warps=cfg.gdn_num_warps,
+        num_stages=cfg.gdn_num_stages, **common)
     return out

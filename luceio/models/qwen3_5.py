@@ -27,7 +27,7 @@ draft trees (a state per branch), speculative prefill, swap preemption and bound
 a cached prefix's KV would come without the state after it (state snapshots per block are not
 built). On GPUs the DeltaNet's decode step is three Triton launches
 (`kernels/delta_rule_triton.py`: conv + gates, the delta rule, the gated norm), its prefill's
-delta rule one launch for the varlen batch (`kernels/delta_rule_prefill_triton.py`, chunked;
+delta rule two launches for the varlen batch (`kernels/delta_rule_prefill_triton.py`, chunked;
 the causal conv stays the torch reference); a full-attention layer's norms, partial RoPE and KV
 write are one launch (`kernels/gated_qkv_triton.py`), every (1 + w) norm one launch with the
 residual add before it; decode steps replay CUDA graphs, prefill and verify steps run eagerly.
@@ -226,7 +226,7 @@ class GatedDeltaNet(nn.Module):
                                                 meta.query_start_loc, slots)
         q, k, v = self._heads(mixed)
         g, beta = delta_rule.gdn_gates(a, b, self.A_log, self.dt_bias)
-        if kernels.use_triton(x):  # one launch for the whole varlen batch
+        if kernels.use_triton(x):  # the whole varlen batch at once
             from ..kernels.delta_rule_prefill_triton import gdn_prefill
             o = gdn_prefill(q, k, v, g, beta, state, meta.query_start_loc, slots,
                             tiled=self.tiled)
