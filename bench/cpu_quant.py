@@ -39,7 +39,8 @@ def run_one(cfg: dict) -> dict:
     path = resolve_model(cfg["model"])
     t = time.perf_counter()
     llm = LLM(path, device="cpu", dtype=cfg["dtype"], quantization=cfg["quantization"],
-              cpu_threads=cfg["threads"], max_model_len=2048, enable_prefix_caching=False)
+              cpu_threads=cfg["threads"], max_model_len=2048, enable_prefix_caching=False,
+              cpu_activations=cfg.get("activations", "auto"))
     load_s = time.perf_counter() - t
     rss_loaded = psutil.Process().memory_info().rss
     tok = llm.get_tokenizer()
@@ -133,7 +134,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--kernels", action="store_true", help="per-qtype kernel times (above)")
-    ap.add_argument("--configs", default="auto:float32,auto:bfloat16,none:float32,none:bfloat16")
+    ap.add_argument("--configs", default="auto:float32,auto:bfloat16,none:float32,none:bfloat16",
+                    help="quantization:dtype[:cpu activations (auto, int16, int8)], ...")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu",
                                                   "cpu_quant.json"))
     a = ap.parse_args()
@@ -153,10 +155,11 @@ def main() -> None:
             results.setdefault("kernels", {})[model] = k = kernels(model, a.threads)
             print(model, "kernels", k, flush=True)
         for c in filter(None, a.configs.split(",")):
-            quant, dtype = c.split(":")
-            rows[f"luceio {quant} {dtype}"] = r = luceio(
+            quant, dtype, acts = (c.split(":") + ["auto"])[:3]
+            name = f"luceio {quant} {dtype}" + (f" {acts}" if acts != "auto" else "")
+            rows[name] = r = luceio(
                 {"model": model, "quantization": quant, "dtype": dtype, "threads": a.threads,
-                 "new": a.new})
+                 "new": a.new, "activations": acts})
             print(model, c, r, flush=True)
         ref = rows.get("llama.cpp", {})
         for name, r in rows.items():

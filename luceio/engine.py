@@ -27,6 +27,7 @@ from .engine_info import EngineStats, MemoryStats, ModelInfo, engine_stats, mode
 from .errors import QueueFullError
 from .infill_sampling import token_piece
 from .inputs import PromptType, split_prompt
+from .kernels.qdot_cpu import set_activations as set_cpu_activations
 from .loader import load_checkpoint
 from .loader.resolve import model_path
 from .output_processor import RequestState
@@ -56,6 +57,7 @@ class LLMEngine:
         dtype = args.resolved_dtype(device)
         if device.type == "cpu":
             torch.set_num_threads(args.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            set_cpu_activations(args.cpu_activations)
         ckpt = load_checkpoint(model_path(args.model)) if model is None else None
         self.model_config = ckpt.config if ckpt else {}
         self.generation_config = ckpt.generation_config if ckpt else {}

@@ -48,9 +48,10 @@ from .quant import QuantWeight
 try:
     import numba
 
+    from . import qdot8_kernels_cpu
     from .qdot_kernels_cpu import FIELDS, KINDS, dequant_kernel, matvec_kernel
 except ImportError:  # no numba: quant_cpu.py keeps torch's int4 packed kernel for every type
-    numba = None
+    numba = qdot8_kernels_cpu = None
     FIELDS = ("qs", "qh", "d", "m", "sc", "mn")
     KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 
@@ -59,6 +60,31 @@ _HALF_FIELDS = ("d", "m")
 
 def available() -> bool:
     return numba is not None
+
+
+def int8_available() -> bool:
+    """Whether `set_activations("int8")` can take effect: numba and AVX-512 VNNI."""
+    return numba is not None and qdot8_kernels_cpu.VNNI
+
+
+ACTIVATIONS = ["int16"]
+"""How `matvec` quantizes its activations: "int16" (the default; ~2e-5 relative) or "int8"
+(qdot8_kernels_cpu.py: AVX-512 VNNI, ~1e-3, as llama.cpp's CPU kernels). Process-wide, set
+from `--cpu-activations` by `set_activations`."""
+
+
+def set_activations(kind: str) -> str:
+    """Sets `ACTIVATIONS` ("auto": int8 where `int8_available`, else int16); returns the kind
+    in effect. "int8" on a CPU without VNNI is refused."""
+    if kind == "auto":
+        kind = "int8" if int8_available() else "int16"
+    if kind not in ("int16", "int8"):
+        raise ValueError(f"activations must be auto, int16 or int8, not {kind!r}")
+    if kind == "int8" and not int8_available():
+        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI "
+                         "(avx512vnni, avx512bw); this one lacks them")
+    ACTIVATIONS[0] = kind
+    return kind
 
 
 @dataclass
@@ -84,7 +110,7 @@ class CpuQuant:
 def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32) -> CpuQuant:
     """`w`'s arrays as views (no copy); compiles the kernels (or reads numba's cache) at the
     first call, so that loading, not the first request, pays for it."""
-    warm_up()
+    warm_up(ACTIVATIONS[0])
     n = w.shape[0]
     arrays = []
     for name in FIELDS:
@@ -111,14 +137,18 @@ def _q6_k_planes(qh: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def warm_up() -> None:
+def warm_up(activations: str = "int16") -> None:
+    """Compiles the kernels (or reads numba's cache): those of `activations` for `matvec`."""
     n, k = 4, 32
     w = CpuQuant("q8_0", (n, k), tuple(np.zeros((n, size), dtype) for size, dtype in (
         (k, np.uint8), (0, np.uint8), (1, np.uint16), (0, np.uint16), (0, np.uint8),
         (0, np.uint8))), torch.float32)
     x, out = np.zeros((2, k), np.float32), np.zeros((2, 2 * n), np.float32)
-    matvec(x, w, out[:, :n])  # a column slice (one part of a fused projection)
-    matvec(x, w, out[:, :n].copy())
+    kernel, bits = ((qdot8_kernels_cpu.matvec8_kernel, 8) if activations == "int8" else
+                    (matvec_kernel, 16))
+    for rows in (2, 1):  # a column slice (one part of a fused projection), then a whole buffer
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n])
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n].copy())
     dequantize_rows(w, 0, np.zeros((n, k), np.float32))
     dequantize_rows(w, 0, np.zeros((n, k), np.uint16))
 
@@ -131,20 +161,27 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
     if rows == 0:  # the kernel's one-row branch would write row 0 (a prefill chunk that is not
         return     # a prompt's last asks the LM head for no rows)
     use_torch_threads()
-    matvec_kernel(w.kind, *w.arrays, x, *_scratch(rows if rows == 1 else -(-rows // 4) * 4, k), out)
+    padded = rows if rows == 1 else -(-rows // 4) * 4
+    if ACTIVATIONS[0] == "int8":
+        qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out)
+    else:
+        matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out)
 
 
-_SCRATCH: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+_SCRATCH: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
 
 
-def _scratch(rows: int, k: int) -> tuple[np.ndarray, ...]:
-    """The quantized activations' buffers (xq, dx, xsum), reused from call to call (an
-    allocation per call costs as much as a small matmul): one caller at a time, as the model
-    runner is."""
-    bufs = _SCRATCH.get((rows, k))
+def _scratch(rows: int, k: int, bits: int) -> tuple[np.ndarray, ...]:
+    """The quantized activations' buffers (xq, dx, xsum, and for int8 qsum), reused from call
+    to call (an allocation per call costs as much as a small matmul): one caller at a time, as
+    the model runner is."""
+    bufs = _SCRATCH.get((rows, k, bits))
     if bufs is None:
-        bufs = _SCRATCH[rows, k] = (np.zeros((rows, k), np.int16), np.ones((rows, k // 32), np.float32),
-                                    np.zeros((rows, k // 32), np.float32))
+        bufs = (np.zeros((rows, k), np.int16 if bits == 16 else np.int8),
+                np.ones((rows, k // 32), np.float32), np.zeros((rows, k // 32), np.float32))
+        if bits == 8:
+            bufs += (np.zeros((rows, k // 16), np.float32),)
+        _SCRATCH[rows, k, bits] = bufs
     return bufs
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..kernels.qdot_cpu import set_activations as set_cpu_activations
 from .plan import StagePlan, choose_transport, layer_ranges, nccl_vendor, parse_dist_init
 from .timing import PhaseTimer, step_kind
 from .wire import Link
@@ -115,6 +116,7 @@ def run_worker(spec: WorkerSpec) -> None:
         device = link.device
         if device.type == "cpu":  # stages compute one after another: no oversubscription
             torch.set_num_threads(spec.args.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            set_cpu_activations(spec.args.cpu_activations)
         dtype = spec.args.resolved_dtype(device)
         model, identity, error = _load(spec, device, dtype)
         wanted = [None]
