@@ -93,11 +93,10 @@ def test_quantize_groups_is_its_definition():
 def test_matvec_equals_the_exact_dot_of_its_quantized_activations(qtype, m):
     for n, k in shapes(qtype):
         w = random_quant_weight(qtype, n, k, generator=torch.Generator().manual_seed(m + n))
-        cw = qd.prepare(w)
+        cw = qd.prepare(w, activations="int8")
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).numpy()
         buf = np.full((m, n + 5), np.nan, np.float32)
-        with activations("int8"):
-            qd.matvec(x, cw, buf[:, 2:2 + n])
+        qd.matvec(x, cw, buf[:, 2:2 + n])
         y = torch.from_numpy(buf[:, 2:2 + n]).double()
         assert np.isnan(buf[:, :2]).all() and np.isnan(buf[:, -3:]).all()
         xq, dx, _, _ = quantized_x(x)
@@ -122,12 +121,11 @@ def test_negative_control_wrong_type(qtype, wrong):
     """Reading a weight as a type that drops its high bits, its offset or its sign fails."""
     n, k = shapes(qtype)[0]
     w = random_quant_weight(qtype, n, k, generator=torch.Generator().manual_seed(1))
-    cw = qd.prepare(w)
-    bad = qd.CpuQuant(wrong, cw.shape, cw.arrays, cw.out_dtype)
+    cw = qd.prepare(w, activations="int8")
+    bad = qd.CpuQuant(wrong, cw.shape, cw.arrays, cw.out_dtype, "int8")
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
     y = np.empty((2, n), np.float32)
-    with activations("int8"):
-        qd.matvec(x.numpy(), bad, y)
+    qd.matvec(x.numpy(), bad, y)
     wd = dequantize(w).double()
     a = magnitude(w).double()
     step = x.abs().view(2, -1, 32).amax(-1).repeat_interleave(32, dim=1).double() / 127
@@ -150,11 +148,12 @@ def test_set_activations_refuses_what_the_cpu_cannot_run(monkeypatch):
 @vnni
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_decodes_on_int8_activations(tmp_path, arch, monkeypatch):
-    """`--cpu-activations int8` reaches the kernels: every projection of a CPU decode step runs
-    the int8 kernel, the step differs from the same step on int16 activations (same KV, same
-    batch) by int8's rounding carried through a tiny random model (measured: 0.030 llama,
-    0.16 qwen2, from per-projection differences of 0.6-2.6%; test_matvec_* above hold each
-    product to its bound), and the engine generates."""
+    """`--cpu-activations int8` reaches the kernels: every projection of the int8 engine's CPU
+    decode step runs the int8 kernel (an int16 engine loaded beside it keeps its own), the
+    step differs from the int16 engine's on the same batch and KV by int8's rounding carried
+    through a tiny random model (measured: 0.030 llama, 0.16 qwen2, from per-projection
+    differences of 0.6-2.6%; test_matvec_* above hold each product to its bound), and the
+    engine generates."""
     pytest.importorskip("gguf")
     from conftest import engine_kwargs
     from test_cpu_decode import _decode_batch
@@ -165,30 +164,25 @@ def test_engine_decodes_on_int8_activations(tmp_path, arch, monkeypatch):
     path = tmp_path / "q.gguf"
     _write_gguf(path, arch, MIXED)
     with activations("int16"):
-        llm = LLM(str(path), quantization="auto",
-                  **engine_kwargs(max_model_len=256, cpu_activations="int8"))
-        assert qd.ACTIVATIONS == ["int8"]
+        llms = {kind: LLM(str(path), quantization="auto",
+                          **engine_kwargs(max_model_len=256, cpu_activations=kind))
+                for kind in ("int8", "int16")}
+    calls = {"int8": 0, "int16": 0}
+    for module, name, kind in ((qd.qdot8_kernels_cpu, "matvec8_kernel", "int8"),
+                               (qd, "matvec_kernel", "int16")):
+        monkeypatch.setattr(module, name, lambda *a, _r=getattr(module, name), _k=kind:
+                            calls.__setitem__(_k, calls[_k] + 1) or _r(*a))
+    hidden = {}
+    for kind, llm in llms.items():
         runner = llm.engine.runner
-        ids, pos, meta = _decode_batch(runner, [5, 37, 20], seed=0)
-        before = [kv.clone() for kv in runner.kv_caches]
-        calls = {"int8": 0, "int16": 0}
-        for name, key in (("matvec8_kernel", "int8"), ("matvec_kernel", None)):
-            module = qd.qdot8_kernels_cpu if key else qd
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _r=real, _k=key or "int16":
-                                calls.__setitem__(_k, calls[_k] + 1) or _r(*a))
-        hidden = {}
-        for kind in ("int8", "int16"):
-            qd.ACTIVATIONS[0] = kind
-            for kv, b in zip(runner.kv_caches, before):
-                kv.copy_(b)
-            with torch.inference_mode():
-                hidden[kind] = runner.cpu_decoder(ids, pos, meta).clone()
-        layers = runner.cfg.num_layers
-        assert calls["int8"] == calls["int16"] >= 4 * layers  # qkv, o, gate_up, down (or parts)
-        rel = float((hidden["int8"] - hidden["int16"]).norm() / hidden["int16"].norm())
-        assert 1e-5 < rel < 0.5, rel
-        qd.ACTIVATIONS[0] = "int8"
-        out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8,
-                                                     ignore_eos=True))
-        assert len(out[0].outputs[0].token_ids) == 8
+        ids, pos, meta = _decode_batch(runner, [5, 37, 20], seed=0)  # the same KV and batch
+        with torch.inference_mode():
+            hidden[kind] = runner.cpu_decoder(ids, pos, meta).clone()
+        assert calls[kind] >= 4 * runner.cfg.num_layers  # qkv, o, gate_up, down (or parts)
+        assert calls["int8" if kind == "int16" else "int16"] == 0
+        calls[kind] = 0
+    rel = float((hidden["int8"] - hidden["int16"]).norm() / hidden["int16"].norm())
+    assert 1e-5 < rel < 0.5, rel
+    out = llms["int8"].generate(["hello"], SamplingParams(temperature=0, max_tokens=8,
+                                                          ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8 and calls["int8"] > 0

@@ -60,6 +60,10 @@ def matvec_bound(x: torch.Tensor, w) -> torch.Tensor:
     return (step.double() / 2) @ a.t() + x.shape[1] * 2.0 ** -24 * (x.double().abs() @ a.t())
 
 
+ACTIVATIONS = ["int16"] + (["int8"] if qd.int8_available() else [])
+"""The matvec kernels this CPU runs (int8: AVX-512 VNNI, tests/test_qdot8_cpu.py)."""
+
+
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double() @ w.double().t()
 
@@ -165,7 +169,8 @@ def test_prefill_rows_take_the_dense_path(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")
-def test_kernels_read_nothing_past_their_arrays():
+@pytest.mark.parametrize("acts", ACTIVATIONS)
+def test_kernels_read_nothing_past_their_arrays(acts):
     """The hand-written vector code has no bounds checks: every weight array and x is placed so
     it ends right before an unreadable page, and matvec (N not a multiple of the 4-row blocks,
     M from 1 to 5) and dequantize_rows run without a fault and give the same numbers."""
@@ -187,10 +192,11 @@ def test_kernels_read_nothing_past_their_arrays():
         return out
 
     for qtype in qd.KINDS:
-        for n, k in ((7, 256), (13, 512), (1, 256)):
-            cw = qd.prepare(random_quant_weight(qtype, n, k))
+        odd = () if qtype.endswith("_k") else ((5, 32 * 11),)  # a block of 8 groups, then 3 alone
+        for n, k in ((7, 256), (13, 512), (1, 256)) + odd:
+            cw = qd.prepare(random_quant_weight(qtype, n, k), activations=acts)
             fenced = qd.CpuQuant(cw.qtype, cw.shape, tuple(at_page_end(a) for a in cw.arrays),
-                                 cw.out_dtype)
+                                 cw.out_dtype, acts)
             for m in (1, 3, 5):
                 x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
                 got, want = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)
@@ -203,7 +209,8 @@ def test_kernels_read_nothing_past_their_arrays():
             assert np.array_equal(rows, want), (qtype, n, k)
 
 
-def test_matvec_writes_only_its_rows():
+@pytest.mark.parametrize("acts", ACTIVATIONS)
+def test_matvec_writes_only_its_rows(acts):
     """The kernel has no bounds checks on its output either: matvec's result rows are a view
     into a larger buffer filled with a sentinel, which must be left as it was past the M rows,
     for M = 0 too (a prefill chunk that is not a prompt's last computes the logits of no rows:
@@ -211,7 +218,7 @@ def test_matvec_writes_only_its_rows():
     real 1.5B serving a 4K-token prompt in two chunks)."""
     for qtype in qd.KINDS:
         n, k = 13, 256
-        cw = qd.prepare(random_quant_weight(qtype, n, k))
+        cw = qd.prepare(random_quant_weight(qtype, n, k), activations=acts)
         for m in (0, 1, 2, 5):
             x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
             buf = np.full((m + 4, n), 7.0, np.float32)

