@@ -26,7 +26,8 @@ from .models.expert_offload import ExpertOffload
 from .models.hybrid_verify import KeptStates
 from .models.moe import routes_on_host
 from .cache.host_store import HostKVStore, QueryProbe
-from .memory import Staging, StateSlots, kv_bytes_per_block, return_freed_heap, zeros_pool
+from .memory import (Staging, StateSlots, keep_freed_heap, kv_bytes_per_block, return_freed_heap,
+                     zeros_pool)
 from .scheduler import SchedulerOutput
 from .step_inputs import DeviceTokenIds, HostBatch, StepInputs, in_inference_mode  # noqa: F401
 
@@ -108,6 +109,7 @@ class ModelRunner:
                 CpuDecoder.for_stage(self.model, self.kv_caches, stages.layer_range)
         if device.type == "cpu":
             return_freed_heap()
+            keep_freed_heap()  # steps reuse their activations' pages: no page faults
         offloaded = (self.expert_offload is not None and self.expert_offload.active
                      and not in_place) or routes_on_host(self.model)  # routing on the host
         if offloaded and device.type == "cuda":
