@@ -33,8 +33,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I32, BLOCK, CHUNK, KINDS, _bit_plane, _by_kind,
-                               _call, _const, _fadd, _fmul, _hsum, _load, _nibbles, _prefetch,
-                               _row_pointers, _scales, _vec, _widen)
+                               _call, _const, _fadd, _fmul, _load, _nibbles, _prefetch,
+                               _row_pointers, _run_blocks, _scales, _vec, _widen)
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
@@ -158,15 +158,7 @@ def dot8_intrinsic(qtype, wrows, xrows):
                         scale = _pair_lanes(b, lanes[id(p), id(x)], i // 2, halves, last)
                         b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
 
-            blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
-            with cgutils.for_range(b, blocks) as loop:
-                run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
-            rest = b.mul(blocks, ir.Constant(groups.type, BLOCK))
-            with cgutils.for_range(b, groups, start=rest) as loop:
-                run(loop.index, 1)
-            sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
-                    for acc, off in zip(acc_p, off_p)]
-            return context.make_tuple(b, sig.return_type, sums)
+            return _run_blocks(context, b, sig, groups, run, acc_p, off_p)
         out = types.UniTuple(types.float32, wrows * xrows)
         return out(qs, qh, d, m, sc, mn, xq, dx, xsum, qsum), codegen
     return block_dot

@@ -243,18 +243,25 @@ def dot_intrinsic(qtype, wrows, xrows):
                         scale = _lane(b, lanes[id(p), id(x)], i, 16, halves)
                         b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
 
-            blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
-            with cgutils.for_range(b, blocks) as loop:
-                run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
-            rest = b.mul(blocks, ir.Constant(groups.type, BLOCK))
-            with cgutils.for_range(b, groups, start=rest) as loop:
-                run(loop.index, 1)
-            sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
-                    for acc, off in zip(acc_p, off_p)]
-            return context.make_tuple(b, sig.return_type, sums)
+            return _run_blocks(context, b, sig, groups, run, acc_p, off_p)
         out = types.UniTuple(types.float32, wrows * xrows)
         return out(qs, qh, d, m, sc, mn, xq, dx, xsum), codegen
     return block_dot
+
+
+def _run_blocks(context, b, sig, groups, run, acc_p, off_p):
+    """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then the rest one by one;
+    returns the intrinsic's tuple: per (weight row, activation row) its accumulator's lanes
+    plus its offset lanes, summed."""
+    blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
+    with cgutils.for_range(b, blocks) as loop:
+        run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
+    rest = b.mul(blocks, ir.Constant(groups.type, BLOCK))
+    with cgutils.for_range(b, groups, start=rest) as loop:
+        run(loop.index, 1)
+    sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
+            for acc, off in zip(acc_p, off_p)]
+    return context.make_tuple(b, sig.return_type, sums)
 
 
 def _widen(b, v, n):
