@@ -59,6 +59,35 @@ def _ucodes(qtype, b, p, g):
     return q
 
 
+def _ucodes_pair(qtype, b, p, g):
+    """Groups g and g + 1 of one row's codes as <64 x i8> (as `_ucodes`), unpacked with 64-byte
+    vectors: one load of both groups' nibbles (32 bytes), one mask, one shift, one shuffle, and
+    each bit plane of both groups as one <64 x i1> select."""
+    if qtype == "q8_0":
+        return _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
+    both = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 16)), _I8, 32)
+    lo = b.and_(both, _const(_I8, 32, 15))
+    hi = b.lshr(both, _const(_I8, 32, 4))  # group g: lo[:16], hi[:16]; g + 1: lo[16:], hi[16:]
+    q = b.shuffle_vector(lo, hi, _const(_I32, 64, [*range(16), *range(32, 48), *range(16, 32),
+                                                   *range(48, 64)]))
+    if qtype in ("q5_0", "q5_1", "q5_k"):  # both groups' 32-bit planes are adjacent
+        bits = _load(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), ir.IntType(64))
+        q = b.or_(q, _plane_select(b, bits, 16))
+    if qtype == "q6_k":  # [plane 0, plane 1] of g, then of g + 1 (`_q6_k_planes`)
+        at = b.mul(g, ir.Constant(g.type, 8))
+        both = _load(b, p["qh"], at, _I32, 4)
+        for plane, value in ((0, 16), (1, 32)):
+            pair = b.shuffle_vector(both, both, _const(_I32, 2, [plane, plane + 2]))
+            q = b.or_(q, _plane_select(b, b.bitcast(pair, ir.IntType(64)), value))
+    return q
+
+
+def _plane_select(b, bits, value):
+    """64 bits (bit j for code j) -> <64 x i8> of 0 or value."""
+    mask = b.bitcast(bits, _vec(ir.IntType(1), 64))
+    return b.select(mask, _const(_I8, 64, value), _const(_I8, 64, 0))
+
+
 def _dpbusd(b, u, s):
     """<64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
     4j..4j+3's products."""
@@ -136,10 +165,12 @@ def dot8_intrinsic(qtype, wrows, xrows):
                     g = b.add(g0, ir.Constant(g0.type, i))
                     codes = {}
                     for p in rows:
-                        c = _ucodes(qtype, b, p, g)
-                        c1 = (ir.Constant(c.type, [0] * 32) if last else
-                              _ucodes(qtype, b, p, b.add(g, ir.Constant(g.type, 1))))
-                        codes[id(p)] = b.shuffle_vector(c, c1, _const(_I32, 64, range(64)))
+                        if last:
+                            c = _ucodes(qtype, b, p, g)
+                            codes[id(p)] = b.shuffle_vector(c, ir.Constant(c.type, [0] * 32),
+                                                            _const(_I32, 64, range(64)))
+                        else:
+                            codes[id(p)] = _ucodes_pair(qtype, b, p, g)
                         _prefetch(qtype, b, p, g)
                         if not last:
                             _prefetch(qtype, b, p, b.add(g, ir.Constant(g.type, 1)))
