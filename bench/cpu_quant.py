@@ -10,8 +10,9 @@ bench/results/cpu/cpu_quant.json and prints a table.
 
 `--kernels` adds, per model, the time of one decode step's linear layers (every quantized
 tensor of the GGUF, the LM head included, M = 1) on each CPU kernel: qdot_cpu.py (each type
-in its own bits, int16-quantized activations) and torch's int4 packed kernel (two 4-bit planes
-for the 5-, 6- and 8-bit types, bf16 activations), alternating, by qtype (medians of 5).
+in its own bits, int16-quantized activations; and int8-quantized ones where the CPU has AVX-512
+VNNI) and torch's int4 packed kernel (two 4-bit planes for the 5-, 6- and 8-bit types, bf16
+activations), alternating, by qtype (medians of 5).
 """
 from __future__ import annotations
 
@@ -80,10 +81,13 @@ def kernels(model: str, threads: int, reps: int = 5) -> dict:
 
     torch.set_num_threads(threads)
     weights = list(gguf_linears(model))
-    forms = {"qdot": [qdot_cpu.prepare(w, torch.float32) for w in weights],
+    forms = {"qdot": [qdot_cpu.prepare(w, torch.float32, "int16") for w in weights],
              "int4pack": [quant_cpu.pack_int4(w, torch.bfloat16) for w in weights]}
+    if qdot_cpu.int8_available():
+        forms["qdot_int8"] = [qdot_cpu.prepare(w, torch.float32, "int8") for w in weights]
     xs = {k: torch.randn(1, k) for k in {w.shape[1] for w in weights}}
     run = {"qdot": lambda w: quant_cpu.qdot_linear(xs[w.shape[1]], w),
+           "qdot_int8": lambda w: quant_cpu.qdot_linear(xs[w.shape[1]], w),
            "int4pack": lambda w: quant_cpu.packed_mm(xs[w.shape[1]].bfloat16(), w)}
     times = {name: collections.defaultdict(list) for name in forms}
     for r in range(reps + 1):
@@ -101,6 +105,8 @@ def kernels(model: str, threads: int, reps: int = 5) -> dict:
         ms = {name: round(statistics.median(times[name][qtype]) * 1e3, 2) for name in forms}
         out[qtype] = {"tensors": sum(w.qtype == qtype for w in weights), "ms": ms,
                       "int4pack_over_qdot": round(ms["int4pack"] / ms["qdot"], 2)}
+        if "qdot_int8" in ms:
+            out[qtype]["int16_over_int8"] = round(ms["qdot"] / ms["qdot_int8"], 2)
     out["MiB"] = {name: round(sum(w.nbytes for w in ws) / 2**20, 1) for name, ws in forms.items()}
     out["load_avg"] = round(os.getloadavg()[0], 2)
     return out

@@ -29,8 +29,8 @@ two 16-lane halves): 2.1-3.6x faster per call on in-cache matrices (AVX-512, one
 
 With `activations="int8"` (CPUs with AVX-512 VNNI; `--cpu-activations`, by default where the
 CPU has it) x is rounded to int8 instead and one `vpdpbusd` multiplies two groups
-(qdot8_kernels_cpu.py): outputs ~1-2% off in norm, as llama.cpp's CPU kernels', and 1.2-1.3x
-faster per call.
+(qdot8_kernels_cpu.py): outputs ~1-2% off in norm, as llama.cpp's CPU kernels', and 1.2-1.5x
+less time for a decode step's matrices of most types (`bench/cpu_quant.py --kernels`).
 
 Why explicit vectors. numba's loop vectorizer does not vectorize a 32-element group loop (it is
 fully unrolled first and numba leaves the SLP vectorizer off) and widens integer arithmetic to
