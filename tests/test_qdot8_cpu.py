@@ -68,8 +68,8 @@ def quantized_x(x: np.ndarray):
 
 @vnni
 def test_quantize_groups_is_its_definition():
-    """xq = round(x / dx) within +-127, dx = max|x| / 127 (one step of slack where fp32 ties
-    round either way), xsum the fp32 sum, qsum = dx sum(xq) per 16; an all-zero group is
+    """xq = round(x / dx) within +-127 (to half a step, plus fp32 rounding), dx = max|x| / 127,
+    xsum the fp32 sum, qsum = dx sum(xq) per 16; an all-zero group is
     zeros with dx 1."""
     x = np.random.default_rng(0).standard_normal((3, 96), dtype=np.float32)
     x[1, 32:64] = 0
