@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, write_json  # noqa: E402
+from common import env_info, timed_decode, write_json  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -43,14 +43,10 @@ def run(llm, ids, new):
 def decode_rate(llm, ids, new):
     """tok/s of one request's decode steps (the first token, after the prefill, excluded)."""
     from luceio import SamplingParams
-    eng = llm.engine
-    eng.add_request("rate", {"prompt_token_ids": ids},
-                    SamplingParams(temperature=0, max_tokens=new + 1, ignore_eos=True))
-    eng.step()
-    n0, t = eng.counters["generation_tokens"], time.perf_counter()
-    while eng.has_unfinished_requests():
-        eng.step()
-    return (eng.counters["generation_tokens"] - n0) / (time.perf_counter() - t)
+    llm.engine.add_request("rate", {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0, max_tokens=new + 1, ignore_eos=True))
+    steps, seconds = timed_decode(llm.engine)  # a token a step: no speculation here
+    return steps / seconds
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ activations gives ~0.1%, for int16 ~0.005%), as with llama.cpp's CPU kernels, wh
 same way. tests/test_qdot8_cpu.py checks the kernels against the exact dot of the same
 quantized activations (to fp32 rounding) and bounds the loss against fp32.
 
-The IR helpers (code unpacking, scales, prefetch, loops over rows) are qdot_kernels_cpu.py's.
+The IR helpers (code unpacking, scales, prefetch, loops over rows) and `group_step` (the
+activation groups' statistics) are qdot_kernels_cpu.py's.
 numba's on-disk cache of these kernels is invalidated by changes to this file only: after
 editing those helpers, touch this file too.
 """
@@ -37,7 +38,7 @@ from numba.extending import intrinsic
 
 from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I32, BLOCK, CHUNK, KINDS, _bit_plane, _by_kind,
                                _call, _const, _fadd, _fmul, _load, _nibbles, _prefetch,
-                               _row_pointers, _run_blocks, _scales, _vec, _widen)
+                               _row_pointers, _run_blocks, _scales, _vec, _widen, group_step)
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
@@ -209,13 +210,7 @@ def _quantize_groups8(x, xq, dx, xsum, qsum):
     (dx times the sum of xq over each 16 codes)."""
     for i in range(x.shape[0]):
         for g in range(x.shape[1] // 32):
-            top = np.float32(0)
-            total = np.float32(0)
-            for j in range(32):
-                top = max(top, abs(x[i, g * 32 + j]))
-                total += x[i, g * 32 + j]
-            step = top / np.float32(127) if top > 0 else np.float32(1)
-            dx[i, g], xsum[i, g] = step, total
+            step = group_step(x, i, g, 127, dx, xsum)
             inv = np.float32(1) / step
             for h in range(2):
                 s = 0

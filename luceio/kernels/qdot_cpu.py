@@ -72,6 +72,12 @@ def int8_available() -> bool:
     return numba is not None and qdot8_kernels_cpu.VNNI
 
 
+def _check_int8(kind: str) -> None:
+    if kind == "int8" and not int8_available():
+        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI "
+                         "(avx512vnni, avx512bw); this one lacks them")
+
+
 ACTIVATIONS = ["int16"]
 """How `matvec` quantizes the activations of the weights `prepare`d from now on: "int16" (~2e-5
 relative) or "int8" (qdot8_kernels_cpu.py: AVX-512 VNNI; ~1% as llama.cpp's CPU kernels).
@@ -86,9 +92,7 @@ def set_activations(kind: str) -> str:
         kind = "int8" if int8_available() else "int16"
     if kind not in ("int16", "int8"):
         raise ValueError(f"activations must be auto, int16 or int8, not {kind!r}")
-    if kind == "int8" and not int8_available():
-        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI "
-                         "(avx512vnni, avx512bw); this one lacks them")
+    _check_int8(kind)
     ACTIVATIONS[0] = kind
     return kind
 
@@ -121,8 +125,7 @@ def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32,
     compiles the kernels (or reads numba's cache) at the first call, so that loading, not the
     first request, pays for it."""
     activations = activations or ACTIVATIONS[0]
-    if activations == "int8" and not int8_available():
-        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI")
+    _check_int8(activations)
     warm_up(activations)
     n = w.shape[0]
     arrays = []

@@ -347,19 +347,27 @@ def dequant_kernel(kind, qs, qh, d, m, sc, mn, start, out):
         _row_dequant(kind, qs[n], qh[n], d[n], m[n], sc[n], mn[n], out[r])
 
 
+@njit(nogil=True, fastmath=True)
+def group_step(x, i, g, levels, dx, xsum):
+    """Group g of row i of x: its rounding step max|x| / levels (1 for an all-zero group) into
+    dx[i, g], its fp32 sum into xsum[i, g]; returns the step (both quantizers' statistics)."""
+    top = np.float32(0)
+    total = np.float32(0)
+    for j in range(32):
+        top = max(top, abs(x[i, g * 32 + j]))
+        total += x[i, g * 32 + j]
+    step = top / np.float32(levels) if top > 0 else np.float32(1)
+    dx[i, g], xsum[i, g] = step, total
+    return step
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def _quantize_groups(x, xq, dx, xsum):
     """x fp32 [M, K] -> xq int16 [M, K], dx and xsum fp32 [M, K/32] (see the module
     docstring)."""
     for i in range(x.shape[0]):
         for g in range(x.shape[1] // 32):
-            top = np.float32(0)
-            total = np.float32(0)
-            for j in range(32):
-                top = max(top, abs(x[i, g * 32 + j]))
-                total += x[i, g * 32 + j]
-            step = top / np.float32(32767) if top > 0 else np.float32(1)
-            dx[i, g], xsum[i, g] = step, total
+            step = group_step(x, i, g, 32767, dx, xsum)
             inv = np.float32(1) / step
             for j in range(32):
                 xq[i, g * 32 + j] = np.int16(np.round(x[i, g * 32 + j] * inv))
