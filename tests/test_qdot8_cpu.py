@@ -38,10 +38,11 @@ def activations(kind: str):
 
 
 def shapes(qtype: str) -> list[tuple[int, int]]:
-    """N odd; K of whole 8-group blocks, and (32-element types) of a block plus an odd tail."""
+    """N odd; K of whole 8-group blocks, and (32-element types) of a block, half a block and
+    a tail of two groups, of half a block alone, of a tail alone (`QUARTERS`)."""
     if qtype.endswith("_k"):
         return [(37, 768), (5, 256)]
-    return [(37, 32 * 11), (6, 32 * 16), (3, 32)]
+    return [(37, 32 * 14), (6, 32 * 16), (5, 32 * 4), (3, 32 * 3)]
 
 
 def offsets(w) -> torch.Tensor:
@@ -63,15 +64,16 @@ def quantized_x(x: np.ndarray):
     xq, dx = np.zeros((m, k), np.int8), np.zeros((m, k // 32), np.float32)
     xsum, qsum = np.zeros((m, k // 32), np.float32), np.zeros((m, k // 16), np.float32)
     q8._quantize_groups8(x, xq, dx, xsum, qsum)
-    return xq, dx, xsum, qsum
+    return q8.natural_order(xq), dx, xsum, qsum
 
 
 @vnni
 def test_quantize_groups_is_its_definition():
     """xq = round(x / dx) within +-127 (to half a step, plus fp32 rounding), dx = max|x| / 127,
     xsum the fp32 sum, qsum = dx sum(xq) per 16; an all-zero group is
-    zeros with dx 1."""
-    x = np.random.default_rng(0).standard_normal((3, 96), dtype=np.float32)
+    zeros with dx 1. K = 14 groups: a block, half a block and two groups in order; xq read back
+    through `natural_order` (whose inverse the kernels read: test_matvec_... below)."""
+    x = np.random.default_rng(0).standard_normal((3, 32 * 14), dtype=np.float32)
     x[1, 32:64] = 0
     x[2, :32] *= 1e-30  # tiny values: no division by zero, no overflow
     xq, dx, xsum, qsum = quantized_x(x)

@@ -5,16 +5,24 @@ The activations are quantized per group of 32 to int8 (xq = round(x / dx), dx = 
 as llama.cpp's CPU kernels do); the weights' codes enter unsigned, before their offset, so one
 `vpdpbusd` multiplies two groups (64 codes) where the int16 path (qdot_kernels_cpu.py) needs a
 widening and a `pmaddwd` per group. The offset comes back exactly through the group's integer
-sum of xq: sum (q - o) xq = sum q xq - o sum xq. Both groups of a pair are unpacked at once
-in 64-byte vectors (`_ucodes_pair`: one load of their nibbles, one mask, one shift, one shuffle,
-each bit plane one select), which took 25-30% off a call's time in cache and q6_k from DRAM
-from 28-35 to 40-45 GB/s (2 threads, Zen 5). So per pair of groups:
+sum of xq: sum (q - o) xq = sum q xq - o sum xq.
+
+Block order. A block of 8 groups (256 codes) goes as four 64-byte vectors (`QUARTERS`):
+vector 2c + h holds codes 16h .. 16h + 16 of groups 4c .. 4c + 4, which is how the nibbles of
+four groups come out of one 64-byte load (mask: codes 0-15 of each, shift: codes 16-31), and
+`_quantize_groups8` stores the activations in that order. `vpdpbusd` lanes 4j .. 4j + 3 are
+then group j of the four in both vectors of a c, so their products add in the int32
+accumulator (the instruction's own add) and a block costs two conversions and two multiplies
+per row where pairs of groups in order cost four of each and a shuffle per pair (the q4_k
+block loop of 4 rows: 266 -> 170 instructions; 2,048 x 1,536 in cache 50 -> 57 GB/s, Zen 5).
+Half a block (4 groups) goes the same way; the last 0-3 groups of a row one at a time. Per
+block:
 
   q4_0, q5_0   codes q (nibbles, fifth bit)        + d * dx * (-o) * sum(xq)   (o = 8, 16)
   q4_1, q5_1   codes q                             + m * sum(x)   (fp32 sum, as the int16 path)
   q4_k, q5_k   codes q                             - dmin mn * sum(x)
   q6_k         codes q (six bits)                  + (d sc) * dx * (-32) * sum(xq) per 16
-  q8_0         |q| times xq with q's sign (codes are signed; xq is within +-127)
+  q8_0         q + 128 (its bytes, sign bit flipped) + d * dx * (-128) * sum(xq)
 
 Every integer sum is exact; what int8 activations lose is the rounding of xq, up to
 max|x of the group| / 254 per element, 258x the int16 path's step: a projection's output moves
@@ -36,23 +44,30 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I32, BLOCK, CHUNK, KINDS, _bit_plane, _by_kind,
+from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, CHUNK, KINDS, _bit_plane, _by_kind,
                                _call, _const, _fadd, _fmul, _load, _nibbles, _prefetch,
                                _row_pointers, _run_blocks, _scales, _vec, _widen, group_step)
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
-OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
-"""The code offsets taken back through sum(xq) (q6_k: per 16 codes)."""
+OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32, "q8_0": 128}
+"""The code offsets taken back through sum(xq) (q6_k: per 16 codes; q8_0's codes enter as
+q + 128)."""
+QUARTERS = ((0, 0), (0, 1), (1, 0), (1, 1))
+"""Block order: a block of 8 groups (256 codes) as four vectors of 64, vector 2c + h holding
+codes 16h .. 16h + 16 of groups 4c .. 4c + 4, group by group; `_quantize_groups8` stores the
+activations of whole blocks in this order, and of half a block (the first two vectors) where 4
+to 7 groups are left after them (K = 896: 3 blocks and a half); the last 0-3 groups in order."""
 _LANES = 2 * BLOCK
 """Width of the offset accumulator: one lane per group, or per half group for q6_k."""
 
 
 def _ucodes(qtype, b, p, g):
-    """Group g of one row's codes as <32 x i8>: unsigned and before the offset, except q8_0's,
-    which are its signed bytes."""
+    """Group g of one row's codes as <32 x i8>, unsigned and before the offset (q8_0's: its
+    signed bytes plus 128, `OFFSET`)."""
     if qtype == "q8_0":
-        return _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
+        q = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
+        return b.xor(q, _const(_I8, 32, 0x80))
     q = _nibbles(b, p["qs"], g)
     if qtype in ("q5_0", "q5_1", "q5_k"):
         q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
@@ -63,27 +78,44 @@ def _ucodes(qtype, b, p, g):
     return q
 
 
-def _ucodes_pair(qtype, b, p, g):
-    """Groups g and g + 1 of one row's codes as <64 x i8> (as `_ucodes`), unpacked with 64-byte
-    vectors: one load of both groups' nibbles (32 bytes), one mask, one shift, one shuffle, and
-    each bit plane of both groups as one <64 x i1> select."""
+def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
+    """Groups g0 .. g0 + 8 of one row (a block) as four <64 x i8> in block order (`QUARTERS`;
+    the first two: half a block, groups g0 .. g0 + 4),
+    unsigned and before the offset as `_ucodes`: the nibble types' 128 bytes are two 64-byte
+    loads, each one mask and one shift; q8_0's 256 bytes four loads and two qword shuffles per
+    pair; a fifth or sixth bit's planes one 16-bit shuffle and one select per vector."""
     if qtype == "q8_0":
-        return _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
-    both = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 16)), _I8, 32)
-    lo = b.and_(both, _const(_I8, 32, 15))
-    hi = b.lshr(both, _const(_I8, 32, 4))  # group g: lo[:16], hi[:16]; g + 1: lo[16:], hi[16:]
-    q = b.shuffle_vector(lo, hi, _const(_I32, 64, [*range(16), *range(32, 48), *range(16, 32),
-                                                   *range(48, 64)]))
-    if qtype in ("q5_0", "q5_1", "q5_k"):  # both groups' 32-bit planes are adjacent
-        bits = _load(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), ir.IntType(64))
-        q = b.or_(q, _plane_select(b, bits, 16))
-    if qtype == "q6_k":  # [plane 0, plane 1] of g, then of g + 1 (`_q6_k_planes`)
-        at = b.mul(g, ir.Constant(g.type, 8))
-        both = _load(b, p["qh"], at, _I32, 4)
-        for plane, value in ((0, 16), (1, 32)):
-            pair = b.shuffle_vector(both, both, _const(_I32, 2, [plane, plane + 2]))
-            q = b.or_(q, _plane_select(b, b.bitcast(pair, ir.IntType(64)), value))
-    return q
+        at = b.mul(g0, ir.Constant(g0.type, 32))
+        words = [_load(b, p["qs"], b.add(at, ir.Constant(g0.type, 64 * i)), ir.IntType(64), 8)
+                 for i in range(len(quarters))]
+        out = []
+        for c, h in quarters:  # group j of the four: qwords 4j + 2h, + 1 of the pair's 16
+            v = b.shuffle_vector(words[2 * c], words[2 * c + 1], _const(
+                _I32, 8, [4 * j + 2 * h + t for j in range(4) for t in (0, 1)]))
+            out.append(b.xor(b.bitcast(v, _vec(_I8, 64)), _const(_I8, 64, 0x80)))
+        return out
+    halves = [_load(b, p["qs"], b.add(b.mul(g0, ir.Constant(g0.type, 16)),
+                                      ir.Constant(g0.type, 64 * c)), _I8, 64)
+              for c in range(len(quarters) // 2)]
+    out = [b.and_(halves[c], _const(_I8, 64, 15)) if h == 0 else
+           b.lshr(halves[c], _const(_I8, 64, 4)) for c, h in quarters]
+    if qtype in ("q5_0", "q5_1", "q5_k"):  # 32-bit plane per group: 16-bit chunk 2g + h
+        planes = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 4)), _I16,
+                       4 * len(quarters))
+        chunks = {(c, h, 0): [2 * (4 * c + j) + h for j in range(4)] for c, h in QUARTERS}
+        values = (16,)
+    elif qtype == "q6_k":  # [plane 0, plane 1] per group (`_q6_k_planes`): chunk 4g + 2p + h
+        planes = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 8)), _I16, 32)
+        chunks = {(c, h, pl): [4 * (4 * c + j) + 2 * pl + h for j in range(4)]
+                  for c, h in QUARTERS for pl in (0, 1)}
+        values = (16, 32)
+    else:
+        return out
+    for i, (c, h) in enumerate(quarters):
+        for pl, value in enumerate(values):
+            bits = b.shuffle_vector(planes, planes, _const(_I32, 4, chunks[c, h, pl]))
+            out[i] = b.or_(out[i], _plane_select(b, b.bitcast(bits, ir.IntType(64)), value))
+    return out
 
 
 def _plane_select(b, bits, value):
@@ -92,31 +124,12 @@ def _plane_select(b, bits, value):
     return b.select(mask, _const(_I8, 64, value), _const(_I8, 64, 0))
 
 
-def _dpbusd(b, u, s):
-    """<64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
+def _dpbusd(b, u, s, acc=None):
+    """acc + <64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
     4j..4j+3's products."""
-    zero = ir.Constant(_vec(_I32, 16), [0] * 16)
+    acc = acc or ir.Constant(_vec(_I32, 16), [0] * 16)
     as32 = [b.bitcast(v, _vec(_I32, 16)) for v in (u, s)]  # the pre-LLVM-21 signature; newer
-    return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), zero, *as32)  # upgrade it
-
-
-def _signed_pair(b, q, x):
-    """q8_0: (|q|, x with q's sign), so that |q| . (sign(q) x) = q . x in `_dpbusd`."""
-    neg = b.icmp_signed("<", q, ir.Constant(q.type, [0] * 64))
-    zero = ir.Constant(q.type, [0] * 64)
-    return b.select(neg, b.sub(zero, q), q), b.select(neg, b.sub(zero, x), x)
-
-
-def _pair_lanes(b, v, i, halves, last):
-    """<16 x float> lane scales for groups 2i and 2i + 1 of a block (`_dpbusd`'s lanes 0-7 and
-    8-15) from v, one scale per group (<n>) or per half group (halves, <2n>); `last`: a lone
-    group (lanes 8-15 multiply zeros)."""
-    if halves:
-        mask = [4 * i + j // 4 for j in range(8)] + [4 * i + (2 if not last else 0) + j // 4
-                                                     for j in range(8)]
-    else:
-        mask = [2 * i] * 8 + [2 * i + (0 if last else 1)] * 8
-    return b.shuffle_vector(v, v, _const(_I32, 16, mask))
+    return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgrade it
 
 
 def dot8_intrinsic(qtype, wrows, xrows):
@@ -126,8 +139,11 @@ def dot8_intrinsic(qtype, wrows, xrows):
     def block_dot(typingctx, qs, qh, d, m, sc, mn, xq, dx, xsum, qsum):
         """sum_k w[r, k] x[i, k] for `wrows` weight rows r and `xrows` activation rows i,
         r-major (as qdot_kernels_cpu.dot_intrinsic). x as `_quantize_groups8` leaves it: xq int8
-        [xrows, K], dx and xsum fp32 [xrows, K/32], qsum fp32 [xrows, K/16] (dx sum(xq) per 16
-        codes). Groups go `BLOCK` at a time, in pairs; an odd last group alone."""
+        [xrows, K] (whole blocks in block order), dx and xsum fp32 [xrows, K/32], qsum fp32
+        [xrows, K/16] (dx sum(xq) per 16 codes). Groups go `BLOCK` at a time: each quarter of
+        a block one `vpdpbusd`, whose lanes 4j .. 4j + 3 are group j of its four, so that a
+        block's two quarters of the same groups sum in integers (q6_k: each half group its own
+        scale) before one conversion and multiply per four groups; a tail group alone."""
         def codegen(context, b, sig, args):
             rows = _row_pointers(context, b, sig, args, wrows)
             xs = [context.make_array(sig.args[i])(context, b, args[i]) for i in (6, 7, 8, 9)]
@@ -164,36 +180,51 @@ def dot8_intrinsic(qtype, wrows, xrows):
                     else:
                         continue
                     b.store(_fadd(b, b.load(off), _widen(b, term, _LANES)), off)
-                for i in range(0, n, 2):
-                    last = i + 1 == n
-                    g = b.add(g0, ir.Constant(g0.type, i))
-                    codes = {}
-                    for p in rows:
-                        if last:
-                            c = _ucodes(qtype, b, p, g)
-                            codes[id(p)] = b.shuffle_vector(c, ir.Constant(c.type, [0] * 32),
-                                                            _const(_I32, 64, range(64)))
-                        else:
-                            codes[id(p)] = _ucodes_pair(qtype, b, p, g)
-                        _prefetch(qtype, b, p, g)
-                        if not last:
-                            _prefetch(qtype, b, p, b.add(g, ir.Constant(g.type, 1)))
-                    for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
-                        at = b.mul(g, ir.Constant(g.type, 32))
-                        if last:
-                            xv = _load(b, x, at, _I8, 32)
-                            xv = b.shuffle_vector(xv, ir.Constant(xv.type, [0] * 32),
-                                                  _const(_I32, 64, range(64)))
-                        else:
-                            xv = _load(b, x, at, _I8, 64)
-                        u, s = codes[id(p)], xv
-                        if qtype == "q8_0":
-                            u, s = _signed_pair(b, u, s)
-                        sums = b.sitofp(_dpbusd(b, u, s), _vec(_F32, 16))
-                        scale = _pair_lanes(b, lanes[id(p), id(x)], i // 2, halves, last)
-                        b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+                if n == 1:
+                    lone(g0, lanes)
+                else:  # a block, or half of one
+                    block(g0, lanes, QUARTERS[:n // 2])
 
-            return _run_blocks(context, b, sig, groups, run, acc_p, off_p)
+            def block(g0, lanes, quarters):
+                codes = {id(p): _block_codes(qtype, b, p, g0, quarters) for p in rows}
+                for p in rows:
+                    for j in range(0, 2 * len(quarters), 2 if qtype == "q8_0" else 4):
+                        _prefetch(qtype, b, p, b.add(g0, ir.Constant(g0.type, j)))  # a line each
+                for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
+                    at = b.mul(g0, ir.Constant(g0.type, 32))
+                    xv = [_load(b, x, b.add(at, ir.Constant(at.type, 64 * i)), _I8, 64)
+                          for i in range(len(quarters))]
+                    sums = {}
+                    for i, (c, h) in enumerate(quarters):
+                        key = (c, h) if halves else c
+                        sums[key] = _dpbusd(b, codes[id(p)][i], xv[i], sums.get(key))
+                    total = b.load(acc)
+                    for key, v in sums.items():
+                        c, h = key if halves else (key, 0)
+                        mask = ([2 * (4 * c + j // 4) + h for j in range(16)] if halves else
+                                [4 * c + j // 4 for j in range(16)])
+                        v8 = lanes[id(p), id(x)]
+                        scale = b.shuffle_vector(v8, v8, _const(_I32, 16, mask))
+                        total = _fadd(b, total, _fmul(b, b.sitofp(v, _vec(_F32, 16)), scale))
+                    b.store(total, acc)
+
+            def lone(g, lanes):
+                codes = {}
+                for p in rows:
+                    c = _ucodes(qtype, b, p, g)
+                    codes[id(p)] = b.shuffle_vector(c, ir.Constant(c.type, [0] * 32),
+                                                    _const(_I32, 64, range(64)))
+                for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
+                    xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
+                    xv = b.shuffle_vector(xv, ir.Constant(xv.type, [0] * 32),
+                                          _const(_I32, 64, range(64)))
+                    sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
+                    v = lanes[id(p), id(x)]  # lanes 0-7 the group's (q6_k: 0-3, 4-7 its halves)
+                    scale = b.shuffle_vector(v, v, _const(
+                        _I32, 16, [j // 4 if halves else 0 for j in range(16)]))
+                    b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+
+            return _run_blocks(context, b, sig, groups, run, acc_p, off_p, half=True)
         out = types.UniTuple(types.float32, wrows * xrows)
         return out(qs, qh, d, m, sc, mn, xq, dx, xsum, qsum), codegen
     return block_dot
@@ -206,19 +237,35 @@ if VNNI:
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _quantize_groups8(x, xq, dx, xsum, qsum):
-    """x fp32 [M, K] -> xq int8 [M, K]; dx, xsum (sum of x) fp32 [M, K/32]; qsum fp32 [M, K/16]
-    (dx times the sum of xq over each 16 codes)."""
+    """x fp32 [M, K] -> xq int8 [M, K], whole blocks of 8 groups in block order (`QUARTERS`),
+    the rest in order; dx, xsum (sum of x) fp32 [M, K/32]; qsum fp32 [M, K/16] (dx times the
+    sum of xq over each 16 codes, in order)."""
+    groups = x.shape[1] // 32
+    whole = groups // 4 * 4  # blocks, and half a block
     for i in range(x.shape[0]):
-        for g in range(x.shape[1] // 32):
+        for g in range(groups):
             step = group_step(x, i, g, 127, dx, xsum)
             inv = np.float32(1) / step
             for h in range(2):
+                if g < whole:
+                    to = (g // 8) * 256 + (2 * ((g % 8) // 4) + h) * 64 + (g % 4) * 16
+                else:
+                    to = g * 32 + 16 * h
                 s = 0
-                for j in range(16 * h, 16 * h + 16):
-                    q = min(127, max(-127, np.int32(np.round(x[i, g * 32 + j] * inv))))
-                    xq[i, g * 32 + j] = np.int8(q)
+                for j in range(16):
+                    q = min(127, max(-127, np.int32(np.round(x[i, g * 32 + 16 * h + j] * inv))))
+                    xq[i, to + j] = np.int8(q)
                     s += q
                 qsum[i, 2 * g + h] = step * np.float32(s)
+
+
+def natural_order(xq: np.ndarray) -> np.ndarray:
+    """`_quantize_groups8`'s xq [M, K] back in the order of x (tests)."""
+    m, k = xq.shape
+    whole = k // 128 * 128  # blocks and half a block: quarters of 4 groups (c) in order
+    quarters = xq[:, :whole].reshape(m, -1, 2, 4, 16)  # [4 groups, h, group, 16]
+    ordered = quarters.transpose(0, 1, 3, 2, 4).reshape(m, whole)  # [4 groups, group, h, 16]
+    return np.concatenate([ordered, xq[:, whole:]], axis=1)
 
 
 if VNNI:
