@@ -46,7 +46,8 @@ from numba.extending import intrinsic
 
 from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, CHUNK, KINDS, _bit_plane, _by_kind,
                                _call, _const, _fadd, _fmul, _load, _nibbles, _prefetch,
-                               _row_pointers, _run_blocks, _scales, _vec, _widen, group_step)
+                               _row_pointers, _run_blocks, _scales, _vec, _widen, group_step,
+                               q6_k_high)
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
@@ -72,9 +73,7 @@ def _ucodes(qtype, b, p, g):
     if qtype in ("q5_0", "q5_1", "q5_k"):
         q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
     if qtype == "q6_k":
-        at = b.mul(g, ir.Constant(g.type, 8))
-        for plane, value in ((0, 16), (4, 32)):
-            q = b.or_(q, _bit_plane(b, p["qh"], b.add(at, ir.Constant(g.type, plane)), value))
+        q = b.or_(q, q6_k_high(b, p["qh"], g))
     return q
 
 
@@ -102,19 +101,16 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
     if qtype in ("q5_0", "q5_1", "q5_k"):  # 32-bit plane per group: 16-bit chunk 2g + h
         planes = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 4)), _I16,
                        4 * len(quarters))
-        chunks = {(c, h, 0): [2 * (4 * c + j) + h for j in range(4)] for c, h in QUARTERS}
-        values = (16,)
-    elif qtype == "q6_k":  # [plane 0, plane 1] per group (`_q6_k_planes`): chunk 4g + 2p + h
-        planes = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 8)), _I16, 32)
-        chunks = {(c, h, pl): [4 * (4 * c + j) + 2 * pl + h for j in range(4)]
-                  for c, h in QUARTERS for pl in (0, 1)}
-        values = (16, 32)
-    else:
-        return out
-    for i, (c, h) in enumerate(quarters):
-        for pl, value in enumerate(values):
-            bits = b.shuffle_vector(planes, planes, _const(_I32, 4, chunks[c, h, pl]))
-            out[i] = b.or_(out[i], _plane_select(b, b.bitcast(bits, ir.IntType(64)), value))
+        for i, (c, h) in enumerate(quarters):
+            bits = b.shuffle_vector(planes, planes, _const(
+                _I32, 4, [2 * (4 * c + j) + h for j in range(4)]))
+            out[i] = b.or_(out[i], _plane_select(b, b.bitcast(bits, ir.IntType(64)), 16))
+    elif qtype == "q6_k":  # two bits per code, vector v's at bits 2v (`qdot_cpu._q6_k_high`)
+        high = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 8)), _I8, 64)
+        for v in range(len(quarters)):
+            at4 = (b.shl(high, _const(_I8, 64, 4 - 2 * v)) if v < 2 else
+                   b.lshr(high, _const(_I8, 64, 2 * v - 4)) if v > 2 else high)
+            out[v] = b.or_(out[v], b.and_(at4, _const(_I8, 64, 0x30)))
     return out
 
 

@@ -135,21 +135,30 @@ def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32,
         if t is None:
             arrays.append(np.empty((n, 0), dtype))
         elif name == "qh" and w.qtype == "q6_k":
-            arrays.append(_q6_k_planes(t.numpy()))
+            arrays.append(_q6_k_high(t.numpy()))
         else:
             arrays.append(np.ascontiguousarray(t.contiguous().numpy().view(dtype)))
     return CpuQuant(w.qtype, tuple(w.shape), tuple(arrays), out_dtype, activations)
 
 
-def _q6_k_planes(qh: np.ndarray) -> np.ndarray:
-    """q6_k's high bits, 2 per code (bits 2 (k % 4) and 2 (k % 4) + 1 of byte k / 4), as two
-    32-bit planes per group of 32 codes (bit j of plane p: bit p of code j's pair): the same
-    bytes, read like q5's fifth bits. uint8 [N, K/4] -> uint8 [N, K/4]."""
+def _q6_k_high(qh: np.ndarray) -> np.ndarray:
+    """q6_k's high bits, 2 per code (bits 2 (k % 4) and 2 (k % 4) + 1 of byte k / 4), regrouped
+    per block of 8 groups in the int8 kernels' block order (qdot8_kernels_cpu.QUARTERS): byte
+    16j + t of a block's 64 holds in bits 2v, 2v + 1 those of code 16h + t of group 4c + j,
+    v = 2c + h. The same bytes; a block's four vectors of codes take theirs from one 64-byte
+    load, a shift and a mask each, a single group from 16 bytes. uint8 [N, K/4] -> [N, K/4]."""
     n = qh.shape[0]
-    pairs = (qh[..., None] >> np.arange(0, 8, 2, dtype=np.uint8)) & 3  # [N, K/4, 4]: code k
-    pairs = pairs.reshape(n, -1, 32)  # [N, groups, 32]
-    planes = [np.packbits((pairs >> p) & 1, axis=-1, bitorder="little") for p in (0, 1)]
-    return np.ascontiguousarray(np.stack(planes, axis=2).reshape(n, -1))  # [N, groups, 2, 4]
+    out = np.empty_like(qh)
+    for r in range(0, n, 4096):  # bounded scratch (the LM head: 151,936 rows)
+        part = qh[r:r + 4096]
+        pairs = (part[..., None] >> np.arange(0, 8, 2, dtype=np.uint8)) & 3  # [R, K/4, 4]
+        pairs = pairs.reshape(part.shape[0], -1, 2, 4, 2, 16)  # [R, block, c, j, h, t]: code k
+        high = np.zeros((part.shape[0], pairs.shape[1], 4, 16), np.uint8)
+        for c in (0, 1):
+            for h in (0, 1):
+                high |= pairs[:, :, c, :, h, :] << np.uint8(2 * (2 * c + h))
+        out[r:r + 4096] = high.reshape(part.shape[0], -1)
+    return out
 
 
 @functools.cache

@@ -67,6 +67,22 @@ def _bit_plane(b, qh, at, value):
     return b.select(bits, _const(_I8, 32, value), _const(_I8, 32, 0))
 
 
+def q6_k_high(b, qh, g):
+    """Group g's high bits (`qdot_cpu._q6_k_high`: 16 bytes of its block's 64, two bits per
+    code, at bit 4c for codes 0-15 and 4c + 2 for 16-31) as <32 x i8>: bits 4 and 5 of each."""
+    i64 = ir.IntType(64)
+    one = ir.Constant(g.type, 1)
+    c = b.and_(b.lshr(g, ir.Constant(g.type, 2)), one)
+    at = b.add(b.mul(b.lshr(g, ir.Constant(g.type, 3)), ir.Constant(g.type, 64)),
+               b.mul(b.and_(g, ir.Constant(g.type, 3)), ir.Constant(g.type, 16)))
+    shift = _splat(b, b.trunc(b.mul(c, ir.Constant(g.type, 4)), i64) if g.type != i64 else
+                   b.mul(c, ir.Constant(g.type, 4)), 2)
+    bits = b.bitcast(b.lshr(_load(b, qh, at, i64, 2), shift), _vec(_I8, 16))
+    lo = b.shl(b.and_(bits, _const(_I8, 16, 3)), _const(_I8, 16, 4))
+    hi = b.and_(b.shl(bits, _const(_I8, 16, 2)), _const(_I8, 16, 0x30))
+    return b.shuffle_vector(lo, hi, _const(_I32, 32, range(32)))
+
+
 def _half(b, ptr, index):
     """The fp16 at ptr[index] (an array of uint16 bits) as fp32: exact."""
     return b.fpext(_load(b, b.bitcast(ptr, _F16.as_pointer()), index, _F16), _F32)
@@ -88,10 +104,7 @@ def _codes(qtype, b, p, g):
     if qtype in ("q5_0", "q5_1", "q5_k"):
         q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
     if qtype == "q6_k":
-        at = b.mul(g, ir.Constant(g.type, 8))  # two bit planes (`_q6_k_planes`)
-        for plane, value in ((0, 16), (4, 32)):
-            q = b.or_(q, _bit_plane(b, p["qh"], b.add(at, ir.Constant(g.type, plane)), value))
-        return b.sub(q, _const(_I8, 32, 32))
+        return b.sub(b.or_(q, q6_k_high(b, p["qh"], g)), _const(_I8, 32, 32))
     if qtype in ("q4_0", "q5_0"):
         return b.sub(q, _const(_I8, 32, 8 if qtype == "q4_0" else 16))
     return q
