@@ -44,10 +44,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, CHUNK, KINDS, _bit_plane, _by_kind,
+from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, KINDS, _bit_plane, _by_kind,
                                _call, _const, _fadd, _fmul, _load, _nibbles, _prefetch,
                                _row_pointers, _run_blocks, _scales, _vec, _widen, group_step,
-                               q6_k_high)
+                               q6_k_high, task_rows)
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
@@ -266,13 +266,14 @@ def natural_order(xq: np.ndarray) -> np.ndarray:
 
 if VNNI:
     @njit(parallel=True, cache=True, nogil=True)
-    def matvec8_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, qsum, out):
+    def matvec8_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, qsum, out, tasks):
         """qdot_kernels_cpu.matvec_kernel with int8 activations."""
         rows = x.shape[0]
         _quantize_groups8(x, xq[:rows], dx[:rows], xsum[:rows], qsum[:rows])
         n_rows = qs.shape[0]
-        for c in prange(-(-n_rows // (4 * CHUNK))):
-            for n in range(4 * CHUNK * c, min(n_rows, 4 * CHUNK * (c + 1)), 4):
+        step = task_rows(n_rows, tasks)
+        for c in prange(-(-n_rows // step)):
+            for n in range(step * c, min(n_rows, step * (c + 1)), 4):
                 if rows > 1:
                     for r in range(n, min(n + 4, n_rows)):
                         for i in range(0, rows, 4):

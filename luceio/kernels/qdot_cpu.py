@@ -172,8 +172,8 @@ def warm_up(activations: str = "int16") -> None:
     kernel, bits = ((qdot8_kernels_cpu.matvec8_kernel, 8) if activations == "int8" else
                     (matvec_kernel, 16))
     for rows in (2, 1):  # a column slice (one part of a fused projection), then a whole buffer
-        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n])
-        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n].copy())
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n], 1)
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n].copy(), 1)
     dequantize_rows(w, 0, np.zeros((n, k), np.float32))
     dequantize_rows(w, 0, np.zeros((n, k), np.uint16))
 
@@ -187,10 +187,16 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
         return     # a prompt's last asks the LM head for no rows)
     use_torch_threads()
     padded = rows if rows == 1 else -(-rows // 4) * 4
+    tasks = _THREADS.tasks
     if w.activations == "int8":
-        qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out)
+        qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out,
+                                         tasks)
     else:
-        matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out)
+        matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out, tasks)
+
+
+TASKS_PER_THREAD = 4
+"""Parallel iterations of a matvec per thread (`qdot_kernels_cpu.task_rows`)."""
 
 
 _SCRATCH: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
@@ -226,6 +232,7 @@ def use_torch_threads() -> None:
     thread (the engine may step from its own)."""
     n = torch.get_num_threads()
     if getattr(_THREADS, "n", None) != n:
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(threads)
         numba.set_parallel_chunksize(1)
-        _THREADS.n = n
+        _THREADS.n, _THREADS.tasks = n, TASKS_PER_THREAD * threads
