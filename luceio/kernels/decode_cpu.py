@@ -72,11 +72,13 @@ if numba is not None:
 
     _njit = numba.njit(cache=True, nogil=True, fastmath=True)
     _njit_parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+    _njit_inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
     prange = numba.prange
 else:  # no numba: the CPU decode path is off (models/cpu_decode.py)
     def _njit(fn):
         return fn
-    _njit_parallel, prange = _njit, range
+    _njit_parallel = _njit_inline = _njit
+    prange = range
 
 
 @_njit
@@ -153,33 +155,98 @@ def _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm
             kv[1, blk, off, h, j] = _load(qkv[b, v_at + h * head_dim + j])
 
 
+_POW2 = np.array([2.0 ** (i - 127) if i else 0.0 for i in range(128)], np.float32)
+"""2^n for n = -127 .. 0 (index n + 127; 2^-127 read as 0): `_exp`'s exponent part."""
+
+
+@_njit_inline
+def _exp(x):
+    """e^x for x <= 0 (softmax scores less their max), vectorizable (no libm call): 2^n 2^f with
+    n = round(x log2 e), 2^f = e^(f ln 2) by its Taylor polynomial to degree 6 (|f ln 2| <=
+    0.35: relative error < 2e-7, about one fp32 rounding); below -87, 0."""
+    y = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
+    n = np.floor(y + np.float32(0.5))
+    f = (y - n) * np.float32(0.6931471805599453)
+    p = np.float32(0.0013888889)
+    for c in (0.008333334, 0.041666668, 0.16666667, 0.5, 1.0, 1.0):
+        p = p * f + np.float32(c)
+    return p * _POW2[np.int32(n) + np.int32(127)]
+
+
+@_njit_inline
+def _dots(q, key, g, width, scale, scores, t):
+    """scores[g .. g + width, t] = scale * q[g + i] . key (width 4, 2 or 1: independent
+    sums, sharing the key's loads)."""
+    d0 = d1 = d2 = d3 = np.float32(0)
+    for j in range(key.shape[0]):
+        k = key[j]
+        d0 += q[g, j] * k
+        if width > 1:
+            d1 += q[g + 1, j] * k
+        if width > 3:
+            d2 += q[g + 2, j] * k
+            d3 += q[g + 3, j] * k
+    scores[g, t] = d0 * scale
+    if width > 1:
+        scores[g + 1, t] = d1 * scale
+    if width > 3:
+        scores[g + 2, t] = d2 * scale
+        scores[g + 3, t] = d3 * scale
+
+
 @_njit
 def _attend_range(q, kv, table, h, t0, t1, scale, top, total, acc):
     """KV head h's query group q [group, D] over the keys at cache indices [t0, t1) (t1 > t0):
     per query the scores' max (`top`), the sum of their exponentials (`total`) and the
-    unnormalised output (`acc` [group, D])."""
-    block_size, head_dim = kv.shape[2], kv.shape[4]
+    unnormalised output (`acc` [group, D]). Keys go block by block of the cache (no division
+    per key), four queries' dots at a time; values four keys at a time into each query's
+    output row (one load and store of it per four keys)."""
+    block_size = kv.shape[2]
     group = q.shape[0]
     scores = np.empty((group, t1 - t0), np.float32)
-    for t in range(t0, t1):
-        key = kv[0, table[t // block_size], t % block_size, h]
-        for g in range(group):
-            dot = np.float32(0)
-            for j in range(head_dim):
-                dot += q[g, j] * key[j]
-            scores[g, t - t0] = dot * scale
+    t = t0
+    while t < t1:
+        blk, off = table[t // block_size], t % block_size
+        for i in range(min(block_size - off, t1 - t)):
+            key = kv[0, blk, off + i, h]
+            g = 0
+            while g < group:
+                width = 4 if group - g >= 4 else (2 if group - g >= 2 else 1)
+                _dots(q, key, g, width, scale, scores, t - t0 + i)
+                g += width
+        t += min(block_size - off, t1 - t)
     for g in range(group):
         top[g] = scores[g].max()
-        total[g] = 0
-        for t in range(t1 - t0):
-            scores[g, t] = np.exp(scores[g, t] - top[g])
-            total[g] += scores[g, t]
+        s = np.float32(0)
+        for i in range(t1 - t0):
+            e = _exp(scores[g, i] - top[g])
+            scores[g, i] = e
+            s += e
+        total[g] = s
     acc[:] = 0
-    for t in range(t0, t1):
-        value = kv[1, table[t // block_size], t % block_size, h]
-        for g in range(group):
-            for j in range(head_dim):
-                acc[g, j] += scores[g, t - t0] * value[j]
+    t = t0
+    while t < t1:
+        blk, off = table[t // block_size], t % block_size
+        n = min(block_size - off, t1 - t)
+        i = 0
+        while i + 4 <= n:
+            v0, v1 = kv[1, blk, off + i, h], kv[1, blk, off + i + 1, h]
+            v2, v3 = kv[1, blk, off + i + 2, h], kv[1, blk, off + i + 3, h]
+            for g in range(group):
+                c = t - t0 + i
+                s0, s1, s2, s3 = scores[g, c], scores[g, c + 1], scores[g, c + 2], scores[g, c + 3]
+                row = acc[g]
+                for j in range(row.shape[0]):
+                    row[j] += s0 * v0[j] + s1 * v1[j] + s2 * v2[j] + s3 * v3[j]
+            i += 4
+        for i in range(i, n):
+            v = kv[1, blk, off + i, h]
+            for g in range(group):
+                s0 = scores[g, t - t0 + i]
+                row = acc[g]
+                for j in range(row.shape[0]):
+                    row[j] += s0 * v[j]
+        t += n
 
 
 @_njit
