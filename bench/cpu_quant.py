@@ -8,6 +8,10 @@ bench/results/cpu/cpu_quant.json and prints a table.
     bash ../shared/tools/llamacpp/build.sh cpu SRC BUILD        # once (~3 min on 2 cores)
     python bench/cpu_quant.py --llama-bench BUILD/bin/llama-bench [--models ...] [--threads 2]
 
+`--depth N` adds decode after a prompt of N tokens on both engines (llama-bench -d N: the KV
+of N tokens in the cache while decoding; luceio: a prompt of N random token ids, then the
+timed steps after its first token).
+
 `--kernels` adds, per model, the time of one decode step's linear layers (every quantized
 tensor of the GGUF, the LM head included, M = 1) on each CPU kernel: qdot_cpu.py (each type
 in its own bits, int16-quantized activations; and int8-quantized ones where the CPU has AVX-512
@@ -39,8 +43,10 @@ def run_one(cfg: dict) -> dict:
 
     path = resolve_model(cfg["model"])
     t = time.perf_counter()
+    depth = cfg.get("depth", 0)
     llm = LLM(path, device="cpu", dtype=cfg["dtype"], quantization=cfg["quantization"],
-              cpu_threads=cfg["threads"], max_model_len=2048, enable_prefix_caching=False,
+              cpu_threads=cfg["threads"], max_model_len=max(2048, depth + cfg["new"] + 16),
+              enable_prefix_caching=False,
               cpu_activations=cfg.get("activations", "auto"))
     load_s = time.perf_counter() - t
     rss_loaded = psutil.Process().memory_info().rss
@@ -57,6 +63,19 @@ def run_one(cfg: dict) -> dict:
     while eng.has_unfinished_requests():
         eng.step()
     decode = (eng.counters["generation_tokens"] - n0) / (time.perf_counter() - t)
+    at_depth = None
+    if depth:  # decode after a prompt of `depth` tokens (random ids), as llama-bench -d
+        g = torch.Generator().manual_seed(1)
+        base = eng.counters["generation_tokens"]
+        eng.add_request("deep", {"prompt_token_ids": torch.randint(100, 20000, (depth,),
+                                                                   generator=g).tolist()},
+                        SamplingParams(temperature=0, max_tokens=cfg["new"] + 1, ignore_eos=True))
+        while eng.counters["generation_tokens"] == base:  # prefill, to the first token
+            eng.step()
+        n1, t = eng.counters["generation_tokens"], time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        at_depth = round((eng.counters["generation_tokens"] - n1) / (time.perf_counter() - t), 2)
     # prefill: a 512-token prompt, one token out
     g = torch.Generator().manual_seed(0)
     long_ids = torch.randint(100, 20000, (512,), generator=g).tolist()
@@ -64,6 +83,7 @@ def run_one(cfg: dict) -> dict:
     llm.generate([{"prompt_token_ids": long_ids}], SamplingParams(temperature=0, max_tokens=1))
     prefill = 512 / (time.perf_counter() - t)
     return {"decode_tok_s": round(decode, 2), "prefill_tok_s": round(prefill, 1),
+            **({f"decode_at_{depth}_tok_s": at_depth} if depth else {}),
             "load_s": round(load_s, 1), "rss_after_load_MiB": round(rss_loaded / 2**20),
             "rss_peak_MiB": round(psutil.Process().memory_info().rss / 2**20),
             "weight_MiB": round(eng.memory_stats().weight_bytes / 2**20, 1)}
@@ -121,15 +141,21 @@ def luceio(cfg: dict) -> dict:
     return json.loads(lines[-1])
 
 
-def llama_cpp(bench: str, path: str, threads: int, new: int) -> dict:
-    out = subprocess.run([bench, "-m", path, "-p", "512", "-n", str(new), "-r", "3", "-t",
-                          str(threads), "-o", "json"], capture_output=True, text=True,
-                         timeout=1800)
-    if out.returncode != 0:
-        return {"error": out.stderr[-1500:]}
-    rows = {("pp" if r["n_prompt"] else "tg"): r for r in json.loads(out.stdout)}
+def llama_cpp(bench: str, path: str, threads: int, new: int, depth: int = 0) -> dict:
+    def run(*args):
+        out = subprocess.run([bench, "-m", path, *args, "-r", "3", "-t", str(threads), "-o",
+                              "json"], capture_output=True, text=True, timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-1500:])
+        return {("pp" if r["n_prompt"] else "tg"): r for r in json.loads(out.stdout)}
+    try:
+        rows = run("-p", "512", "-n", str(new))
+        deep = run("-p", "0", "-n", str(new), "-d", str(depth)) if depth else None
+    except RuntimeError as e:
+        return {"error": str(e)}
     return {"decode_tok_s": round(rows["tg"]["avg_ts"], 2),
-            "prefill_tok_s": round(rows["pp"]["avg_ts"], 1)}
+            "prefill_tok_s": round(rows["pp"]["avg_ts"], 1),
+            **({f"decode_at_{depth}_tok_s": round(deep["tg"]["avg_ts"], 2)} if deep else {})}
 
 
 def main() -> None:
@@ -138,6 +164,8 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=0,
+                    help="also decode after a prompt of this many tokens (llama-bench -d)")
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--kernels", action="store_true", help="per-qtype kernel times (above)")
     ap.add_argument("--configs", default="auto:float32,auto:bfloat16,none:float32,none:bfloat16",
@@ -155,7 +183,8 @@ def main() -> None:
     for model in a.models.split(","):
         rows = results["models"].setdefault(model, {})
         if a.llama_bench:
-            rows["llama.cpp"] = llama_cpp(a.llama_bench, resolve_model(model), a.threads, a.new)
+            rows["llama.cpp"] = llama_cpp(a.llama_bench, resolve_model(model), a.threads, a.new,
+                                          a.depth)
             print(model, "llama.cpp", rows["llama.cpp"], flush=True)
         if a.kernels:
             results.setdefault("kernels", {})[model] = k = kernels(model, a.threads)
@@ -165,22 +194,31 @@ def main() -> None:
             name = f"luceio {quant} {dtype}" + (f" {acts}" if acts != "auto" else "")
             rows[name] = r = luceio(
                 {"model": model, "quantization": quant, "dtype": dtype, "threads": a.threads,
-                 "new": a.new, "activations": acts})
+                 "new": a.new, "activations": acts, "depth": a.depth})
             print(model, c, r, flush=True)
         ref = rows.get("llama.cpp", {})
         for name, r in rows.items():
             if name != "llama.cpp" and "decode_tok_s" in r and "decode_tok_s" in ref:
                 r["decode_vs_llama_cpp"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 2)
                 r["prefill_vs_llama_cpp"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 2)
+                key = f"decode_at_{a.depth}_tok_s"
+                if key in r and key in ref:
+                    r[f"decode_at_{a.depth}_vs_llama_cpp"] = round(r[key] / ref[key], 2)
         results["load_avg_1min"]["end"] = round(os.getloadavg()[0], 2)
         write_json(a.out, results)
-    print("\n| model | engine | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp | RSS after load MiB |")
-    print("|---|---|---|---|---|---|---|")
+    deep = f"decode_at_{a.depth}"
+    print("\n| model | engine | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp | "
+          + (f"decode at {a.depth} tok/s | vs llama.cpp | " if a.depth else "")
+          + "RSS after load MiB |")
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if a.depth else ""))
     for model, rows in results["models"].items():
         for name, r in rows.items():
             print(f"| {model} | {name} | {r.get('decode_tok_s', '-')} | "
                   f"{r.get('decode_vs_llama_cpp', '')} | {r.get('prefill_tok_s', '-')} | "
-                  f"{r.get('prefill_vs_llama_cpp', '')} | {r.get('rss_after_load_MiB', '-')} |")
+                  f"{r.get('prefill_vs_llama_cpp', '')} | "
+                  + (f"{r.get(deep + '_tok_s', '-')} | {r.get(deep + '_vs_llama_cpp', '')} | "
+                     if a.depth else "")
+                  + f"{r.get('rss_after_load_MiB', '-')} |")
 
 
 if __name__ == "__main__":
