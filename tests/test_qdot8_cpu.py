@@ -39,7 +39,7 @@ def activations(kind: str):
 
 def shapes(qtype: str) -> list[tuple[int, int]]:
     """N odd; K of whole 8-group blocks, and (32-element types) of a block, half a block and
-    a tail of two groups, of half a block alone, of a tail alone (`QUARTERS`)."""
+    a tail pair, of half a block alone, of a tail pair and one group (`QUARTERS`)."""
     if qtype.endswith("_k"):
         return [(37, 768), (5, 256)]
     return [(37, 32 * 14), (6, 32 * 16), (5, 32 * 4), (3, 32 * 3)]

@@ -15,7 +15,9 @@ then group j of the four in both vectors of a c, so their products add in the in
 accumulator (the instruction's own add) and a block costs two conversions and two multiplies
 per row where pairs of groups in order cost four of each and a shuffle per pair (the q4_k
 block loop of 4 rows: 266 -> 170 instructions; 2,048 x 1,536 in cache 50 -> 57 GB/s, Zen 5).
-Half a block (4 groups) goes the same way; the last 0-3 groups of a row one at a time. Per
+Half a block (4 groups) goes the same way; of the last 0-3 groups of a row, two go as a pair
+in order (one `vpdpbusd`, lanes 0-7 and 8-15 the two groups: SmolLM2's K = 576, 2 blocks and
+2 groups, had lost 5% of its decode matvec time to them one at a time), the third alone. Per
 block:
 
   q4_0, q5_0   codes q (nibbles, fifth bit)        + d * dx * (-o) * sum(xq)   (o = 8, 16)
@@ -58,7 +60,8 @@ QUARTERS = ((0, 0), (0, 1), (1, 0), (1, 1))
 """Block order: a block of 8 groups (256 codes) as four vectors of 64, vector 2c + h holding
 codes 16h .. 16h + 16 of groups 4c .. 4c + 4, group by group; `_quantize_groups8` stores the
 activations of whole blocks in this order, and of half a block (the first two vectors) where 4
-to 7 groups are left after them (K = 896: 3 blocks and a half); the last 0-3 groups in order."""
+to 7 groups are left after them (K = 896: 3 blocks and a half); the last 0-3 groups in order
+(a pair of them in `_pair_codes`' order, which is theirs)."""
 _LANES = 2 * BLOCK
 """Width of the offset accumulator: one lane per group, or per half group for q6_k."""
 
@@ -74,6 +77,24 @@ def _ucodes(qtype, b, p, g):
         q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
     if qtype == "q6_k":
         q = b.or_(q, q6_k_high(b, p["qh"], g))
+    return q
+
+
+def _pair_codes(qtype, b, p, g):
+    """Groups g and g + 1 of one row's codes in order as <64 x i8> (as `_ucodes`; a tail's
+    pair, so not q6_k, whose rows are whole blocks): one 32-byte load of their nibbles, one
+    mask, one shift, one shuffle; their fifth bits one 64-bit select."""
+    if qtype == "q8_0":
+        q = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
+        return b.xor(q, _const(_I8, 64, 0x80))
+    both = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 16)), _I8, 32)
+    lo = b.and_(both, _const(_I8, 32, 15))
+    hi = b.lshr(both, _const(_I8, 32, 4))  # group g: lo[:16], hi[:16]; g + 1: lo[16:], hi[16:]
+    q = b.shuffle_vector(lo, hi, _const(_I32, 64, [*range(16), *range(32, 48), *range(16, 32),
+                                                   *range(48, 64)]))
+    if qtype in ("q5_0", "q5_1", "q5_k"):  # both groups' 32-bit planes are adjacent
+        bits = _load(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), ir.IntType(64))
+        q = b.or_(q, _plane_select(b, bits, 16))
     return q
 
 
@@ -178,6 +199,8 @@ def dot8_intrinsic(qtype, wrows, xrows):
                     b.store(_fadd(b, b.load(off), _widen(b, term, _LANES)), off)
                 if n == 1:
                     lone(g0, lanes)
+                elif n == 2:
+                    pair(g0, lanes)
                 else:  # a block, or half of one
                     block(g0, lanes, QUARTERS[:n // 2])
 
@@ -204,9 +227,21 @@ def dot8_intrinsic(qtype, wrows, xrows):
                         total = _fadd(b, total, _fmul(b, b.sitofp(v, _vec(_F32, 16)), scale))
                     b.store(total, acc)
 
+            def pair(g, lanes):  # two groups of a tail, in order
+                codes = {id(p): _pair_codes(qtype, b, p, g) for p in rows}
+                for p in rows:  # a row's last line is asked for here (K = 576: 4.5 lines)
+                    _prefetch(qtype, b, p, g)
+                for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
+                    xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
+                    sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
+                    v = lanes[id(p), id(x)]  # lanes 0-7 group g's, 8-15 g + 1's
+                    scale = b.shuffle_vector(v, v, _const(_I32, 16, [j // 8 for j in range(16)]))
+                    b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+
             def lone(g, lanes):
                 codes = {}
                 for p in rows:
+                    _prefetch(qtype, b, p, g)
                     c = _ucodes(qtype, b, p, g)
                     codes[id(p)] = b.shuffle_vector(c, ir.Constant(c.type, [0] * 32),
                                                     _const(_I32, 64, range(64)))
@@ -220,7 +255,8 @@ def dot8_intrinsic(qtype, wrows, xrows):
                         _I32, 16, [j // 4 if halves else 0 for j in range(16)]))
                     b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
 
-            return _run_blocks(context, b, sig, groups, run, acc_p, off_p, half=True)
+            return _run_blocks(context, b, sig, groups, run, acc_p, off_p,
+                               tails=(BLOCK // 2, 2))
         out = types.UniTuple(types.float32, wrows * xrows)
         return out(qs, qh, d, m, sc, mn, xq, dx, xsum, qsum), codegen
     return block_dot

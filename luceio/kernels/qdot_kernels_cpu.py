@@ -274,19 +274,20 @@ def dot_intrinsic(qtype, wrows, xrows):
     return block_dot
 
 
-def _run_blocks(context, b, sig, groups, run, acc_p, off_p, half=False):
-    """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then (`half`) half a block
-    if as many are left, then the rest one by one; returns the intrinsic's tuple: per (weight
-    row, activation row) its accumulator's lanes plus its offset lanes, summed."""
+def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=()):
+    """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then once each size of
+    `tails` (decreasing, below `BLOCK`) if as many groups are left, then the rest one by one;
+    returns the intrinsic's tuple: per (weight row, activation row) its accumulator's lanes
+    plus its offset lanes, summed."""
     blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
     with cgutils.for_range(b, blocks) as loop:
         run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
     rest = b.mul(blocks, ir.Constant(groups.type, BLOCK))
-    if half:
-        left = b.icmp_unsigned(">=", b.sub(groups, rest), ir.Constant(groups.type, BLOCK // 2))
+    for n in tails:
+        left = b.icmp_unsigned(">=", b.sub(groups, rest), ir.Constant(groups.type, n))
         with b.if_then(left):
-            run(rest, BLOCK // 2)
-        rest = b.select(left, b.add(rest, ir.Constant(groups.type, BLOCK // 2)), rest)
+            run(rest, n)
+        rest = b.select(left, b.add(rest, ir.Constant(groups.type, n)), rest)
     with cgutils.for_range(b, groups, start=rest) as loop:
         run(loop.index, 1)
     sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
