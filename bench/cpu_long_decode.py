@@ -78,18 +78,19 @@ def engine_rows(contexts, threads: int, new: int) -> list[dict]:
     text = open(os.path.join(os.path.dirname(__file__), "..", "luceio", "engine.py")).read()
     ids = llm.get_tokenizer().encode(text * 8)
     rows = []
+    default = decode_cpu._MIN_KEYS
     for ctx in contexts:
         prompt = ids[:ctx]
         got = {}
         for mode in ("split", "one thread"):
-            decode_cpu._MIN_KEYS = 2048 if mode == "split" else 1 << 30
+            decode_cpu._MIN_KEYS = default if mode == "split" else 1 << 30
             llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1),
                          use_tqdm=False)  # the prompt cached: the timed run decodes
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
             wall = time.perf_counter() - t
             got[mode] = (out.outputs[0].token_ids, new / wall)
-        decode_cpu._MIN_KEYS = 2048
+        decode_cpu._MIN_KEYS = default
         row = {"context": ctx, "threads": threads,
                "split_tok_s": round(got["split"][1], 2),
                "one_thread_tok_s": round(got["one thread"][1], 2),
