@@ -16,8 +16,9 @@ accumulator (the instruction's own add) and a block costs two conversions and tw
 per row where pairs of groups in order cost four of each and a shuffle per pair (the q4_k
 block loop of 4 rows: 266 -> 170 instructions; 2,048 x 1,536 in cache 50 -> 57 GB/s, Zen 5).
 Half a block (4 groups) goes the same way; of the last 0-3 groups of a row, two go as a pair
-in order (one `vpdpbusd`, lanes 0-7 and 8-15 the two groups: SmolLM2's K = 576, 2 blocks and
-2 groups, had lost 5% of its decode matvec time to them one at a time), the third alone. Per
+in order (one `vpdpbusd`, lanes 0-7 and 8-15 the two groups), the third alone, and both ask
+for their lines ahead as the blocks do (without that, the last line of each of SmolLM2's
+576-wide rows went unasked: its matvecs from DRAM ran 5-14% slower than session 27's). Per
 block:
 
   q4_0, q5_0   codes q (nibbles, fifth bit)        + d * dx * (-o) * sum(xq)   (o = 8, 16)
