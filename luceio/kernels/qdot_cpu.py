@@ -3,7 +3,8 @@
 Every type of `quant.QuantWeight` (q4_0 ... q6_k) is multiplied in its own bits: a row's codes
 are unpacked 32 at a time and multiplied by the activations group by group. The arrays are
 QuantWeight's own, shared with it and row-major: the GGUF's bytes (k-quants +0.125 bit per
-weight: their 6-bit sub-scales as bytes; q6_k's high bits reordered into bit planes).
+weight: their 6-bit sub-scales as bytes; q6_k's high bits regrouped per 256-block, the one
+copy made at `prepare`: `_q6_k_high`).
 
   qtype  one group of 32 codes q (unsigned, qh's bits above qs's nibble)  w
   q4_0   qs nibbles                                                       d (q - 8)
@@ -13,7 +14,7 @@ weight: their 6-bit sub-scales as bytes; q6_k's high bits reordered into bit pla
   q8_0   qs as int8                                                       d q
   q4_k   qs nibbles                                                       (d sc) q - dmin mn
   q5_k   qs nibbles | qh bit << 4                                          (d sc) q - dmin mn
-  q6_k   qs nibbles | qh 2 bits << 4 (two bit planes)                      (d sc) (q - 32), sc per 16
+  q6_k   qs nibbles | qh 2 bits << 4 (regrouped per block)                 (d sc) (q - 32), sc per 16
 
 `dequantize_rows` writes w as fp32, equal bit for bit to `quant.dequantize` (the same fp32
 operations; every product is exact), or rounded to bf16 (the prefill path).
