@@ -5,7 +5,7 @@ own layouts) and called through its own `qdot_cpu.matvec`.
 
     python bench/cpu_kernels_ab.py --base 6508cc1 [--models ...] [--activations int8,int16]
 
-The base revision's qdot_cpu.py, qdot_kernels_cpu.py and qdot8_kernels_cpu.py are read with
+The base revision's qdot_cpu.py, qdot_kernels_cpu.py, qdot8_kernels_cpu.py (and qdot_ir_cpu.py) are read with
 `git show` into a temporary package (`luceio_base.kernels`, its `quant` the tree's). This box's
 memory bandwidth drifts by 20-40% from minute to minute (other tenants); rounds alternate, so
 both sides see the same drift, and the result is the median over rounds of old/new per round,
@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info, write_json  # noqa: E402
 
-FILES = ("qdot_cpu.py", "qdot_kernels_cpu.py", "qdot8_kernels_cpu.py")
+FILES = ("qdot_cpu.py", "qdot_kernels_cpu.py", "qdot8_kernels_cpu.py", "qdot_ir_cpu.py")
+"""The kernels' files (qdot_ir_cpu.py only from session 28's split on: skipped where absent)."""
 
 
 def base_package(rev: str, root: str):
@@ -42,10 +43,14 @@ def base_package(rev: str, root: str):
                 "from luceio.kernels.quant import QuantWeight  # noqa: F401\n")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in FILES:
-        text = subprocess.run(["git", "show", f"{rev}:luceio/kernels/{name}"], cwd=repo,
-                              check=True, capture_output=True, text=True).stdout
+        got = subprocess.run(["git", "show", f"{rev}:luceio/kernels/{name}"], cwd=repo,
+                             capture_output=True, text=True)
+        if got.returncode:
+            if name == FILES[-1]:
+                continue
+            raise RuntimeError(got.stderr)
         with open(os.path.join(pkg, name), "w") as f:
-            f.write(text)
+            f.write(got.stdout)
     sys.path.insert(0, root)
     return importlib.import_module("luceio_base.kernels.qdot_cpu")
 

@@ -34,10 +34,10 @@ activations gives ~0.1%, for int16 ~0.005%), as with llama.cpp's CPU kernels, wh
 same way. tests/test_qdot8_cpu.py checks the kernels against the exact dot of the same
 quantized activations (to fp32 rounding) and bounds the loss against fp32.
 
-The IR helpers (code unpacking, scales, prefetch, loops over rows) and `group_step` (the
-activation groups' statistics) are qdot_kernels_cpu.py's.
+The IR helpers (code unpacking, scales, prefetch, loops over rows) are qdot_ir_cpu.py's,
+`group_step` (the activation groups' statistics) and the dispatch on `kind` qdot_kernels_cpu.py's.
 numba's on-disk cache of these kernels is invalidated by changes to this file only: after
-editing those helpers, touch this file too.
+editing either of those, touch this file too.
 """
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_kernels_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, KINDS, _bit_plane, _by_kind,
-                               _call, _const, _fadd, _fmul, _load, _nibbles, _prefetch,
-                               _row_pointers, _run_blocks, _scales, _vec, _widen, group_step,
-                               q6_k_high, task_rows)
+from .qdot_ir_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, KINDS, _bit_plane, _call, _const,
+                          _fadd, _fmul, _load, _nibbles, _prefetch, _row_pointers, _run_blocks,
+                          _scales, _vec, _widen, q6_k_high)
+from .qdot_kernels_cpu import _by_kind, group_step, task_rows
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
@@ -104,7 +104,8 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
     the first two: half a block, groups g0 .. g0 + 4),
     unsigned and before the offset as `_ucodes`: the nibble types' 128 bytes are two 64-byte
     loads, each one mask and one shift; q8_0's 256 bytes four loads and two qword shuffles per
-    pair; a fifth or sixth bit's planes one 16-bit shuffle and one select per vector."""
+    pair; fifth bits one 16-bit shuffle and one select per vector; q6_k's high bits one
+    64-byte load (`qdot_cpu._q6_k_high`), a shift and a mask per vector."""
     if qtype == "q8_0":
         at = b.mul(g0, ir.Constant(g0.type, 32))
         words = [_load(b, p["qs"], b.add(at, ir.Constant(g0.type, 64 * i)), ir.IntType(64), 8)
@@ -145,7 +146,8 @@ def _plane_select(b, bits, value):
 def _dpbusd(b, u, s, acc=None):
     """acc + <64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
     4j..4j+3's products."""
-    acc = acc or ir.Constant(_vec(_I32, 16), [0] * 16)
+    if acc is None:
+        acc = ir.Constant(_vec(_I32, 16), [0] * 16)
     as32 = [b.bitcast(v, _vec(_I32, 16)) for v in (u, s)]  # the pre-LLVM-21 signature; newer
     return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgrade it
 

@@ -36,7 +36,7 @@ less time for a decode step's matrices of most types (`bench/cpu_quant.py --kern
 Why explicit vectors. numba's loop vectorizer does not vectorize a 32-element group loop (it is
 fully unrolled first and numba leaves the SLP vectorizer off) and widens integer arithmetic to
 64 bits, so the unpacking runs scalar. The group decoding is therefore written once per type as
-LLVM vector IR in numba intrinsics (qdot_kernels_cpu.py), with the loops: weight rows on
+LLVM vector IR (qdot_ir_cpu.py) in numba intrinsics (qdot_kernels_cpu.py), with the loops: weight rows on
 numba's threads (`prange`), 4 at a time for one activation row (their chains interleave: q8_0
 +20%), each group decoded once for 4 activation rows when there are several.
 """
@@ -55,7 +55,8 @@ try:
     import numba
 
     from . import qdot8_kernels_cpu
-    from .qdot_kernels_cpu import FIELDS, KINDS, dequant_kernel, matvec_kernel
+    from .qdot_ir_cpu import FIELDS, KINDS
+    from .qdot_kernels_cpu import dequant_kernel, matvec_kernel
 except ImportError:  # no numba: quant_cpu.py keeps torch's int4 packed kernel for every type
     numba = qdot8_kernels_cpu = None
     FIELDS = ("qs", "qh", "d", "m", "sc", "mn")

@@ -1,208 +1,23 @@
-"""The kernels of qdot_cpu.py (its docstring says what they compute and why): LLVM vector IR
-of one group of 32 codes of each GGUF type, inside numba intrinsics, and the numba loops
-around them. They share one file because numba's on-disk cache of a jitted function is
-invalidated by changes to its own file only: the intrinsics it inlines must live beside it.
+"""The kernels of qdot_cpu.py (its docstring says what they compute and why) with int16
+activations, and the dequantization: numba intrinsics over the LLVM vector IR of
+qdot_ir_cpu.py, and the numba loops around them (qdot8_kernels_cpu.py: the int8 ones).
 
-`_codes` unpacks a group's codes to <32 x i8> (the type's offset applied), `_scales` the
-scales (and min terms) of `BLOCK` groups as vectors; `_pair_sums` multiplies by the int16
-activations through pmaddwd's intrinsic on AVX-512BW and AVX2, generic vector IR elsewhere;
-each stream of codes is prefetched `PREFETCH_GROUPS` groups ahead.
 `dot_intrinsic(qtype, wrows, xrows)`: blocks of `wrows` weight rows times `xrows` activation
 rows; `dequant_intrinsic(qtype)`: one weight row to fp32 or bf16 bits. `matvec_kernel` and
-`dequant_kernel` run them over all rows on numba's threads.
+`dequant_kernel` run them over all rows on numba's threads. numba's on-disk cache of these
+is invalidated by changes to this file only: after editing qdot_ir_cpu.py, touch this file.
 """
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding as llvm, ir
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
-"""The qtypes of these kernels; the index is their `kind` argument."""
-FIELDS = ("qs", "qh", "d", "m", "sc", "mn")
-"""The QuantWeight fields, in the order the kernels take them."""
-PREFETCH_GROUPS = 256
-"""How far ahead `matvec` asks for the codes: 256 groups of 32 weights (qs 4 KiB for 4-bit
-types). A decode step streams its weights from DRAM once; without it the hardware prefetcher
-left gate_up of Qwen2.5-0.5B (24 x [9728, 896] q5_0, 137 MiB) at 10.8 GB/s, with it 14.6-16.3
-(2 threads; a plain fp32 sum over the same bytes: 24 GB/s)."""
-
-
-_F32, _I8, _I32, _F16 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.HalfType()
-
-
-def _vec(t, n):
-    return ir.VectorType(t, n)
-
-
-def _const(t, n, values):
-    return ir.Constant(_vec(t, n), list(values) if hasattr(values, "__iter__") else [values] * n)
-
-
-def _load(b, base, offset, elt, n=None):
-    """n elements of type elt (one scalar if n is None) at base + offset (elements of base)."""
-    ptr = b.gep(base, [offset])
-    return b.load(b.bitcast(ptr, (elt if n is None else _vec(elt, n)).as_pointer()), align=1)
-
-
-def _splat(b, value, n=32):
-    v = b.insert_element(ir.Constant(_vec(value.type, n), ir.Undefined), value,
-                         ir.Constant(_I32, 0))
-    return b.shuffle_vector(v, v, _const(_I32, n, 0))
-
-
-def _nibbles(b, qs, g):
-    """qs bytes g*16..+16 -> <32 x i8>: low nibbles are codes 0-15, high ones 16-31."""
-    bytes16 = _load(b, qs, b.mul(g, ir.Constant(g.type, 16)), _I8, 16)
-    lo = b.and_(bytes16, _const(_I8, 16, 15))
-    hi = b.lshr(bytes16, _const(_I8, 16, 4))
-    return b.shuffle_vector(lo, hi, _const(_I32, 32, range(32)))
-
-
-def _bit_plane(b, qh, at, value):
-    """The 32 bits at qh bytes at..at+4 (bit j for code j) -> <32 x i8> of 0 or value."""
-    bits = b.bitcast(_load(b, qh, at, _I32), _vec(ir.IntType(1), 32))
-    return b.select(bits, _const(_I8, 32, value), _const(_I8, 32, 0))
-
-
-def q6_k_high(b, qh, g):
-    """Group g's high bits (`qdot_cpu._q6_k_high`: 16 bytes of its block's 64, two bits per
-    code, at bit 4c for codes 0-15 and 4c + 2 for 16-31) as <32 x i8>: bits 4 and 5 of each."""
-    i64 = ir.IntType(64)
-    one = ir.Constant(g.type, 1)
-    c = b.and_(b.lshr(g, ir.Constant(g.type, 2)), one)
-    at = b.add(b.mul(b.lshr(g, ir.Constant(g.type, 3)), ir.Constant(g.type, 64)),
-               b.mul(b.and_(g, ir.Constant(g.type, 3)), ir.Constant(g.type, 16)))
-    shift = _splat(b, b.trunc(b.mul(c, ir.Constant(g.type, 4)), i64) if g.type != i64 else
-                   b.mul(c, ir.Constant(g.type, 4)), 2)
-    bits = b.bitcast(b.lshr(_load(b, qh, at, i64, 2), shift), _vec(_I8, 16))
-    lo = b.shl(b.and_(bits, _const(_I8, 16, 3)), _const(_I8, 16, 4))
-    hi = b.and_(b.shl(bits, _const(_I8, 16, 2)), _const(_I8, 16, 0x30))
-    return b.shuffle_vector(lo, hi, _const(_I32, 32, range(32)))
-
-
-def _half(b, ptr, index):
-    """The fp16 at ptr[index] (an array of uint16 bits) as fp32: exact."""
-    return b.fpext(_load(b, b.bitcast(ptr, _F16.as_pointer()), index, _F16), _F32)
-
-
-def _fmul(b, x, y):
-    return b.fmul(x, y, flags=("fast",))
-
-
-def _fadd(b, x, y):
-    return b.fadd(x, y, flags=("fast",))
-
-
-def _codes(qtype, b, p, g):
-    """Group g of one row's codes, signed, offset applied: <32 x i8> (p: field pointers)."""
-    if qtype == "q8_0":
-        return _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
-    q = _nibbles(b, p["qs"], g)
-    if qtype in ("q5_0", "q5_1", "q5_k"):
-        q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
-    if qtype == "q6_k":
-        return b.sub(b.or_(q, q6_k_high(b, p["qh"], g)), _const(_I8, 32, 32))
-    if qtype in ("q4_0", "q5_0"):
-        return b.sub(q, _const(_I8, 32, 8 if qtype == "q4_0" else 16))
-    return q
-
-
-def _scales(qtype, b, p, g, n):
-    """Groups g..g+n of one row: (scales, offsets) with w = code * scale + offset; scales
-    <n x float> (q6_k: <2n x float>, one per half group), offsets <n x float> or None."""
-    if qtype == "q6_k":  # g at a 256-block's start, or n == 1
-        d256 = _splat(b, _half(b, p["d"], b.udiv(g, ir.Constant(g.type, 8))), n)
-        sc = _load(b, p["sc"], b.mul(g, ir.Constant(g.type, 2)), _I8, 2 * n)
-        d2 = b.shuffle_vector(d256, d256, _const(_I32, 2 * n, [j // 2 for j in range(2 * n)]))
-        return _fmul(b, b.sitofp(sc, _vec(_F32, 2 * n)), d2), None
-    if qtype in ("q4_k", "q5_k"):  # m holds dmin; sc and mn as one vector of 2n
-        blk = b.udiv(g, ir.Constant(g.type, 8))
-        pair = ir.Constant(_vec(_F32, 2), ir.Undefined)
-        for i, value in enumerate((_half(b, p["d"], blk), b.fneg(_half(b, p["m"], blk)))):
-            pair = b.insert_element(pair, value, ir.Constant(_I32, i))
-        both = b.shuffle_vector(pair, pair, _const(_I32, 2 * n, [j // n for j in range(2 * n)]))
-        codes = b.shuffle_vector(_load(b, p["sc"], g, _I8, n), _load(b, p["mn"], g, _I8, n),
-                                 _const(_I32, 2 * n, range(2 * n)))
-        out = _fmul(b, b.uitofp(codes, _vec(_F32, 2 * n)), both)
-        return tuple(b.shuffle_vector(out, out, _const(_I32, n, range(h * n, h * n + n)))
-                     for h in (0, 1))
-    d = _halves(b, p["d"], g, n)
-    return d, (_halves(b, p["m"], g, n) if qtype in ("q4_1", "q5_1") else None)
-
-
-def _halves(b, ptr, index, n):
-    """n fp16 at ptr[index] (uint16 bits) as <n x float>: exact."""
-    v = _load(b, b.bitcast(ptr, _F16.as_pointer()), index, _F16, n)
-    return b.fpext(v, _vec(_F32, n))
-
-
-def _lane(b, v, i, n, halves):
-    """<n x float> of lane i of v, or (halves: v holds two per group, q6_k) of lanes 2i and
-    2i + 1, each in half of the n."""
-    mask = [2 * i + 2 * j // n for j in range(n)] if halves else [i] * n
-    return b.shuffle_vector(v, v, _const(_I32, n, mask))
-
-
-def _prefetch(qtype, b, p, g):
-    """Prefetch hints for the codes `PREFETCH_GROUPS` groups ahead of group g (one line of
-    each stream per group: the hint may run past the array's end; it never faults)."""
-    strides = {"qs": 32 if qtype == "q8_0" else 16}
-    if qtype in ("q5_0", "q5_1", "q5_k", "q6_k"):
-        strides["qh"] = 8 if qtype == "q6_k" else 4
-    for name, stride in strides.items():
-        at = b.mul(b.add(g, ir.Constant(g.type, PREFETCH_GROUPS)), ir.Constant(g.type, stride))
-        _call(b, "llvm.prefetch.p0", ir.VoidType(), b.gep(p[name], [at]), ir.Constant(_I32, 0),
-              ir.Constant(_I32, 3), ir.Constant(_I32, 1))
-
-
-def _row_pointers(context, b, sig, args, rows=1):
-    """Per row of the weight fields (2-D C-contiguous blocks of `rows` rows; 1-D for one
-    row): {field: pointer to that row}."""
-    arrays = [context.make_array(sig.args[i])(context, b, args[i]) for i in range(len(FIELDS))]
-    if rows == 1:
-        return [{name: a.data for name, a in zip(FIELDS, arrays)}]
-    widths = [cgutils.unpack_tuple(b, a.shape, 2)[1] for a in arrays]
-    return [{name: b.gep(a.data, [b.mul(width, ir.Constant(width.type, r))])
-             for name, a, width in zip(FIELDS, arrays, widths)} for r in range(rows)]
-
-
-def _hsum(b, v):
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        lo = b.shuffle_vector(v, v, _const(_I32, n, range(n)))
-        hi = b.shuffle_vector(v, v, _const(_I32, n, range(n, 2 * n)))
-        v = _fadd(b, lo, hi)
-    return b.extract_element(v, ir.Constant(_I32, 0))
-
-
-_CPU = {name for name, on in llvm.get_host_cpu_features().items() if on}
-_I16 = ir.IntType(16)
-
-
-def _pair_sums(b, q, xq):
-    """<32 x i8> codes . <32 x i16> activations -> <16 x i32> sums of adjacent products
-    (exact: |code| <= 128, |xq| <= 32767)."""
-    q16 = b.sext(q, _vec(_I16, 32))
-    if "avx512bw" in _CPU:
-        return _call(b, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), q16, xq)
-    if "avx2" in _CPU:
-        halves = [[b.shuffle_vector(v, v, _const(_I32, 16, range(h, h + 16))) for v in (q16, xq)]
-                  for h in (0, 16)]
-        lo, hi = (_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), *h) for h in halves)
-        return b.shuffle_vector(lo, hi, _const(_I32, 16, range(16)))
-    even, odd = _const(_I32, 16, range(0, 32, 2)), _const(_I32, 16, range(1, 32, 2))
-    return b.add(*(b.mul(b.sext(b.shuffle_vector(q16, q16, i), _vec(_I32, 16)),
-                         b.sext(b.shuffle_vector(xq, xq, i), _vec(_I32, 16)))
-                   for i in (even, odd)))
-
-
-def _call(b, name, result, *args):
-    fn = b.module.declare_intrinsic(name, fnty=ir.FunctionType(result, [a.type for a in args]))
-    return b.call(fn, args)
+from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fmul, _lane,
+                          _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
+                          _to_bf16, _vec, _widen)
 
 
 @njit(nogil=True)
@@ -214,10 +29,6 @@ def task_rows(n_rows, tasks):
     other's half). A few long runs of rows stream from DRAM faster than many short ones: the
     1.5B's decode matrices (int8, 2 threads) at 8 tasks 35.2 GB/s, at 64-row tasks 33.4."""
     return max(1, -(-n_rows // (4 * max(1, tasks)))) * 4
-
-
-BLOCK = 8
-"""Groups whose scales `dot_intrinsic` converts as one vector (a k-quant's 256-block)."""
 
 
 def dot_intrinsic(qtype, wrows, xrows):
@@ -272,44 +83,6 @@ def dot_intrinsic(qtype, wrows, xrows):
         out = types.UniTuple(types.float32, wrows * xrows)
         return out(qs, qh, d, m, sc, mn, xq, dx, xsum), codegen
     return block_dot
-
-
-def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=()):
-    """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then once each size of
-    `tails` (decreasing, below `BLOCK`) if as many groups are left, then the rest one by one;
-    returns the intrinsic's tuple: per (weight row, activation row) its accumulator's lanes
-    plus its offset lanes, summed."""
-    blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
-    with cgutils.for_range(b, blocks) as loop:
-        run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
-    rest = b.mul(blocks, ir.Constant(groups.type, BLOCK))
-    for n in tails:
-        left = b.icmp_unsigned(">=", b.sub(groups, rest), ir.Constant(groups.type, n))
-        with b.if_then(left):
-            run(rest, n)
-        rest = b.select(left, b.add(rest, ir.Constant(groups.type, n)), rest)
-    with cgutils.for_range(b, groups, start=rest) as loop:
-        run(loop.index, 1)
-    sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
-            for acc, off in zip(acc_p, off_p)]
-    return context.make_tuple(b, sig.return_type, sums)
-
-
-def _widen(b, v, n):
-    """<k x float> -> <n x float>, zeros beyond k."""
-    if v.type.count == n:
-        return v
-    zero = ir.Constant(v.type, [0.0] * v.type.count)
-    return b.shuffle_vector(v, zero, _const(_I32, n, [j if j < v.type.count else v.type.count
-                                                       for j in range(n)]))
-
-
-def _to_bf16(b, v):
-    """<32 x float> -> <32 x i16> bf16 bits, rounded to nearest even (finite values)."""
-    u = b.bitcast(v, _vec(_I32, 32))
-    odd = b.and_(b.lshr(u, _const(_I32, 32, 16)), _const(_I32, 32, 1))
-    u = b.add(b.add(u, _const(_I32, 32, 0x7FFF)), odd)
-    return b.trunc(b.lshr(u, _const(_I32, 32, 16)), _vec(_I16, 32))
 
 
 def dequant_intrinsic(qtype):
