@@ -84,7 +84,8 @@ def prepare_weight(w, act_dtype: torch.dtype):
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
            xqs: dict | None = None) -> torch.Tensor:
-    """y = x @ W^T + bias for a dense weight, a QuantWeight or a CPU-packed weight. `xqs`: x
+    """y = x @ W^T + bias for a dense weight, a QuantWeight, a CPU-packed weight or a 16-bit
+    one kept for an fp32 CPU model (half_cpu.py). `xqs`: x
     already quantized for the quantized GEMV (`gemv_input_buffers`), filled by x's producer."""
     if isinstance(w, torch.Tensor):
         if use_triton(x):
@@ -98,6 +99,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
             from .quant_triton import quant_matmul
             return quant_matmul(x, w, bias, xqs=xqs)
         return quant_linear_ref(x, w, bias)
+    from .half_cpu import CpuHalf
+    if isinstance(w, CpuHalf):
+        from .half_cpu import linear as half_linear
+        return half_linear(x, w, bias)
     from .quant_cpu import cpu_quant_linear
     return cpu_quant_linear(x, w, bias)
 

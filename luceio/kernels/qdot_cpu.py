@@ -187,9 +187,8 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
     rows, k = x.shape
     if rows == 0:  # the kernel's one-row branch would write row 0 (a prefill chunk that is not
         return     # a prompt's last asks the LM head for no rows)
-    use_torch_threads()
     padded = rows if rows == 1 else -(-rows // 4) * 4
-    tasks = _THREADS.tasks
+    tasks = parallel_tasks()
     if w.activations == "int8":
         qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out,
                                          tasks)
@@ -226,6 +225,13 @@ def dequantize_rows(w: CpuQuant, start: int, out: np.ndarray) -> None:
 
 
 _THREADS = threading.local()
+
+
+def parallel_tasks() -> int:
+    """`use_torch_threads`, then the parallel iterations a matvec runs in (`TASKS_PER_THREAD` a
+    thread; half_cpu.py's too)."""
+    use_torch_threads()
+    return _THREADS.tasks
 
 
 def use_torch_threads() -> None:

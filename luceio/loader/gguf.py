@@ -5,7 +5,8 @@ The `gguf` package reads and dequantizes; it is imported inside functions so tha
 on machines without it. Tensors come out as fp32, the way transformers dequantizes a GGUF, or,
 with `weights(keep_quantized=True)`, quantized tensors are repacked losslessly into
 `QuantWeight`s (`kernels/quant.py`) and only F32/F16/BF16 (and types without a repacked layout)
-are dense.
+are dense, F16 and BF16 matrices in their own 16 bits (an fp32 CPU model keeps them so:
+`kernels/half_cpu.py`).
 """
 from __future__ import annotations
 
@@ -121,6 +122,13 @@ def load_gguf(path: str) -> Checkpoint:
                 kept += 1
                 yield names[tensor.name], w
                 continue
+            if keep_quantized and len(shape) == 2 and not stack and _half(tensor) is not None:
+                array = _half(tensor).reshape(shape)  # F16 / BF16 matrices in their 16 bits
+                if heads is not None:
+                    array = unpermute_rotary_rows(array, heads)
+                t = torch.from_numpy(np.array(array))
+                yield names[tensor.name], t.view(torch.bfloat16) if t.dtype == torch.uint16 else t
+                continue
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             if heads is not None:
                 array = unpermute_rotary_rows(array, heads)
@@ -147,6 +155,17 @@ def load_gguf(path: str) -> Checkpoint:
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer,
                       tokenizer_config=tokenizer_config, generation_config=generation_config,
                       source=path)
+
+
+def _half(tensor) -> np.ndarray | None:
+    """An F16 or BF16 tensor's values as float16 or as bf16 bits (uint16), else None. Not the
+    tensors whose HF value is computed from the file's (`gguf_qwen35.dense_value`: norms, the
+    conv, A): those are dequantized."""
+    from gguf import GGMLQuantizationType as T
+    if tensor.name.endswith(("norm.weight", ".ssm_conv1d.weight", ".ssm_a")) or \
+            tensor.tensor_type not in (T.F16, T.BF16):
+        return None
+    return tensor.data.view(np.float16 if tensor.tensor_type == T.F16 else np.uint16)
 
 
 def open_gguf(path: str):

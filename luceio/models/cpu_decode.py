@@ -54,7 +54,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import decode_cpu, qdot_cpu
+from ..kernels import decode_cpu, half_cpu, qdot_cpu
+from ..kernels.half_cpu import CpuHalf
 from ..kernels.qdot_cpu import CpuQuant
 from ..kernels.quant_cpu import QDOT_DENSE_MIN_ROWS, in_prefill
 from .gemma import Gemma3ForCausalLM
@@ -254,24 +255,28 @@ class _GemmaLayer:
 
 class _Projection:
     """A `Linear` as the decode step calls it: (x, its numpy view) -> (y, its numpy view).
-    Parts in their own bits (`CpuQuant`) write fp32 side by side into a buffer kept per batch
-    size; everything else (dense weights, int4-packed parts, batches on the dense path) runs
-    the module, in fp32."""
+    Parts in their own bits (`CpuQuant`, 16-bit `CpuHalf`) write fp32 side by side into a buffer
+    kept per batch size; everything else (dense fp32 weights, int4-packed parts, batches on the
+    dense path) runs the module, in fp32."""
 
     def __init__(self, lin: Linear):
         self.lin = lin
-        self.parts: list[CpuQuant] = lin.parts \
-            if lin.parts and all(isinstance(p, CpuQuant) for p in lin.parts) else []
+        self.parts: list[CpuQuant | CpuHalf] = lin.parts \
+            if lin.parts and all(isinstance(p, (CpuQuant, CpuHalf)) for p in lin.parts) else []
+        self.kernels = [half_cpu.matvec if isinstance(p, CpuHalf) else qdot_cpu.matvec
+                        for p in self.parts]
+        self.min_rows = min([QDOT_DENSE_MIN_ROWS for p in self.parts
+                             if isinstance(p, CpuQuant)], default=1 << 62 if self.parts else 0)
         self._outs: dict[int, tuple] = {}  # rows -> (y, its numpy view, one view per part)
 
     def __call__(self, x: torch.Tensor, x_np: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         rows = x.shape[0]
-        if not self.parts or rows >= QDOT_DENSE_MIN_ROWS or in_prefill():
+        if rows >= self.min_rows or in_prefill():  # (no parts: min_rows 0)
             y = self.lin(x)
             return y, y.numpy()
         y, y_np, outs = self._out(rows)
-        for w, out in zip(self.parts, outs):
-            qdot_cpu.matvec(x_np, w, out)
+        for kernel, w, out in zip(self.kernels, self.parts, outs):
+            kernel(x_np, w, out)
         if self.lin.bias is not None:
             y.add_(self.lin.bias)
         return y, y_np

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..kernels import half_cpu
 from ..kernels.quant import QuantWeight
 
 
@@ -53,6 +54,8 @@ class Linear(nn.Module):
             value = value.to(device)
         elif quantize and self.in_features % 32 == 0:
             value = quant.quantize_rtn(value.to(device), quantize)
+        elif half_cpu.keeps(value, dtype, device):  # bf16 / fp16 for an fp32 CPU model: as is
+            value = value.to(device)
         else:
             value = value.to(device, dtype)
         self._shards[shard] = value
@@ -69,7 +72,9 @@ class Linear(nn.Module):
         from ..kernels import quant
         shards = [self._shards[i] for i in range(len(self.out_sizes))]
         self._shards = {}
-        if all(_is_dense(s) for s in shards):
+        if len({s.dtype for s in shards if _is_dense(s) and s.dtype != dtype}) > 1:
+            shards = [s.to(dtype) if _is_dense(s) else s for s in shards]  # bf16 and fp16 mixed
+        if all(_is_dense(s) for s in shards) and shards[0].dtype == dtype:
             self.weight = nn.Parameter(torch.cat(shards) if len(shards) > 1 else shards[0],
                                        requires_grad=False)
             self.parts = []
@@ -80,14 +85,14 @@ class Linear(nn.Module):
                 groups[-1].append(s)
             else:
                 groups.append([s])
-        self.parts = [torch.cat(g) if _is_dense(g[0]) else
+        self.parts = [_dense_part(torch.cat(g), dtype) if _is_dense(g[0]) else
                       kernels.prepare_weight(quant.cat_rows(g) if len(g) > 1 else g[0], dtype)
                       for g in groups]
         self.weight = None
 
     def share_parts(self, other: "Linear | Embedding") -> None:
         """Tied weights: use another layer's weight (dense parameter or quantized parts)."""
-        if isinstance(other, Embedding) and other.qweight is not None:
+        if isinstance(other, Embedding) and other.head_part is not None:
             self.weight = None
             self.parts = [other.head_part]
         else:
@@ -140,24 +145,36 @@ class Linear(nn.Module):
 
 def _same_kind(a, b) -> bool:
     if _is_dense(a) or _is_dense(b):
-        return _is_dense(a) and _is_dense(b)
+        return _is_dense(a) and _is_dense(b) and a.dtype == b.dtype
     return a.qtype == b.qtype
 
 
+def _dense_part(w: torch.Tensor, dtype: torch.dtype):
+    """A dense part: in the model dtype, or a kept 16-bit one's `half_cpu.CpuHalf`."""
+    return w if w.dtype == dtype else half_cpu.prepare(w, dtype)
+
+
 class Embedding(nn.Module):
-    """Token embeddings: a dense table, or a quantized one whose rows are dequantized on use."""
+    """Token embeddings: a dense table, or a quantized one whose rows are dequantized on use
+    (a 16-bit table kept by an fp32 CPU model: widened on use)."""
 
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
         self.num_embeddings, self.dim = num_embeddings, dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
         self.qweight: QuantWeight | None = None
-        self.head_part = None  # the tied LM head's form of the quantized table
+        self.head_part = None  # the tied LM head's form of the quantized (or 16-bit) table
         self.out_dtype = torch.float32
+        self.widened = False  # a bf16 / fp16 table kept for an fp32 model (half_cpu.keeps)
 
     def load(self, value, dtype: torch.dtype, device: torch.device, tied: bool) -> None:
         if _is_dense(value):
-            self.weight = nn.Parameter(value.to(device, dtype), requires_grad=False)
+            keep = self.widened = half_cpu.keeps(value, dtype, device)  # widened on use (exact)
+            self.weight = nn.Parameter(value.to(device, None if keep else dtype),
+                                       requires_grad=False)
+            self.out_dtype = dtype
+            if keep and tied:  # the LM head reads the same 16-bit table
+                self.head_part = half_cpu.prepare(self.weight.data, dtype)
             return
         self.qweight, self.out_dtype, self.weight = value.to(device), dtype, None
         if tied:
@@ -167,7 +184,8 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
-            return nn.functional.embedding(ids, self.weight)
+            rows = nn.functional.embedding(ids, self.weight)
+            return rows.to(self.out_dtype) if self.widened else rows
         from ..kernels.quant import dequantize, permute_rows
         return dequantize(permute_rows(self.qweight, ids)).to(self.out_dtype)
 
