@@ -8,8 +8,9 @@ bench/results/cpu/cpu_half.json.
 
     python bench/cpu_half.py --llama-bench BUILD/bin/llama-bench [--models ...] [--types BF16,F16]
 
-`--rows` also times one projection (the 0.5B's gate/up) at M = 1 ... 512 rows on the kernel
-(`half_cpu.matvec`, bf16) and as torch's fp32 matmul on a resident fp32 copy.
+`--rows` also times one projection (the 0.5B's gate/up) at M = 1 ... 512 rows on the decode
+and the prefill kernel (`half_cpu.matvec`, bf16) and as torch's fp32 matmul on a resident fp32
+copy.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def make_file(model: str, qtype: str, quantize: str, folder: str) -> str:
 
 
 def rows_sweep(threads: int, reps: int = 5) -> dict:
-    """One projection at M rows: the kernel on the bf16 weight against torch's fp32 matmul on
-    a resident fp32 copy (what an fp32 model ran), alternating, medians in ms."""
+    """One projection at M rows: the decode kernel and the prefill kernel on the bf16 weight
+    against torch's fp32 matmul on a resident fp32 copy (what an fp32 model ran), alternating,
+    medians in ms."""
     import numpy as np
     import torch
 
@@ -49,11 +51,13 @@ def rows_sweep(threads: int, reps: int = 5) -> dict:
     for m in (1, 4, 16, 64, 128, 512):
         x = torch.randn(m, 896)
         y = np.zeros((m, 9728), np.float32)
-        times = {"kernel": [], "fp32_matmul": []}
+        times = {"decode_kernel": [], "prefill_kernel": [], "fp32_matmul": []}
         for _ in range(reps):
-            t = time.perf_counter()
-            half_cpu.matvec(x.numpy(), w, y)
-            times["kernel"].append(time.perf_counter() - t)
+            for prefill in (False, True):
+                t = time.perf_counter()
+                half_cpu.matvec(x.numpy(), w, y, prefill)
+                times["prefill_kernel" if prefill else "decode_kernel"].append(
+                    time.perf_counter() - t)
             t = time.perf_counter()
             torch.nn.functional.linear(x, wf)
             times["fp32_matmul"].append(time.perf_counter() - t)

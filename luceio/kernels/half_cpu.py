@@ -9,20 +9,20 @@ embedding's 16-bit table.
 Every call runs a numba kernel: the weight's rows on numba's threads, each widened to fp32
 exactly and multiplied with fp32 FMAs against one row of x at a time, so the outputs are those
 of the fp32 model on the same values, reduced in another order (fp32 rounding;
-tests/test_half_cpu.py). Decode and verify rows take `_rows_kernel` (one weight row at a time:
-the fastest stream out of memory), a prefill step's rows `_blocks_kernel` (four weight rows
-per row of x: fewer loads of x); each row's result depends only on its own x and the kind of
-step, so a prompt's hidden states do not depend on how its prefill was chunked, nor a decode
-row's on its batch. At prefill sizes they beat the fp32 model's own GEMM (the 0.5B's gate/up,
-2 threads, bench/cpu_half.py --rows: 34 ms against oneDNN's 47-50 ms on a resident fp32
-weight at 512 rows), so there is no dense path.
+tests/test_half_cpu.py). Decode and verify steps of fewer than `BLOCK_MIN_ROWS` rows take
+`_rows_kernel` (one weight row at a time: the fastest stream out of memory), prefill steps and
+larger ones `_blocks_kernel` (four weight rows against two rows of x: fewer loads); a row's
+result depends only on its own x and which kernel runs, so a prompt's hidden states do not
+depend on how its prefill was chunked, nor a decode row's on a batch of up to 7 others. The
+prefill kernel beats the fp32 model's own GEMM (`bench/cpu_half.py --rows`: at 512 rows about
+half the time of torch's fp32 matmul on a resident fp32 weight), so there is no dense path.
 
-Why. SmolLM2-135M from a BF16 GGUF on two cores: in an fp32 model its weights are 540 MB a
-step; with `dtype=bfloat16` the model runs the module forward in bf16 (torch's bf16 matmuls,
-~100 small ops a layer): 14.7-15.7 ms a step (bench/cpu_half.py says more). The kernel is a
-plain loop that LLVM vectorizes (a bf16 code is the top half of an fp32 word; an fp16 one is
-widened by `vcvtph2ps`, numba having no fp16 type): out of cache it streams at the bandwidth
-torch's own reductions reach.
+Why. On two cores, from 16-bit GGUFs of SmolLM2-135M and Qwen2.5-Coder-0.5B (real shapes):
+the fp32 model with the weights widened at load decoded 31-32 / 10 tok/s, the bf16 model
+(torch's bf16 matmuls on the module forward, ~100 small ops a layer) 41-46 / 18-19, this path
+130-140 / 59-62, llama.cpp on the same files 158-175 / 53-58 (`bench/cpu_half.py`). The
+kernels are plain loops that LLVM vectorizes (a bf16 value is the top half of an fp32 word; an
+fp16 one is widened by `vcvtph2ps`, numba having no fp16 type).
 """
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ QTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _BITS = {"bfloat16": np.uint16, "float16": np.int16}
 """How the kernel sees a type's bits: bf16 as uint16, fp16 as int16 (one compiled loop per
 numpy dtype picks the widening)."""
+
+
+BLOCK_MIN_ROWS = 8
+"""Decode and verify steps of this many rows take the prefill kernel too (as quant_cpu's
+`QDOT_DENSE_MIN_ROWS`): 9,728 x 896 at 4 / 16 rows, 0.48 / 2.79 ms on the decode kernel, 0.60 /
+1.22 ms on the prefill one (`bench/cpu_half.py --rows`)."""
 
 
 def available() -> bool:
@@ -92,13 +98,14 @@ def prepare(t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> CpuHalf:
 def matvec(x: np.ndarray, w: CpuHalf, out: np.ndarray, prefill: bool | None = None) -> None:
     """out[:, :] = x @ W^T. x: fp32 [M, K] C-contiguous; out: fp32 [M, N], rows may be a
     strided view (one part of a fused projection's output). `prefill` (default: whether the
-    model runner is in a prefill step, `quant_cpu.prefill_rows`) picks the kernel."""
+    model runner is in a prefill step, `quant_cpu.prefill_rows`) or M >= `BLOCK_MIN_ROWS`:
+    `_blocks_kernel`, else `_rows_kernel`."""
     if x.shape[0] == 0:
         return
     if prefill is None:
         from .quant_cpu import in_prefill
         prefill = in_prefill()
-    kernel = _blocks_kernel if prefill else _rows_kernel
+    kernel = _blocks_kernel if prefill or x.shape[0] >= BLOCK_MIN_ROWS else _rows_kernel
     kernel(w.bits, x, out, qdot_cpu.parallel_tasks())
 
 
@@ -163,30 +170,50 @@ if numba is not None:
 
     @numba.njit(parallel=True, cache=True, nogil=True, fastmath=True)
     def _blocks_kernel(w, x, out, tasks):
-        """Prefill: as `_rows_kernel`, but 4 rows of w interleaved against each row of x
-        (sharing its loads; a tail of 1-3 rows one by one): at 128 and 512 rows of x 2.2x and
-        2.4x faster than `_rows_kernel` (9,728 x 896)."""
+        """Prefill: as `_rows_kernel`, but 4 rows of w against 2 rows of x at a time (each
+        weight load used twice, each x load four times; an odd last row of x is paired with
+        itself, so every row goes through the same loop); a tail of 1-3 weight rows one by
+        one. 9,728 x 896 at 512 rows of x: 23.6 ms, against 31.5 with one row of x at a time
+        and 46.1 for torch's fp32 matmul on a resident fp32 weight."""
         n, k = w.shape
         m = x.shape[0]
         step = task_rows(n, tasks)
         for c in prange(-(-n // step)):
             for r in range(step * c, min(n, step * (c + 1)), 4):
                 if r + 4 <= n:
-                    for i in range(m):
+                    for i in range(0, m, 2):
+                        i1 = min(i + 1, m - 1)
                         a0 = np.float32(0)
                         a1 = np.float32(0)
                         a2 = np.float32(0)
                         a3 = np.float32(0)
+                        b0 = np.float32(0)
+                        b1 = np.float32(0)
+                        b2 = np.float32(0)
+                        b3 = np.float32(0)
                         for j in range(k):
                             xv = x[i, j]
-                            a0 += _widen(w[r, j]) * xv
-                            a1 += _widen(w[r + 1, j]) * xv
-                            a2 += _widen(w[r + 2, j]) * xv
-                            a3 += _widen(w[r + 3, j]) * xv
+                            yv = x[i1, j]
+                            w0 = _widen(w[r, j])
+                            w1 = _widen(w[r + 1, j])
+                            w2 = _widen(w[r + 2, j])
+                            w3 = _widen(w[r + 3, j])
+                            a0 += w0 * xv
+                            a1 += w1 * xv
+                            a2 += w2 * xv
+                            a3 += w3 * xv
+                            b0 += w0 * yv
+                            b1 += w1 * yv
+                            b2 += w2 * yv
+                            b3 += w3 * yv
                         out[i, r] = a0
                         out[i, r + 1] = a1
                         out[i, r + 2] = a2
                         out[i, r + 3] = a3
+                        out[i1, r] = b0
+                        out[i1, r + 1] = b1
+                        out[i1, r + 2] = b2
+                        out[i1, r + 3] = b3
                 else:
                     for q in range(r, n):
                         for i in range(m):
