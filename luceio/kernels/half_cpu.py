@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import qdot_cpu
+from .quant_cpu import in_prefill
 
 try:
     import numba
@@ -103,7 +104,6 @@ def matvec(x: np.ndarray, w: CpuHalf, out: np.ndarray, prefill: bool | None = No
     if x.shape[0] == 0:
         return
     if prefill is None:
-        from .quant_cpu import in_prefill
         prefill = in_prefill()
     kernel = _blocks_kernel if prefill or x.shape[0] >= BLOCK_MIN_ROWS else _rows_kernel
     kernel(w.bits, x, out, qdot_cpu.parallel_tasks())
