@@ -17,10 +17,10 @@ depend on how its prefill was chunked, nor a decode row's on a batch of up to 7 
 prefill kernel beats the fp32 model's own GEMM (`bench/cpu_half.py --rows`: at 512 rows about
 half the time of torch's fp32 matmul on a resident fp32 weight), so there is no dense path.
 
-Why. On two cores, from 16-bit GGUFs of SmolLM2-135M and Qwen2.5-Coder-0.5B (real shapes):
-the fp32 model with the weights widened at load decoded 31-32 / 10 tok/s, the bf16 model
-(torch's bf16 matmuls on the module forward, ~100 small ops a layer) 41-46 / 18-19, this path
-130-140 / 59-62, llama.cpp on the same files 158-175 / 53-58 (`bench/cpu_half.py`). The
+Why. On two cores, from 16-bit GGUFs of SmolLM2-135M, Qwen2.5-Coder-0.5B and 1.5B (real
+shapes), decode as a share of llama.cpp's on the same files (`bench/cpu_half.py`, two runs):
+the fp32 model with the weights widened at load 0.18-0.22x, the bf16 model (torch's bf16
+matmuls on the module forward, ~100 small ops a layer) 0.26-0.51x, this path 0.74-1.17x. The
 kernels are plain loops that LLVM vectorizes (a bf16 value is the top half of an fp32 word; an
 fp16 one is widened by `vcvtph2ps`, numba having no fp16 type).
 """

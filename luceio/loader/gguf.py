@@ -122,8 +122,9 @@ def load_gguf(path: str) -> Checkpoint:
                 kept += 1
                 yield names[tensor.name], w
                 continue
-            if keep_quantized and len(shape) == 2 and not stack and _half(tensor) is not None:
-                array = _half(tensor).reshape(shape)  # F16 / BF16 matrices in their 16 bits
+            half = _half(tensor) if keep_quantized and len(shape) == 2 and not stack else None
+            if half is not None:  # F16 / BF16 matrices in their 16 bits
+                array = half.reshape(shape)
                 if heads is not None:
                     array = unpermute_rotary_rows(array, heads)
                 t = torch.from_numpy(np.array(array))
