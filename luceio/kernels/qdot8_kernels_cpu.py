@@ -321,7 +321,7 @@ if VNNI:
                                           dx[i:i + 4], xsum[i:i + 4], qsum[i:i + 4])
                             for j in range(min(4, rows - i)):
                                 out[i + j, r] = y[j]
-                elif False and n + 4 <= n_rows:
+                elif n + 4 <= n_rows:
                     y = _dot_w4x1(kind, qs[n:n + 4], qh[n:n + 4], d[n:n + 4], m[n:n + 4],
                                   sc[n:n + 4], mn[n:n + 4], xq, dx, xsum, qsum)
                     for j in range(4):
