@@ -26,6 +26,7 @@ fp16 one is widened by `vcvtph2ps`, numba having no fp16 type).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ except ImportError:  # no numba: 16-bit weights are widened at load as before
 
 QTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 """The dtypes kept, as `weight_kind` names them."""
-_BITS = {"bfloat16": np.uint16, "float16": np.int16}
+_BITS = {"bfloat16": torch.uint16, "float16": torch.int16}
 """How the kernel sees a type's bits: bf16 as uint16, fp16 as int16 (one compiled loop per
 numpy dtype picks the widening)."""
 
@@ -92,7 +93,7 @@ def prepare(t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> CpuHalf:
     qtype = QTYPES[t.dtype]
     t = t.contiguous()
     warm_up()
-    bits = t.view(torch.int16 if qtype == "float16" else torch.uint16).numpy()
+    bits = t.view(_BITS[qtype]).numpy()
     return CpuHalf(qtype, t, bits, out_dtype)
 
 
@@ -118,19 +119,17 @@ def linear(x: torch.Tensor, w: CpuHalf, bias: torch.Tensor | None = None) -> tor
     return y if bias is None else y + bias
 
 
-_WARM = []
-
-
+@functools.cache
 def warm_up() -> None:
-    """Compiles the kernel for both types (or reads numba's cache) once, at load."""
-    if _WARM or numba is None:
+    """Compiles the kernels for both types (or reads numba's cache) once, at load."""
+    if numba is None:
         return
     for dtype in _BITS.values():
+        w = torch.zeros(5, 3, dtype=dtype).numpy()
         for rows in (1, 2):
             out = np.zeros((rows, 10), np.float32)
             for kernel in (_rows_kernel, _blocks_kernel):
-                kernel(np.zeros((5, 3), dtype), np.ones((rows, 3), np.float32), out[:, :5], 2)
-    _WARM.append(True)
+                kernel(w, np.ones((rows, 3), np.float32), out[:, :5], 2)
 
 
 if numba is not None:
@@ -150,6 +149,15 @@ if numba is not None:
             return lambda v: _from_f16(v)
         return lambda v: np.uint32(np.uint32(v) << np.uint32(16)).view(np.float32)
 
+    @numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+    def _row(w, x, out, r):
+        """out[i, r] = w[r] . x[i] for every row i of x."""
+        for i in range(x.shape[0]):
+            a = np.float32(0)
+            for j in range(w.shape[1]):
+                a += _widen(w[r, j]) * x[i, j]
+            out[i, r] = a
+
     @numba.njit(parallel=True, cache=True, nogil=True, fastmath=True)
     def _rows_kernel(w, x, out, tasks):
         """Decode: rows of w in `tasks` parallel iterations (qdot_kernels_cpu's `task_rows`),
@@ -157,16 +165,11 @@ if numba is not None:
         than four interleaved (the hardware prefetchers follow fewer streams): bf16 out of
         cache, 2 threads, alternating, 17,920 x 1,536 61.0 against 43.9 GB/s, 151,936 x
         1,536 51.7 against 42.1, 896 x 896 59.8 against 50.3, 1,536 x 8,960 41.1 / 41.3."""
-        n, k = w.shape
-        m = x.shape[0]
+        n = w.shape[0]
         step = task_rows(n, tasks)
         for c in prange(-(-n // step)):
             for r in range(step * c, min(n, step * (c + 1))):
-                for i in range(m):
-                    a = np.float32(0)
-                    for j in range(k):
-                        a += _widen(w[r, j]) * x[i, j]
-                    out[i, r] = a
+                _row(w, x, out, r)
 
     @numba.njit(parallel=True, cache=True, nogil=True, fastmath=True)
     def _blocks_kernel(w, x, out, tasks):
@@ -216,8 +219,4 @@ if numba is not None:
                         out[i1, r + 3] = b3
                 else:
                     for q in range(r, n):
-                        for i in range(m):
-                            a = np.float32(0)
-                            for j in range(k):
-                                a += _widen(w[q, j]) * x[i, j]
-                            out[i, q] = a
+                        _row(w, x, out, q)
