@@ -4,6 +4,10 @@ Engine state (queues, KV pool, prefix cache, token counts) is read at scrape tim
 per-request latencies are histograms observed as outputs arrive."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, \
     generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,6 +18,36 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
                 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
                 120.0, 300.0)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    """glibc's mallinfo2 (2.33+), or None: malloc's own count of the bytes in use."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        f = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype = _MallInfo2
+    return f
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (small chunks and mmapped ones), or None
+    where glibc's mallinfo2 is missing. Unlike RSS it has no high-water marks: it falls back when
+    memory is freed, so a leak shows as growth from one idle moment to the next."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
 
 
 class ServerMetrics:
@@ -78,6 +112,13 @@ class _EngineCollector:
                     st.num_request_states)
         yield gauge("luceio_engine_output_streams", "open async output streams",
                     m.async_engine.num_open_streams())
+        # process memory in use now (no high-water marks): flat from one idle moment to the next
+        yield gauge("luceio_process_python_allocated_blocks", "blocks Python's small-object "
+                    "allocator has handed out (sys.getallocatedblocks)", sys.getallocatedblocks())
+        heap = heap_in_use_bytes()
+        if heap is not None:
+            yield gauge("luceio_process_heap_in_use_bytes", "bytes malloc has handed out (glibc "
+                        "mallinfo2: uordblks + hblkhd)", heap)
         yield gauge("luceio_kv_blocks_total", "KV cache blocks in the pool", st.kv_blocks_total)
         yield gauge("luceio_kv_blocks_used", "KV cache blocks held by requests", st.kv_blocks_used)
         yield gauge("luceio_kv_blocks_free", "KV cache blocks free (cached-free included)",
