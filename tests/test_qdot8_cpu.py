@@ -91,8 +91,11 @@ def test_quantize_groups_is_its_definition():
 
 @vnni
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 3, 7])
-def test_matvec_equals_the_exact_dot_of_its_quantized_activations(qtype, m):
+@pytest.mark.parametrize("m,one_row", [(1, False), (1, True), (3, False), (7, False)])
+def test_matvec_equals_the_exact_dot_of_its_quantized_activations(qtype, m, one_row, monkeypatch):
+    """One activation row goes through 4 weight rows at a time or one (`ONE_ROW_MIN_K`); more
+    rows take the 4-activation-row kernel either way."""
+    monkeypatch.setitem(qd.ONE_ROW_MIN_K, qtype, 0 if one_row else 1 << 30)
     for n, k in shapes(qtype):
         w = random_quant_weight(qtype, n, k, generator=torch.Generator().manual_seed(m + n))
         cw = qd.prepare(w, activations="int8")
@@ -114,6 +117,24 @@ def test_matvec_equals_the_exact_dot_of_its_quantized_activations(qtype, m):
         loss = (y - xt @ wd.t()).abs()
         bound = (step / 2) @ a.t() + fp32
         assert bool((loss <= bound).all()), (n, k, float((loss / bound).max()))
+
+
+@vnni
+def test_matvec_asks_for_one_weight_row_at_a_time_where_the_table_says(monkeypatch):
+    """`matvec` passes the kernel one_row exactly where K reaches `ONE_ROW_MIN_K[qtype]` (the
+    outputs of both ways are held to the exact dot above), for one activation row."""
+    asked = []
+    kernel = qd.qdot8_kernels_cpu.matvec8_kernel
+    monkeypatch.setattr(qd.qdot8_kernels_cpu, "matvec8_kernel",
+                        lambda *a: asked.append(a[-1]) or kernel(*a))
+    assert qd.ONE_ROW_MIN_K.keys() == set(QTYPES)
+    for qtype in QTYPES:
+        n, k = shapes(qtype)[0]
+        cw = qd.prepare(random_quant_weight(qtype, n, k), activations="int8")
+        for threshold, one_row in ((k, True), (k + 1, False)):
+            monkeypatch.setitem(qd.ONE_ROW_MIN_K, qtype, threshold)
+            qd.matvec(np.ones((1, k), np.float32), cw, np.empty((1, n), np.float32))
+            assert asked.pop() is one_row
 
 
 @vnni

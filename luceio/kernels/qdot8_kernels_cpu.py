@@ -305,8 +305,9 @@ def natural_order(xq: np.ndarray) -> np.ndarray:
 
 if VNNI:
     @njit(parallel=True, cache=True, nogil=True)
-    def matvec8_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, qsum, out, tasks):
-        """qdot_kernels_cpu.matvec_kernel with int8 activations."""
+    def matvec8_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, qsum, out, tasks, one_row):
+        """qdot_kernels_cpu.matvec_kernel with int8 activations; `one_row`: one activation
+        row goes through the weight rows one at a time, not 4 (`qdot_cpu.ONE_ROW_MIN_K`)."""
         rows = x.shape[0]
         _quantize_groups8(x, xq[:rows], dx[:rows], xsum[:rows], qsum[:rows])
         n_rows = qs.shape[0]
@@ -321,13 +322,13 @@ if VNNI:
                                           dx[i:i + 4], xsum[i:i + 4], qsum[i:i + 4])
                             for j in range(min(4, rows - i)):
                                 out[i + j, r] = y[j]
-                elif n + 4 <= n_rows:
+                elif n + 4 <= n_rows and not one_row:
                     y = _dot_w4x1(kind, qs[n:n + 4], qh[n:n + 4], d[n:n + 4], m[n:n + 4],
                                   sc[n:n + 4], mn[n:n + 4], xq, dx, xsum, qsum)
                     for j in range(4):
                         out[0, n + j] = y[j]
-                else:
-                    for r in range(n, n_rows):
+                else:  # one_row, or the last 1-3 rows
+                    for r in range(n, min(n + 4, n_rows)):
                         out[0, r] = _dot_w1x1(kind, qs[r:r + 1], qh[r:r + 1], d[r:r + 1],
                                               m[r:r + 1], sc[r:r + 1], mn[r:r + 1], xq, dx,
                                               xsum, qsum)[0]

@@ -174,8 +174,10 @@ def warm_up(activations: str = "int16") -> None:
     kernel, bits = ((qdot8_kernels_cpu.matvec8_kernel, 8) if activations == "int8" else
                     (matvec_kernel, 16))
     for rows in (2, 1):  # a column slice (one part of a fused projection), then a whole buffer
-        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n], 1)
-        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n].copy(), 1)
+        more = (False,) if bits == 8 else ()  # one_row
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n], 1, *more)
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n].copy(), 1,
+               *more)
     dequantize_rows(w, 0, np.zeros((n, k), np.float32))
     dequantize_rows(w, 0, np.zeros((n, k), np.uint16))
 
@@ -191,11 +193,23 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
     tasks = parallel_tasks()
     if w.activations == "int8":
         qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out,
-                                         tasks)
+                                         tasks, k >= ONE_ROW_MIN_K[w.qtype])
     else:
         matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out, tasks)
 
 
+ONE_ROW_MIN_K = {"q4_0": 3072, "q4_1": 3072, "q5_0": 3072, "q5_1": 3072, "q8_0": 1536,
+                 "q4_k": 8192, "q5_k": 3072, "q6_k": 3072}
+"""int8 activations (`qdot8_kernels_cpu`): one activation row against weight rows of at least
+this many columns goes through them one weight row at a time (one stream from memory per
+thread; the same sums, rounded within the same fp32 bound), shorter rows 4 at a time (their
+dependent chains interleave).
+Measured on Zen 5 (2 threads, weights from DRAM, the two ways alternating in one process;
+4-row time / 1-row time): q8_0 1.20-1.38 at K = 1,536-14,336, 0.72 at 896; q4_0, q4_1, q5_0,
+q5_1, q5_k and q6_k 1.06-1.65 at K = 3,584-14,336, 0.73-0.88 at 1,536-2,048 (q6_k at 2,048:
+0.87-1.12); q4_k 1.12-1.16 at 8,960-14,336 and 0.96-1.05 at 4,096-5,632, 0.69-0.89 below.
+The real 1.5B's down projections (K = 8,960): q6_k 1.38, q4_k 1.12. The int16 kernels stay at
+4 rows (their q4_k lost 10% one row at a time, their q6_k gained 15%)."""
 TASKS_PER_THREAD = 4
 """Parallel iterations of a matvec per thread (`qdot_kernels_cpu.task_rows`)."""
 
