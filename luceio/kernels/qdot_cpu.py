@@ -199,17 +199,19 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
 
 
 ONE_ROW_MIN_K = {"q4_0": 3072, "q4_1": 3072, "q5_0": 3072, "q5_1": 3072, "q8_0": 1536,
-                 "q4_k": 8192, "q5_k": 3072, "q6_k": 3072}
+                 "q4_k": 8192, "q5_k": 4096, "q6_k": 3072}
 """int8 activations (`qdot8_kernels_cpu`): one activation row against weight rows of at least
 this many columns goes through them one weight row at a time (one stream from memory per
 thread; the same sums, rounded within the same fp32 bound), shorter rows 4 at a time (their
-dependent chains interleave).
-Measured on Zen 5 (2 threads, weights from DRAM, the two ways alternating in one process;
-4-row time / 1-row time): q8_0 1.20-1.38 at K = 1,536-14,336, 0.72 at 896; q4_0, q4_1, q5_0,
-q5_1, q5_k and q6_k 1.06-1.65 at K = 3,584-14,336, 0.73-0.88 at 1,536-2,048 (q6_k at 2,048:
-0.87-1.12); q4_k 1.12-1.16 at 8,960-14,336 and 0.96-1.05 at 4,096-5,632, 0.69-0.89 below.
-The real 1.5B's down projections (K = 8,960): q6_k 1.38, q4_k 1.12. The int16 kernels stay at
-4 rows (their q4_k lost 10% one row at a time, their q6_k gained 15%)."""
+dependent chains interleave). Chosen from `python bench/cpu_one_row.py --random ...` on Zen 5
+(2 threads, weights from DRAM, both ways alternating in one process; 4-row time / 1-row time;
+`bench/results/cpu/cpu_one_row_session30_random.json`, `_random2.json`, and two earlier runs
+whose output was not kept): at K = 14,336 1.05-1.80 for every type; at 4,096 1.04-1.65; at
+3,584 1.10-1.39 except q4_k (0.86-0.92) and q5_k (0.77-1.06); at 1,536-2,048 0.54-1.28 and
+mixed, but q8_0 1.18-1.28 in every run; at 896 0.50-0.77 (q8_0 0.72 in one run, 1.16-1.28 in
+three). The real 1.5B's down projections (K = 8,960): q6_k 1.39, q4_k 1.13; its whole decode
+step's matvecs 1.05. The int16 kernels stay at 4 rows (their q4_k lost 10% one row at a time,
+their q6_k gained 15%)."""
 TASKS_PER_THREAD = 4
 """Parallel iterations of a matvec per thread (`qdot_kernels_cpu.task_rows`)."""
 
