@@ -3,6 +3,7 @@ process: rounds alternate the two ways (the table's, and every K at 4 rows), so 
 same memory bandwidth, which drifts on this box from minute to minute.
 
     python bench/cpu_one_row.py [--models qwen2.5-coder-1.5b,...] [--random q4_k,q6_k,...]
+                                [--set q8_0=896,...]
 
 - `--models`: every quantized matrix of a real GGUF's decode step (M = 1, the LM head
   included), time per (type, shape) and for the whole step;
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--random", default="", help="qtypes of random weights (e.g. q4_k,q6_k)")
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,3584x3584,2048x2048,"
                     "8960x1536,1536x8960,4864x896")
+    ap.add_argument("--set", default="", help="thresholds to try instead of the table's, as "
+                    "qtype=K,... (the real models' rows compare them with 4 rows)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu",
@@ -121,6 +124,9 @@ def main() -> None:
     from luceio.kernels import qdot_cpu
     if not qdot_cpu.int8_available():
         raise SystemExit("int8 activations need numba and AVX-512 VNNI")
+    for item in filter(None, a.set.split(",")):
+        qtype, k = item.split("=")
+        qdot_cpu.ONE_ROW_MIN_K[qtype] = int(k)
     results = {"env": env_info(), "threads": a.threads, "table": dict(qdot_cpu.ONE_ROW_MIN_K),
                "models": [], "random": []}
     for model in filter(None, a.models.split(",")):

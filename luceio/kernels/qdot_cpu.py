@@ -198,7 +198,7 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
         matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out, tasks)
 
 
-ONE_ROW_MIN_K = {"q4_0": 3072, "q4_1": 3072, "q5_0": 3072, "q5_1": 3072, "q8_0": 1536,
+ONE_ROW_MIN_K = {"q4_0": 3072, "q4_1": 3072, "q5_0": 3072, "q5_1": 3072, "q8_0": 896,
                  "q4_k": 8192, "q5_k": 4096, "q6_k": 3072}
 """int8 activations (`qdot8_kernels_cpu`): one activation row against weight rows of at least
 this many columns goes through them one weight row at a time (one stream from memory per
@@ -210,8 +210,11 @@ whose output was not kept): at K = 14,336 1.05-1.80 for every type; at 4,096 1.0
 3,584 1.10-1.39 except q4_k (0.86-0.92) and q5_k (0.77-1.06); at 1,536-2,048 0.54-1.28 and
 mixed, but q8_0 1.18-1.28 in every run; at 896 0.50-0.77 (q8_0 0.72 in one run, 1.16-1.28 in
 three). The real 1.5B's down projections (K = 8,960): q6_k 1.39, q4_k 1.13; its whole decode
-step's matvecs 1.05. The int16 kernels stay at 4 rows (their q4_k lost 10% one row at a time,
-their q6_k gained 15%)."""
+step's matvecs 1.05. The real 0.5B's q8_0 LM head (151,936 x 896) 1.17 / 1.18 in two runs,
+its q8_0 v projections (128 x 896) 0.88 / 0.92 (0.015 ms a step), its step's matvecs 1.07 /
+1.09 with q8_0 from 896 against 1.025 from 1,536 (the second run:
+`cpu_one_row_session30_q8_896.json`). The int16 kernels stay at 4 rows (their q4_k lost 10% one
+row at a time, their q6_k gained 15%)."""
 TASKS_PER_THREAD = 4
 """Parallel iterations of a matvec per thread (`qdot_kernels_cpu.task_rows`)."""
 
