@@ -31,10 +31,10 @@ from common import env_info, write_json  # noqa: E402
 FOUR = 1 << 30  # a threshold no K reaches: 4 rows at a time
 
 
-def _ratios(four: list[float], table: list[float]) -> dict:
-    r = [a / b for a, b in zip(four, table)]
+def _ratios(four: list[float], other: list[float], name: str = "table") -> dict:
+    r = [a / b for a, b in zip(four, other)]
     return {"four_rows_ms": round(statistics.median(four) * 1e3, 3),
-            "table_ms": round(statistics.median(table) * 1e3, 3),
+            f"{name}_ms": round(statistics.median(other) * 1e3, 3),
             "four_over_table_quartiles": [round(float(q), 3) for q in np.percentile(r, [25, 50, 75])]}
 
 
@@ -99,9 +99,8 @@ def random_shapes(qtypes: list[str], shapes: list[tuple[int, int]], rounds: int)
             finally:
                 qdot_cpu.ONE_ROW_MIN_K[qtype] = old
             row = {"qtype": qtype, "shape": [n, k], "one_row_by_table": k >= old,
-                   **_ratios(times["four"], times["one"]),
+                   **_ratios(times["four"], times["one"], "one_row"),
                    "one_row_GBps": round(ws[0].nbytes / statistics.median(times["one"]) / 1e9, 1)}
-            row["one_row_ms"] = row.pop("table_ms")
             rows.append(row)
             print(row, flush=True)
     return rows
