@@ -377,17 +377,18 @@ def test_tokenizer_matches_llama_cpp_reference(llama_cpp_vocabs, vocab):
 
 # ---- a synthetic GGUF written with gguf's own writer (offline) -------------------------------
 
-def _write_gguf(path, arch: str, quant: dict | None = None, heads: int = 4) -> dict[str, np.ndarray]:
+def _write_gguf(path, arch: str, quant: dict | None = None, heads: int = 4, hidden: int = 64,
+                ffn: int = 96, pad_tokens: int = 0) -> dict[str, np.ndarray]:
     """A 2-layer model with known HF-layout weights, stored the way llama.cpp's converter
     stores them (llama: Q/K rows permuted, tied embeddings; qwen2: q/k/v bias, untied output).
     Returns the HF state dict that loading must give back. `quant` maps GGUF tensor kinds
     (`attn_q`, `ffn_down`, `token_embd`, ...) to a GGMLQuantizationType to store them in
     (quantized with gguf's own quantizer) instead of F16; the state dict returned is then the
-    unquantized one. `heads` query heads share hidden 64 (head_dim 64 / heads), over heads / 2
-    KV heads."""
+    unquantized one. `heads` query heads share `hidden` (head_dim hidden / heads), over
+    heads / 2 KV heads. The vocabulary: 256 bytes, 3 special tokens, `pad_tokens` more."""
     from gguf import GGUFWriter
 
-    hidden, kv_heads, ffn, vocab = 64, heads // 2, 96, 259
+    kv_heads, vocab = heads // 2, 259 + pad_tokens
     head_dim = hidden // heads
     rng = np.random.default_rng(1)
 
@@ -407,10 +408,11 @@ def _write_gguf(path, arch: str, quant: dict | None = None, heads: int = 4) -> d
 
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|endoftext|>", "<|im_start|>",
                                                             "<|im_end|>"]
+    tokens += [f"<|pad_{i}|>" for i in range(pad_tokens)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * 256 + [3, 3, 3])
+    writer.add_token_types([1] * 256 + [3] * (3 + pad_tokens))
     writer.add_token_merges([])
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(258)

@@ -39,10 +39,11 @@ def activations(kind: str):
 
 def shapes(qtype: str) -> list[tuple[int, int]]:
     """N odd; K of whole 8-group blocks, and (32-element types) of a block, half a block and
-    a tail pair, of half a block alone, of a tail pair and one group (`QUARTERS`)."""
+    a tail pair, of half a block alone, of a tail pair and one group (`QUARTERS`); and rows in
+    fours of whole 256-blocks, which `prepare` interleaves (`qdot_cpu.interleave`)."""
     if qtype.endswith("_k"):
-        return [(37, 768), (5, 256)]
-    return [(37, 32 * 14), (6, 32 * 16), (5, 32 * 4), (3, 32 * 3)]
+        return [(37, 768), (5, 256), (12, 512)]
+    return [(37, 32 * 14), (6, 32 * 16), (5, 32 * 4), (3, 32 * 3), (8, 32 * 16)]
 
 
 def offsets(w) -> torch.Tensor:
@@ -126,7 +127,7 @@ def test_matvec_asks_for_one_weight_row_at_a_time_where_the_table_says(monkeypat
     asked = []
     kernel = qd.qdot8_kernels_cpu.matvec8_kernel
     monkeypatch.setattr(qd.qdot8_kernels_cpu, "matvec8_kernel",
-                        lambda *a: asked.append(a[-1]) or kernel(*a))
+                        lambda *a: asked.append(a[-2]) or kernel(*a))  # (.., one_row, interleaved)
     assert qd.ONE_ROW_MIN_K.keys() == set(QTYPES)
     for qtype in QTYPES:
         n, k = shapes(qtype)[0]

@@ -114,8 +114,9 @@ def test_negative_control_wrong_type(qtype, wrong):
 
 
 def test_arrays_are_the_quant_weights_own():
-    """No copy: the CPU form holds the QuantWeight's bytes (what the GGUF stores)."""
-    w = random_quant_weight("q5_0", 64, 256)
+    """No copy: the CPU form holds the QuantWeight's bytes (what the GGUF stores), where it
+    does not interleave them (N not in fours here; test_qdot_interleave_cpu.py)."""
+    w = random_quant_weight("q5_0", 63, 256)
     cw = qd.prepare(w)
     assert cw.nbytes == nbytes(w)
     assert np.shares_memory(cw.arrays[0], w.qs.numpy())
@@ -193,10 +194,10 @@ def test_kernels_read_nothing_past_their_arrays(acts):
 
     for qtype in qd.KINDS:
         odd = () if qtype.endswith("_k") else ((5, 32 * 11),)  # a block of 8 groups, then 3 alone
-        for n, k in ((7, 256), (13, 512), (1, 256)) + odd:
-            cw = qd.prepare(random_quant_weight(qtype, n, k), activations=acts)
+        for n, k in ((7, 256), (13, 512), (1, 256), (8, 256), (12, 512)) + odd:  # 8, 12:
+            cw = qd.prepare(random_quant_weight(qtype, n, k), activations=acts)  # interleaved
             fenced = qd.CpuQuant(cw.qtype, cw.shape, tuple(at_page_end(a) for a in cw.arrays),
-                                 cw.out_dtype, acts)
+                                 cw.out_dtype, acts, cw.interleaved)
             for m in (1, 3, 5):
                 x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
                 got, want = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)

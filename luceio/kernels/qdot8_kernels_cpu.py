@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 
 from .qdot_ir_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, KINDS, _bit_plane, _call, _const,
                           _fadd, _fmul, _load, _nibbles, _prefetch, _row_pointers, _run_blocks,
-                          _scales, _vec, _widen, q6_k_high)
+                          _scales, _vec, _widen, q6_k_high, weight_group)
 from .qdot_kernels_cpu import _by_kind, group_step, task_rows
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
@@ -152,7 +152,7 @@ def _dpbusd(b, u, s, acc=None):
     return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgrade it
 
 
-def dot8_intrinsic(qtype, wrows, xrows):
+def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
     halves = qtype == "q6_k"
 
     @intrinsic
@@ -165,9 +165,10 @@ def dot8_intrinsic(qtype, wrows, xrows):
         block's two quarters of the same groups sum in integers (q6_k: each half group its own
         scale) before one conversion and multiply per four groups; a tail group alone."""
         def codegen(context, b, sig, args):
-            rows = _row_pointers(context, b, sig, args, wrows)
             xs = [context.make_array(sig.args[i])(context, b, args[i]) for i in (6, 7, 8, 9)]
             k, groups, _, halfs = (cgutils.unpack_tuple(b, a.shape, 2)[1] for a in xs)
+            rows = _row_pointers(context, b, sig, args, wrows, b.udiv(
+                groups, ir.Constant(groups.type, BLOCK)) if interleaved else None)  # whole blocks
             xp = [[b.gep(a.data, [b.mul(width, ir.Constant(width.type, i))])
                    for a, width in zip(xs, (k, groups, groups, halfs))] for i in range(xrows)]
             pairs = [(p, x) for p in rows for x in xp]
@@ -177,7 +178,8 @@ def dot8_intrinsic(qtype, wrows, xrows):
                      for _ in pairs]
 
             def run(g0, n):  # groups g0 .. g0 + n (n = BLOCK, or 1)
-                scales = {id(p): _scales(qtype, b, p, g0, n) for p in rows}
+                gw = weight_group(b, g0, interleaved)  # the weight's fields at g0
+                scales = {id(p): _scales(qtype, b, p, gw, n) for p in rows}
                 lanes = {}
                 for (p, (x, dp, sp, hp)), off in zip(pairs, off_p):
                     scale, offset = scales[id(p)]
@@ -205,13 +207,13 @@ def dot8_intrinsic(qtype, wrows, xrows):
                 elif n == 2:
                     pair(g0, lanes)
                 else:  # a block, or half of one
-                    block(g0, lanes, QUARTERS[:n // 2])
+                    block(g0, gw, lanes, QUARTERS[:n // 2])
 
-            def block(g0, lanes, quarters):
-                codes = {id(p): _block_codes(qtype, b, p, g0, quarters) for p in rows}
+            def block(g0, gw, lanes, quarters):
+                codes = {id(p): _block_codes(qtype, b, p, gw, quarters) for p in rows}
                 for p in rows:
                     for j in range(0, 2 * len(quarters), 2 if qtype == "q8_0" else 4):
-                        _prefetch(qtype, b, p, b.add(g0, ir.Constant(g0.type, j)))  # a line each
+                        _prefetch(qtype, b, p, b.add(gw, ir.Constant(g0.type, j)))  # a line each
                 for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
                     at = b.mul(g0, ir.Constant(g0.type, 32))
                     xv = [_load(b, x, b.add(at, ir.Constant(at.type, 64 * i)), _I8, 64)
@@ -268,6 +270,8 @@ def dot8_intrinsic(qtype, wrows, xrows):
 if VNNI:
     _dot_w1x1, _dot_w4x1, _dot_w1x4 = (_by_kind([dot8_intrinsic(q, w, x) for q in KINDS])
                                        for w, x in ((1, 1), (4, 1), (1, 4)))
+    _dot_i4x1, _dot_i4x2 = (_by_kind([dot8_intrinsic(q, 4, x, True) for q in KINDS])
+                            for x in (1, 2))
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -305,11 +309,34 @@ def natural_order(xq: np.ndarray) -> np.ndarray:
 
 if VNNI:
     @njit(parallel=True, cache=True, nogil=True)
-    def matvec8_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, qsum, out, tasks, one_row):
+    def matvec8_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, qsum, out, tasks, one_row,
+                       interleaved):
         """qdot_kernels_cpu.matvec_kernel with int8 activations; `one_row`: one activation
-        row goes through the weight rows one at a time, not 4 (`qdot_cpu.ONE_ROW_MIN_K`)."""
+        row goes through the weight rows one at a time, not 4 (`qdot_cpu.ONE_ROW_MIN_K`);
+        `interleaved`: the fields are interleaved by 4 rows (`qdot_cpu.interleave`), which
+        go together against one activation row or two at a time."""
         rows = x.shape[0]
         _quantize_groups8(x, xq[:rows], dx[:rows], xsum[:rows], qsum[:rows])
+        if interleaved:  # each array row is 4 weight rows
+            n_groups = qs.shape[0]
+            step = task_rows(4 * n_groups, tasks) // 4  # the same rows a task
+            for c in prange(-(-n_groups // step)):
+                for g in range(step * c, min(n_groups, step * (c + 1))):
+                    for i in range(0, rows - 1, 2):
+                        y = _dot_i4x2(kind, qs[g:g + 1], qh[g:g + 1], d[g:g + 1], m[g:g + 1],
+                                      sc[g:g + 1], mn[g:g + 1], xq[i:i + 2], dx[i:i + 2],
+                                      xsum[i:i + 2], qsum[i:i + 2])
+                        for r in range(4):
+                            out[i, 4 * g + r] = y[2 * r]
+                            out[i + 1, 4 * g + r] = y[2 * r + 1]
+                    if rows % 2:
+                        i = rows - 1
+                        y1 = _dot_i4x1(kind, qs[g:g + 1], qh[g:g + 1], d[g:g + 1], m[g:g + 1],
+                                       sc[g:g + 1], mn[g:g + 1], xq[i:i + 1], dx[i:i + 1],
+                                       xsum[i:i + 1], qsum[i:i + 1])
+                        for r in range(4):
+                            out[i, 4 * g + r] = y1[r]
+            return
         n_rows = qs.shape[0]
         step = task_rows(n_rows, tasks)
         for c in prange(-(-n_rows // step)):

@@ -1,10 +1,12 @@
 """GGUF-quantized matrix-vector products on the CPU, read straight from the repacked layout.
 
 Every type of `quant.QuantWeight` (q4_0 ... q6_k) is multiplied in its own bits: a row's codes
-are unpacked 32 at a time and multiplied by the activations group by group. The arrays are
-QuantWeight's own, shared with it and row-major: the GGUF's bytes (k-quants +0.125 bit per
-weight: their 6-bit sub-scales as bytes; q6_k's high bits regrouped per 256-block, the one
-copy made at `prepare`: `_q6_k_high`).
+are unpacked 32 at a time and multiplied by the activations group by group. The arrays hold
+the GGUF's bytes (k-quants +0.125 bit per weight: their 6-bit sub-scales as bytes; q6_k's high
+bits regrouped per 256-block, `_q6_k_high`): where K is whole 256-blocks and N a multiple of
+4, four rows interleaved block by block (`interleave`, a copy made at `prepare`: one stream
+from memory per 4 rows, 1.15-1.25x a decode step's matvecs); else QuantWeight's own arrays,
+row-major, shared with it.
 
   qtype  one group of 32 codes q (unsigned, qh's bits above qs's nibble)  w
   q4_0   qs nibbles                                                       d (q - 8)
@@ -105,12 +107,14 @@ class CpuQuant:
     each, integer fields as uint8 (q8_0's codes and q6_k's scales are int8 to the kernel), the
     fp16 `d` and `m` as uint16 (numba has no fp16; the kernel widens them); a field the type
     lacks is an empty [N, 0] array. `activations`: how `matvec` rounds x for this weight
-    ("int16" or "int8", `ACTIVATIONS` when it was prepared)."""
+    ("int16" or "int8", `ACTIVATIONS` when it was prepared). `interleaved`: the arrays are
+    [N / 4, ...], four rows interleaved by 256-block (`interleave`)."""
     qtype: str
     shape: tuple[int, int]  # (N, K)
     arrays: tuple[np.ndarray, ...]  # in FIELDS order
     out_dtype: torch.dtype
     activations: str = "int16"
+    interleaved: bool = False  # the arrays' rows are 4 rows each (`interleave`)
 
     @property
     def kind(self) -> int:
@@ -121,12 +125,18 @@ class CpuQuant:
         return sum(a.nbytes for a in self.arrays)
 
 
+INTERLEAVED = [True]
+"""`prepare`'s default for `interleaved` (benchmarks and tests turn it off to compare)."""
+
+
 def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32,
-            activations: str | None = None) -> CpuQuant:
-    """`w`'s arrays as views (no copy), multiplied on `activations` (default `ACTIVATIONS`);
-    compiles the kernels (or reads numba's cache) at the first call, so that loading, not the
-    first request, pays for it."""
+            activations: str | None = None, interleaved: bool | None = None) -> CpuQuant:
+    """`w`'s arrays, multiplied on `activations` (default `ACTIVATIONS`): interleaved by 4 rows
+    (`interleave`, a copy) where `interleaved` (default `INTERLEAVED`) and the shape allows
+    (`interleaves`), else as views (no copy); compiles the kernels (or reads numba's cache) at
+    the first call, so that loading, not the first request, pays for it."""
     activations = activations or ACTIVATIONS[0]
+    interleaved = INTERLEAVED[0] if interleaved is None else interleaved
     _check_int8(activations)
     warm_up(activations)
     n = w.shape[0]
@@ -140,7 +150,39 @@ def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32,
             arrays.append(_q6_k_high(t.numpy()))
         else:
             arrays.append(np.ascontiguousarray(t.contiguous().numpy().view(dtype)))
+    if interleaved and interleaves(tuple(w.shape)):
+        return CpuQuant(w.qtype, tuple(w.shape), interleave(arrays, w.shape[1]), out_dtype,
+                        activations, True)
     return CpuQuant(w.qtype, tuple(w.shape), tuple(arrays), out_dtype, activations)
+
+
+INTERLEAVE_ROWS = 4
+"""Rows of a weight that `interleave` stores block by block in turn (qdot_ir_cpu.INTERLEAVE)."""
+
+
+def interleaves(shape: tuple[int, int]) -> bool:
+    """Whether `prepare` interleaves a weight of this shape: whole 256-blocks (every k-quant)
+    and rows in fours."""
+    n, k = shape
+    return k % 256 == 0 and k > 0 and n % INTERLEAVE_ROWS == 0 and n > 0
+
+
+def interleave(arrays, k: int) -> tuple[np.ndarray, ...]:
+    """Each field [N, width] -> [N / 4, 4 width]: row j holds rows 4j .. 4j + 3's 256-blocks in
+    turn (block 0 of the four rows, then block 1, ...). A matvec then reads one stream per 4
+    weight rows instead of one per row and field (q4_k: 20 a thread), which the hardware
+    prefetcher follows at ~1.25-1.4x the bandwidth on Zen 5 (`bench/cpu_interleave.py`)."""
+    blocks, out = k // 256, []
+    for a in arrays:
+        n, width = a.shape
+        if width == 0:
+            out.append(np.empty((n // INTERLEAVE_ROWS, 0), a.dtype))
+            continue
+        per = width // blocks
+        out.append(np.ascontiguousarray(
+            a.reshape(n // INTERLEAVE_ROWS, INTERLEAVE_ROWS, blocks, per).transpose(0, 2, 1, 3)
+        ).reshape(n // INTERLEAVE_ROWS, INTERLEAVE_ROWS * width))
+    return tuple(out)
 
 
 def _q6_k_high(qh: np.ndarray) -> np.ndarray:
@@ -175,9 +217,10 @@ def warm_up(activations: str = "int16") -> None:
                     (matvec_kernel, 16))
     for rows in (2, 1):  # a column slice (one part of a fused projection), then a whole buffer
         more = (False,) if bits == 8 else ()  # one_row
-        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n], 1, *more)
+        kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n], 1, *more,
+               False)
         kernel(w.kind, *w.arrays, x[:rows], *_scratch(4, k, bits), out[:rows, :n].copy(), 1,
-               *more)
+               *more, False)
     dequantize_rows(w, 0, np.zeros((n, k), np.float32))
     dequantize_rows(w, 0, np.zeros((n, k), np.uint16))
 
@@ -185,7 +228,8 @@ def warm_up(activations: str = "int16") -> None:
 def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
     """out[:, :] = x @ W^T. x: fp32 [M, K] C-contiguous; out: fp32 [M, N] (rows may be a
     strided view). Rows of W run on as many numba threads as torch uses, 4 at a time for one
-    activation row; several activation rows go 4 at a time through each weight row."""
+    activation row; several activation rows go 4 at a time through each weight row
+    (interleaved weights: 4 weight rows against 2 activation rows at a time)."""
     rows, k = x.shape
     if rows == 0:  # the kernel's one-row branch would write row 0 (a prefill chunk that is not
         return     # a prompt's last asks the LM head for no rows)
@@ -193,14 +237,16 @@ def matvec(x: np.ndarray, w: CpuQuant, out: np.ndarray) -> None:
     tasks = parallel_tasks()
     if w.activations == "int8":
         qdot8_kernels_cpu.matvec8_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 8), out,
-                                         tasks, k >= ONE_ROW_MIN_K[w.qtype])
+                                         tasks, k >= ONE_ROW_MIN_K[w.qtype], w.interleaved)
     else:
-        matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out, tasks)
+        matvec_kernel(w.kind, *w.arrays, x, *_scratch(padded, k, 16), out, tasks,
+                      w.interleaved)
 
 
 ONE_ROW_MIN_K = {"q4_0": 3072, "q4_1": 3072, "q5_0": 3072, "q5_1": 3072, "q8_0": 896,
                  "q4_k": 8192, "q5_k": 4096, "q6_k": 3072}
-"""int8 activations (`qdot8_kernels_cpu`): one activation row against weight rows of at least
+"""int8 activations (`qdot8_kernels_cpu`), row-major weights (interleaved ones go 4 rows at a
+time, `interleave`): one activation row against weight rows of at least
 this many columns goes through them one weight row at a time (one stream from memory per
 thread; the same sums, rounded within the same fp32 bound), shorter rows 4 at a time (their
 dependent chains interleave). Chosen from `python bench/cpu_one_row.py --random ...` on Zen 5
@@ -240,7 +286,16 @@ def dequantize_rows(w: CpuQuant, start: int, out: np.ndarray) -> None:
     """out[r] = row start + r of W (out: [rows, K] C-contiguous, fp32, or uint16 for bf16 bits
     rounded to nearest even, as `Tensor.to(torch.bfloat16)`)."""
     use_torch_threads()
-    dequant_kernel(w.kind, *w.arrays, start, out)
+    dequant_kernel(w.kind, *w.arrays, start, out, w.interleaved)
+
+
+def dequantize_ids(w: CpuQuant, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of W as fp32 [len(ids), K] (an embedding table's), bit for bit as
+    `quant.dequantize`."""
+    out = torch.empty(len(ids), w.shape[1])
+    for i, row in enumerate(ids.tolist()):
+        dequantize_rows(w, row, out[i:i + 1].numpy())
+    return out
 
 
 _THREADS = threading.local()

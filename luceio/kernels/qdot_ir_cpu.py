@@ -154,15 +154,36 @@ def _prefetch(qtype, b, p, g):
               ir.Constant(_I32, 3), ir.Constant(_I32, 1))
 
 
-def _row_pointers(context, b, sig, args, rows=1):
+INTERLEAVE = 4
+"""Rows of a weight interleaved by 256-block (`qdot_cpu.interleave`): row j of the array holds
+rows 4j .. 4j + 3's blocks in turn, block by block, each field on its own."""
+
+
+def _row_pointers(context, b, sig, args, rows=1, blocks=None, row=None):
     """Per row of the weight fields (2-D C-contiguous blocks of `rows` rows; 1-D for one
-    row): {field: pointer to that row}."""
+    row): {field: pointer to that row}. With `blocks` (a row's count of 256-blocks) the
+    fields are interleaved (`INTERLEAVE`; one row of the array, 2-D, or 1-D with `row`, the
+    one row of its `INTERLEAVE` to point at): a row's pointer is its first block's, and its
+    block c is `INTERLEAVE` blocks further per c (`weight_group`)."""
     arrays = [context.make_array(sig.args[i])(context, b, args[i]) for i in range(len(FIELDS))]
-    if rows == 1:
+    if blocks is None and rows == 1:
         return [{name: a.data for name, a in zip(FIELDS, arrays)}]
-    widths = [cgutils.unpack_tuple(b, a.shape, 2)[1] for a in arrays]
+    widths = [cgutils.unpack_tuple(b, a.shape, sig.args[i].ndim)[-1]
+              for i, a in enumerate(arrays)]
+    if blocks is not None:  # one block of one row, each field
+        widths = [b.udiv(w, b.mul(blocks, ir.Constant(w.type, INTERLEAVE))) for w in widths]
+    if row is not None:
+        return [{name: b.gep(a.data, [b.mul(width, row)])
+                 for name, a, width in zip(FIELDS, arrays, widths)}]
     return [{name: b.gep(a.data, [b.mul(width, ir.Constant(width.type, r))])
              for name, a, width in zip(FIELDS, arrays, widths)} for r in range(rows)]
+
+
+def weight_group(b, g, interleaved):
+    """The group index that addresses a weight's fields at group g, a 256-block's start:
+    `INTERLEAVE` g for interleaved fields (`_row_pointers`), whose blocks come `INTERLEAVE`
+    rows' blocks apart (groups within the block add to it as they are)."""
+    return b.mul(g, ir.Constant(g.type, INTERLEAVE)) if interleaved else g
 
 
 def _hsum(b, v):

@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 
 from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fmul, _lane,
                           _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
-                          _to_bf16, _vec, _widen)
+                          _to_bf16, _vec, _widen, weight_group)
 
 
 @njit(nogil=True)
@@ -31,7 +31,7 @@ def task_rows(n_rows, tasks):
     return max(1, -(-n_rows // (4 * max(1, tasks)))) * 4
 
 
-def dot_intrinsic(qtype, wrows, xrows):
+def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
     halves = qtype == "q6_k"
 
     @intrinsic
@@ -41,11 +41,14 @@ def dot_intrinsic(qtype, wrows, xrows):
         decoded once for all activation rows, and several weight rows interleave their
         independent chains. x as `_quantize_groups` leaves it: xq int16 [xrows, K], dx and
         xsum fp32 [xrows, K/32], C-contiguous. Groups go `BLOCK` at a time, their scales and
-        offset terms as vectors; the rest (K/32 not a multiple of BLOCK) one by one."""
+        offset terms as vectors; the rest (K/32 not a multiple of BLOCK) one by one.
+        `interleaved`: the fields are one row of 4 rows interleaved (`qdot_cpu.interleave`;
+        whole blocks only)."""
         def codegen(context, b, sig, args):
-            rows = _row_pointers(context, b, sig, args, wrows)
             xs = [context.make_array(sig.args[i])(context, b, args[i]) for i in (6, 7, 8)]
             k, groups = (cgutils.unpack_tuple(b, a.shape, 2)[1] for a in xs[:2])
+            rows = _row_pointers(context, b, sig, args, wrows, b.udiv(
+                groups, ir.Constant(groups.type, BLOCK)) if interleaved else None)
             xp = [[b.gep(a.data, [b.mul(width, ir.Constant(width.type, i))])
                    for a, width in zip(xs, (k, groups, groups))] for i in range(xrows)]
             pairs = [(p, x) for p in rows for x in xp]
@@ -55,7 +58,8 @@ def dot_intrinsic(qtype, wrows, xrows):
                      for _ in pairs]
 
             def run(g0, n):  # groups g0 .. g0 + n
-                scales = {id(p): _scales(qtype, b, p, g0, n) for p in rows}
+                gw = weight_group(b, g0, interleaved)  # the weight's fields at g0
+                scales = {id(p): _scales(qtype, b, p, gw, n) for p in rows}
                 lanes = {}
                 for (p, (x, dp, sp)), off in zip(pairs, off_p):
                     scale, offset = scales[id(p)]
@@ -70,9 +74,10 @@ def dot_intrinsic(qtype, wrows, xrows):
                         b.store(_fadd(b, b.load(off), term), off)
                 for i in range(n):
                     g = b.add(g0, ir.Constant(g0.type, i))
-                    codes = {id(p): _codes(qtype, b, p, g) for p in rows}
+                    at = b.add(gw, ir.Constant(g0.type, i))
+                    codes = {id(p): _codes(qtype, b, p, at) for p in rows}
                     for p in rows:
-                        _prefetch(qtype, b, p, g)
+                        _prefetch(qtype, b, p, at)
                     for (p, (x, dp, sp)), acc in zip(pairs, acc_p):
                         xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I16, 32)
                         sums = b.sitofp(_pair_sums(b, codes[id(p)], xv), _vec(_F32, 16))
@@ -87,18 +92,30 @@ def dot_intrinsic(qtype, wrows, xrows):
 
 def dequant_intrinsic(qtype):
     @intrinsic
-    def row_dequant(typingctx, qs, qh, d, m, sc, mn, out):
-        """out[k] = w[k] of one row (out: fp32 [K], or uint16 [K] for bf16 bits)."""
+    def row_dequant(typingctx, qs, qh, d, m, sc, mn, row, out):
+        """out[k] = w[k] of one row (out: fp32 [K], or uint16 [K] for bf16 bits). row < 0:
+        the fields are that row's; else they are one row of 4 interleaved rows
+        (`qdot_cpu.interleave`) and `row` (0-3) is the one of them to write."""
         bf16 = out.dtype == types.uint16
 
         def codegen(context, b, sig, args):
-            p, = _row_pointers(context, b, sig, args)
-            arr = context.make_array(sig.args[6])(context, b, args[6])
+            arr = context.make_array(sig.args[7])(context, b, args[7])
             k = cgutils.unpack_tuple(b, arr.shape, 1)[0]
+            blocks = b.udiv(k, ir.Constant(k.type, 32 * BLOCK))  # (interleaved rows: >= 1)
+            blocks = b.select(b.icmp_unsigned("==", blocks, ir.Constant(k.type, 0)),
+                              ir.Constant(k.type, 1), blocks)
+            at = b.sext(args[6], k.type) if args[6].type.width < k.type.width else args[6]
+            own, = _row_pointers(context, b, sig, args)
+            one, = _row_pointers(context, b, sig, args, 1, blocks, at)
+            mine = b.icmp_signed("<", at, ir.Constant(at.type, 0))
+            p = {name: b.select(mine, own[name], one[name]) for name in own}
             with cgutils.for_range(b, b.udiv(k, ir.Constant(k.type, 32))) as loop:
-                g = loop.index
-                scale, offset = _scales(qtype, b, p, g, 1)
-                w = b.fmul(b.sitofp(_codes(qtype, b, p, g), _vec(_F32, 32)),
+                g = loop.index  # interleaved: block g / 8 is 4 blocks further per block
+                block = b.and_(g, ir.Constant(g.type, -BLOCK))
+                inner = b.sub(g, block)
+                gw = b.select(mine, g, b.add(weight_group(b, block, True), inner))
+                scale, offset = _scales(qtype, b, p, gw, 1)
+                w = b.fmul(b.sitofp(_codes(qtype, b, p, gw), _vec(_F32, 32)),
                            _lane(b, scale, 0, 32, qtype == "q6_k"))  # no fast flags: the
                 # oracle's rounding, FMA-free
                 if offset is not None:
@@ -108,7 +125,7 @@ def dequant_intrinsic(qtype):
                 ptr = b.gep(arr.data, [b.mul(g, ir.Constant(g.type, 32))])
                 b.store(w, b.bitcast(ptr, w.type.as_pointer()), align=2)
             return context.get_dummy_value()
-        return types.void(qs, qh, d, m, sc, mn, out), codegen
+        return types.void(qs, qh, d, m, sc, mn, row, out), codegen
     return row_dequant
 
 
@@ -142,13 +159,19 @@ def _by_kind(intrinsics):
 _row_dequant = _by_kind([dequant_intrinsic(q) for q in KINDS])
 _dot_w1x1, _dot_w4x1, _dot_w1x4 = (_by_kind([dot_intrinsic(q, w, x) for q in KINDS])
                                    for w, x in ((1, 1), (4, 1), (1, 4)))
+_dot_i4x1, _dot_i4x2 = (_by_kind([dot_intrinsic(q, 4, x, True) for q in KINDS]) for x in (1, 2))
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def dequant_kernel(kind, qs, qh, d, m, sc, mn, start, out):
+def dequant_kernel(kind, qs, qh, d, m, sc, mn, start, out, interleaved):
+    """out[r] = row start + r; `interleaved`: the fields' rows are 4 rows each."""
     for r in prange(out.shape[0]):
         n = start + r
-        _row_dequant(kind, qs[n], qh[n], d[n], m[n], sc[n], mn[n], out[r])
+        if interleaved:
+            j = n // 4
+            _row_dequant(kind, qs[j], qh[j], d[j], m[j], sc[j], mn[j], n % 4, out[r])
+        else:
+            _row_dequant(kind, qs[n], qh[n], d[n], m[n], sc[n], mn[n], -1, out[r])
 
 
 @njit(nogil=True, fastmath=True)
@@ -178,12 +201,33 @@ def _quantize_groups(x, xq, dx, xsum):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def matvec_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, out, tasks):
+def matvec_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, out, tasks, interleaved):
     """xq, dx, xsum: scratch of M rows, or of M rounded up to 4 (4-row blocks; the rows
     beyond M hold what an earlier call left, and their sums are dropped). The weight rows go
-    in `tasks` parallel iterations (`task_rows`)."""
+    in `tasks` parallel iterations (`task_rows`); `interleaved`: the fields' rows are 4 rows
+    each (`qdot_cpu.interleave`), which go together against 2 activation rows at a time."""
     rows = x.shape[0]
     _quantize_groups(x, xq[:rows], dx[:rows], xsum[:rows])
+    if interleaved:  # each array row is 4 weight rows (`qdot_cpu.interleave`)
+        n_groups = qs.shape[0]
+        step = task_rows(4 * n_groups, tasks) // 4  # the same rows a task
+        for c in prange(-(-n_groups // step)):
+            for g in range(step * c, min(n_groups, step * (c + 1))):
+                for i in range(0, rows - 1, 2):
+                    y = _dot_i4x2(kind, qs[g:g + 1], qh[g:g + 1], d[g:g + 1], m[g:g + 1],
+                                  sc[g:g + 1], mn[g:g + 1], xq[i:i + 2], dx[i:i + 2],
+                                  xsum[i:i + 2])
+                    for r in range(4):
+                        out[i, 4 * g + r] = y[2 * r]
+                        out[i + 1, 4 * g + r] = y[2 * r + 1]
+                if rows % 2:
+                    i = rows - 1
+                    y1 = _dot_i4x1(kind, qs[g:g + 1], qh[g:g + 1], d[g:g + 1], m[g:g + 1],
+                                   sc[g:g + 1], mn[g:g + 1], xq[i:i + 1], dx[i:i + 1],
+                                   xsum[i:i + 1])
+                    for r in range(4):
+                        out[i, 4 * g + r] = y1[r]
+        return
     n_rows = qs.shape[0]
     step = task_rows(n_rows, tasks)
     for c in prange(-(-n_rows // step)):

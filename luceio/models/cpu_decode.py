@@ -85,9 +85,7 @@ class CpuDecoder:
         self.scale = cfg.head_dim ** -0.5
         self.layers = [_GemmaLayer(model.layers[i], model) if self.gemma
                        else _Layer(model.layers[i]) for i in range(self.start, self.end)]
-        table = model.embed_tokens.qweight if self.start == 0 else None
-        self.embed_rows = qdot_cpu.prepare(table) \
-            if table is not None and table.qtype in qdot_cpu.KINDS else None
+        self.embed_rows = self._embed_rows(model.embed_tokens) if self.start == 0 else None
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
         w = model.norm.weight.float()
         self.final_norm = (1.0 + w if self.gemma else w).numpy()  # Gemma: 1 + w
@@ -191,13 +189,21 @@ class CpuDecoder:
         decode_cpu.silu_and_mul(gate_up[1], act[1])
         return layer.down(*act)[1]
 
+    @staticmethod
+    def _embed_rows(emb) -> CpuQuant | None:
+        """The quantized table's CPU form to dequantize rows from: the tied LM head's where
+        the table lives there (`Embedding.table_in_head`), else views of it (no copy)."""
+        if emb.table_in_head:
+            return emb.head_part
+        table = emb.qweight
+        if table is None or table.qtype not in qdot_cpu.KINDS:
+            return None
+        return qdot_cpu.prepare(table, interleaved=False)
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_rows is None:
             return self.model.embed_tokens(input_ids).float().contiguous()
-        out = torch.empty(len(input_ids), self.model.cfg.hidden_size)
-        for i, token in enumerate(input_ids.tolist()):  # the table's row, dequantized
-            qdot_cpu.dequantize_rows(self.embed_rows, token, out[i:i + 1].numpy())
-        return out
+        return qdot_cpu.dequantize_ids(self.embed_rows, input_ids)  # the table's rows
 
     def _norm(self, x: np.ndarray, residual, add: bool, weight: np.ndarray, out):
         """out (a (tensor, numpy view) pair) = the norm of residual (+= x). `residual`: a

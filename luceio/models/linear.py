@@ -181,8 +181,19 @@ class Embedding(nn.Module):
             self.head_part = kernels.prepare_weight(self.qweight, dtype)
             if isinstance(self.head_part, QuantWeight):  # the GPU form: one copy for both uses
                 self.qweight = self.head_part
+            elif getattr(self.head_part, "interleaved", False):  # the CPU head's own copy
+                self.qweight = None  # (qdot_cpu.interleave): rows read from it, one copy
+
+    @property
+    def table_in_head(self) -> bool:
+        """Whether the quantized table lives only in the tied LM head's CPU form (rows
+        interleaved by 4, `qdot_cpu.interleave`): its rows are dequantized from there."""
+        return self.qweight is None and self.weight is None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table_in_head:  # equal bit for bit to `dequantize` (qdot_cpu.dequantize_rows)
+            from ..kernels import qdot_cpu
+            return qdot_cpu.dequantize_ids(self.head_part, ids).to(self.out_dtype)
         if self.qweight is None:
             rows = nn.functional.embedding(ids, self.weight)
             return rows.to(self.out_dtype) if self.widened else rows
@@ -190,9 +201,12 @@ class Embedding(nn.Module):
         return dequantize(permute_rows(self.qweight, ids)).to(self.out_dtype)
 
     def weight_bytes(self) -> int:
+        if self.table_in_head:
+            return kernels.weight_nbytes(self.head_part)
         if self.qweight is None:
             return self.weight.numel() * self.weight.element_size()
         from ..kernels.quant import nbytes
-        head = self.head_part
-        extra = kernels.weight_nbytes(head) if head is not None and head is not self.qweight else 0
+        head = self.head_part  # not the GPU's own form, nor views of the table (CPU)
+        extra = kernels.weight_nbytes(head) if head is not None and head is not self.qweight \
+            and getattr(head, "interleaved", None) is not False else 0
         return nbytes(self.qweight) + extra

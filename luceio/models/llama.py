@@ -334,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
                 kinds.update(kernels.weight_kind(p) for p in m.parts or [m.weight])
             elif isinstance(m, Embedding):
                 kinds.add(m.qweight.qtype if m.qweight is not None else
-                          kernels.weight_kind(m.weight))
+                          kernels.weight_kind(m.head_part if m.table_in_head else m.weight))
         return sorted(kinds)
 
     def weight_bytes(self) -> int:
