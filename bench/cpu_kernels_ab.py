@@ -1,9 +1,11 @@
 """The CPU decode matvecs of a git revision against this tree's, in one process: every quantized
-tensor of the real GGUF once per round (a decode step's matmuls, the LM head included, M = 1),
+tensor of the real GGUF once per round (a decode step's matmuls, the LM head included, M = 1;
+`--rows 2,5`: as many activation rows, a few requests' step or a speculative verify),
 the two sides alternating round by round, each prepared by its own `qdot_cpu.prepare` (its
 own layouts) and called through its own `qdot_cpu.matvec`.
 
     python bench/cpu_kernels_ab.py --base 6508cc1 [--models ...] [--activations int8,int16]
+                                   [--rows 1,2,5]
 
 The base revision's qdot_cpu.py, qdot_kernels_cpu.py, qdot8_kernels_cpu.py (and qdot_ir_cpu.py) are read with
 `git show` into a temporary package (`luceio_base.kernels`, its `quant` the tree's). This box's
@@ -55,7 +57,7 @@ def base_package(rev: str, root: str):
     return importlib.import_module("luceio_base.kernels.qdot_cpu")
 
 
-def compare(model: str, activations: str, base, rounds: int) -> dict:
+def compare(model: str, activations: str, base, rounds: int, rows: int = 1) -> dict:
     from cpu_qlinear import gguf_linears
 
     from luceio.kernels import qdot_cpu
@@ -64,9 +66,9 @@ def compare(model: str, activations: str, base, rounds: int) -> dict:
     for w in gguf_linears(model):
         for name, mod in sides.items():
             weights[name].append(mod.prepare(w, torch.float32, activations))
-    xs = {k: np.random.default_rng(0).standard_normal((1, k), dtype=np.float32)
+    xs = {k: np.random.default_rng(0).standard_normal((rows, k), dtype=np.float32)
           for k in {w.shape[1] for w in weights["tree"]}}
-    outs = [np.zeros((1, w.shape[0]), np.float32) for w in weights["tree"]]
+    outs = [np.zeros((rows, w.shape[0]), np.float32) for w in weights["tree"]]
     times = {name: [] for name in sides}
     for r in range(rounds + 1):
         order = list(sides) if r % 2 else list(sides)[::-1]
@@ -80,7 +82,7 @@ def compare(model: str, activations: str, base, rounds: int) -> dict:
     ratios = [b / t for b, t in zip(times["base"], times["tree"])]
     nbytes = sum(w.nbytes for w in weights["tree"])
     med = {name: statistics.median(v) for name, v in times.items()}
-    return {"model": model, "activations": activations, "rounds": rounds,
+    return {"model": model, "activations": activations, "rows": rows, "rounds": rounds,
             "base_ms": round(med["base"] * 1e3, 2), "tree_ms": round(med["tree"] * 1e3, 2),
             "base_GBps": round(nbytes / med["base"] / 1e9, 1),
             "tree_GBps": round(nbytes / med["tree"] / 1e9, 1),
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--activations", default="int8,int16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1", help="activation rows per matvec, e.g. 1,2,5")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu",
                                                   "cpu_kernels_ab.json"))
@@ -105,10 +108,11 @@ def main() -> None:
         base = base_package(a.base, root)
         for model in a.models.split(","):
             for kind in kinds:
-                row = compare(model, kind, base, a.rounds)
-                results["rows"].append(row)
-                print(row, flush=True)
-                write_json(a.out, results)
+                for rows in (int(v) for v in a.rows.split(",")):
+                    row = compare(model, kind, base, a.rounds, rows)
+                    results["rows"].append(row)
+                    print(row, flush=True)
+                    write_json(a.out, results)
 
 
 if __name__ == "__main__":

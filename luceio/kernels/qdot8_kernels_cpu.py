@@ -268,8 +268,9 @@ def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
 
 
 if VNNI:
-    _dot_w1x1, _dot_w4x1, _dot_w1x4 = (_by_kind([dot8_intrinsic(q, w, x) for q in KINDS])
-                                       for w, x in ((1, 1), (4, 1), (1, 4)))
+    _dot_w1x1, _dot_w4x1, _dot_w1x4, _dot_w4x2 = (
+        _by_kind([dot8_intrinsic(q, w, x) for q in KINDS]) for w, x in ((1, 1), (4, 1), (1, 4),
+                                                                        (4, 2)))
     _dot_i4x1, _dot_i4x2 = (_by_kind([dot8_intrinsic(q, 4, x, True) for q in KINDS])
                             for x in (1, 2))
 
@@ -341,8 +342,23 @@ if VNNI:
         step = task_rows(n_rows, tasks)
         for c in prange(-(-n_rows // step)):
             for n in range(step * c, min(n_rows, step * (c + 1)), 4):
-                if rows > 1:
-                    for r in range(n, min(n + 4, n_rows)):
+                if rows > 1 and n + 4 <= n_rows:  # 4 weight rows against 2 activation rows
+                    for i in range(0, rows - 1, 2):
+                        y = _dot_w4x2(kind, qs[n:n + 4], qh[n:n + 4], d[n:n + 4], m[n:n + 4],
+                                      sc[n:n + 4], mn[n:n + 4], xq[i:i + 2], dx[i:i + 2],
+                                      xsum[i:i + 2], qsum[i:i + 2])
+                        for r in range(4):
+                            out[i, n + r] = y[2 * r]
+                            out[i + 1, n + r] = y[2 * r + 1]
+                    if rows % 2:
+                        i = rows - 1
+                        y1 = _dot_w4x1(kind, qs[n:n + 4], qh[n:n + 4], d[n:n + 4], m[n:n + 4],
+                                       sc[n:n + 4], mn[n:n + 4], xq[i:i + 1], dx[i:i + 1],
+                                       xsum[i:i + 1], qsum[i:i + 1])
+                        for r in range(4):
+                            out[i, n + r] = y1[r]
+                elif rows > 1:  # the last 1-3 weight rows
+                    for r in range(n, n_rows):
                         for i in range(0, rows, 4):
                             y = _dot_w1x4(kind, qs[r:r + 1], qh[r:r + 1], d[r:r + 1],
                                           m[r:r + 1], sc[r:r + 1], mn[r:r + 1], xq[i:i + 4],
