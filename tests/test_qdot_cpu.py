@@ -9,7 +9,7 @@ int16 steps of max|x of its group of 32| / 32767 and sums exactly in int32, then
 adds in fp32: each output is held to sum_k (step_k / 2) A_k + K 2^-24 sum_k |x_k| A_k, with
 A = |w| + 2 |offset| the size of the terms summed (`magnitude`; ref in float64); measured
 errors reach 0.04-0.28 of it. A kernel that drops a bit of the codes or reads the wrong type is
-off by far more (the negative controls). The dense path (M >= QDOT_DENSE_MIN_ROWS) rounds x
+off by far more (the negative controls). The dense path (M >= dense_min_rows) rounds x
 and W to bf16 (unit roundoff 2^-8 each): held to 2^-7 sum_k |x_k w_k|, plus the rounding of
 the output to its dtype and of the bias add.
 """
@@ -126,7 +126,7 @@ def test_arrays_are_the_quant_weights_own():
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_linear_routes_by_rows(qtype, out_dtype, monkeypatch):
     """`cpu_quant_linear` multiplies few rows with `matvec` (fp32 bound) and from
-    QDOT_DENSE_MIN_ROWS on dequantizes bf16 tiles (several, when the tile budget is small)."""
+    `dense_min_rows` on dequantizes bf16 tiles (several, when the tile budget is small)."""
     monkeypatch.setattr(qc, "DENSE_TILE_BYTES", 8 * 1024)
     w = next(weights(qtype))
     cw = qc.prepare_cpu_weight(w, out_dtype)
@@ -136,7 +136,9 @@ def test_linear_routes_by_rows(qtype, out_dtype, monkeypatch):
     calls = []
     matvec = qd.matvec
     monkeypatch.setattr(qd, "matvec", lambda *a: calls.append(a[0].shape[0]) or matvec(*a))
-    for m in (1, qc.QDOT_DENSE_MIN_ROWS - 1, qc.QDOT_DENSE_MIN_ROWS, 40):
+    least = qc.dense_min_rows(cw)
+    assert least == qc.QDOT_DENSE_MIN_ROWS[cw.activations]
+    for m in (1, least - 1, least, 40):
         x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m))
         y = qc.cpu_quant_linear(x, cw, bias)
         assert y.dtype == out_dtype and y.shape == (m, w.shape[0])
@@ -144,10 +146,10 @@ def test_linear_routes_by_rows(qtype, out_dtype, monkeypatch):
         ref = reference(x, wd)  # y is rounded to out_dtype, then y + bias is
         out_round = (ref.abs() + (ref + bias.double()).abs()) * (
             2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -24)
-        scale = matvec_bound(x, w) if m < qc.QDOT_DENSE_MIN_ROWS else \
+        scale = matvec_bound(x, w) if m < least else \
             2.0 ** -7 * (x.double().abs() @ wd.double().abs().t())
         assert bool((err <= 1.01 * (scale + out_round) + 1e-6).all()), m
-    assert calls == [1, qc.QDOT_DENSE_MIN_ROWS - 1]
+    assert calls == [1, least - 1]
 
 
 def test_prefill_rows_take_the_dense_path(monkeypatch):

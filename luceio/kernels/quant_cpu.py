@@ -90,10 +90,24 @@ them: torch's int4 kernel is faster per call on the 4-bit types alone (Qwen2.5-0
 1.7x, SmolLM2's q4_1 1.4x), but its OpenMP threads and numba's are two pools that spin against
 each other on two cores: with Qwen's q4_k on int4pack a decode step took 41.9 ms, with every
 type here 31.2 ms (one run, per-call profile of the decode step)."""
-QDOT_DENSE_MIN_ROWS = 8
-"""The smallest M that a `CpuQuant` weight multiplies as a dequantized bf16 tile (oneDNN): at
-[4864, 896] q5_0, 2 threads, matvec took 0.21 / 0.60 / 1.23 / 2.59 ms at M = 1 / 4 / 8 / 16,
-the dense path 1.03-1.10 ms at any of them."""
+QDOT_DENSE_MIN_ROWS = {"int8": 32, "int16": 20}
+"""By a `CpuQuant` weight's activations: the smallest M that it multiplies as dequantized bf16
+tiles (oneDNN) outside prefill; fewer rows (decode and verify steps of a few requests) take
+`qdot_cpu.matvec`. A decode step's matrices (LM head aside), 2 threads, Zen 5, ms per step,
+matvec / dense (`python bench/cpu_dense_rows.py`,
+`bench/results/cpu/cpu_dense_rows_session31.json`), Qwen2.5-Coder-1.5B / 0.5B Q4_K_M /
+SmolLM2 Q4_1: int8 at 8 rows 78 / 318, 30 / 94, 11 / 36; at 32 rows 297 / 428, 108 / 121,
+36 / 45; at 48 rows 443 / 558, 166 / 137, 53 / 50. int16 at 20 rows 321 / 384, 100 / 111,
+32 / 41; at 24 rows 390 / 405, 125 / 112, 38 / 41. (Before session 31's multi-row kernels the
+crossover was 8 rows: at [4864, 896] q5_0 matvec took 0.21 / 0.60 / 1.23 / 2.59 ms at M = 1 /
+4 / 8 / 16, the dense path 1.03-1.10 ms.)"""
+
+
+def dense_min_rows(w: CpuQuant) -> int:
+    """`QDOT_DENSE_MIN_ROWS` of this weight's activations."""
+    return QDOT_DENSE_MIN_ROWS[w.activations]
+
+
 ROW_ALIGN = 16
 """`_convert_weight_to_int4pack_for_cpu` takes N a multiple of 16: rows are padded with zeros."""
 PACK_ROWS = 8192
@@ -246,14 +260,14 @@ def in_prefill() -> bool:
 
 def takes_dense_path(m: int, w) -> bool:
     if isinstance(w, CpuQuant):
-        return m >= QDOT_DENSE_MIN_ROWS or _PREFILL[0]
+        return m >= dense_min_rows(w) or _PREFILL[0]
     return (m >= DENSE_MIN_ROWS[w.planes] or _PREFILL[0]) and int4pack_cpu.available()
 
 
 def qdot_linear(x: torch.Tensor, w: CpuQuant, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] in `w.out_dtype` (or into `out`, fp32 [M, N], possibly a column slice
     of a wider buffer). Few rows: `qdot_cpu.matvec` on fp32 activations; from
-    `QDOT_DENSE_MIN_ROWS` on, bf16 tiles of W times bf16 x."""
+    `dense_min_rows(w)` on, bf16 tiles of W times bf16 x."""
     m, n = x.shape[0], w.shape[0]
     if takes_dense_path(m, w):
         y = _qdot_dense(x.to(torch.bfloat16).contiguous(), w)

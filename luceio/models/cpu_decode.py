@@ -57,7 +57,7 @@ import torch
 from ..kernels import decode_cpu, half_cpu, qdot_cpu
 from ..kernels.half_cpu import CpuHalf
 from ..kernels.qdot_cpu import CpuQuant
-from ..kernels.quant_cpu import QDOT_DENSE_MIN_ROWS, in_prefill
+from ..kernels.quant_cpu import dense_min_rows, in_prefill
 from .gemma import Gemma3ForCausalLM
 from .linear import Linear
 from .llama import AttnMetadata, LlamaForCausalLM
@@ -271,7 +271,7 @@ class _Projection:
             if lin.parts and all(isinstance(p, (CpuQuant, CpuHalf)) for p in lin.parts) else []
         self.kernels = [half_cpu.matvec if isinstance(p, CpuHalf) else qdot_cpu.matvec
                         for p in self.parts]
-        self.min_rows = min([QDOT_DENSE_MIN_ROWS for p in self.parts
+        self.min_rows = min([dense_min_rows(p) for p in self.parts
                              if isinstance(p, CpuQuant)], default=1 << 62 if self.parts else 0)
         self._outs: dict[int, tuple] = {}  # rows -> (y, its numpy view, one view per part)
 
