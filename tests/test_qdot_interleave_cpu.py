@@ -59,6 +59,25 @@ def test_prepare_interleaves_whole_blocks_of_four_rows():
     assert not qd.prepare(random_quant_weight("q4_0", 7, 512)).interleaved  # rows not in fours
 
 
+def test_int8_long_rows_of_some_types_stay_row_major():
+    """With int8 activations, from `ROW_MAJOR_MIN_K` on a type stays row-major (its one-row
+    kernel streams as fast); q4_k interleaves at any K; int16 at any K."""
+    for qtype, k in qd.ROW_MAJOR_MIN_K.items():
+        if k > 1 << 20:
+            assert qtype == "q4_k" and qd.interleaves((8, 14336), qtype, "int8")
+            continue
+        long = -(-k // 256) * 256
+        assert not qd.interleaves((8, long), qtype, "int8"), qtype
+        assert qd.interleaves((8, long), qtype, "int16"), qtype
+        if long > 256:
+            assert qd.interleaves((8, long - 256), qtype, "int8"), qtype
+        assert k >= qd.ONE_ROW_MIN_K[qtype], qtype  # rows it keeps row-major go one at a time
+    if qd.int8_available():
+        w = random_quant_weight("q8_0", 8, 1024)
+        assert not qd.prepare(w, activations="int8").interleaved
+        assert qd.prepare(w, activations="int16").interleaved
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_rows_is_the_oracle_bit_for_bit(qtype):
     n, k = shape(qtype)

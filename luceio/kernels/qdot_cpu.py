@@ -150,7 +150,7 @@ def prepare(w: QuantWeight, out_dtype: torch.dtype = torch.float32,
             arrays.append(_q6_k_high(t.numpy()))
         else:
             arrays.append(np.ascontiguousarray(t.contiguous().numpy().view(dtype)))
-    if interleaved and interleaves(tuple(w.shape)):
+    if interleaved and interleaves(tuple(w.shape), w.qtype, activations):
         return CpuQuant(w.qtype, tuple(w.shape), interleave(arrays, w.shape[1]), out_dtype,
                         activations, True)
     return CpuQuant(w.qtype, tuple(w.shape), tuple(arrays), out_dtype, activations)
@@ -160,11 +160,26 @@ INTERLEAVE_ROWS = 4
 """Rows of a weight that `interleave` stores block by block in turn (qdot_ir_cpu.INTERLEAVE)."""
 
 
-def interleaves(shape: tuple[int, int]) -> bool:
-    """Whether `prepare` interleaves a weight of this shape: whole 256-blocks (every k-quant)
-    and rows in fours."""
+def interleaves(shape: tuple[int, int], qtype: str = "q4_k", activations: str = "int16") -> bool:
+    """Whether `prepare` interleaves a weight of this shape, type and activations: whole
+    256-blocks (every k-quant) and rows in fours, and (int8) K below `ROW_MAJOR_MIN_K`."""
     n, k = shape
-    return k % 256 == 0 and k > 0 and n % INTERLEAVE_ROWS == 0 and n > 0
+    return k % 256 == 0 and k > 0 and n % INTERLEAVE_ROWS == 0 and n > 0 and \
+        not (activations == "int8" and k >= ROW_MAJOR_MIN_K[qtype])
+
+
+ROW_MAJOR_MIN_K = {"q4_0": 8192, "q4_1": 8192, "q5_0": 8192, "q5_1": 8192, "q8_0": 896,
+                   "q4_k": 1 << 62, "q5_k": 8192, "q6_k": 3072}
+"""int8 activations: weights of at least this K stay row-major (and go one row at a time,
+`ONE_ROW_MIN_K`), which streams from memory as fast as 4 interleaved rows or faster for
+these types. Random weights from DRAM, both layouts alternating in one process, 2 threads,
+Zen 5, interleaved time over row-major (`python bench/cpu_interleave.py --models "" --random
+...`, `bench/results/cpu/cpu_interleave_session31_random.json`, `_random2.json`): q8_0 0.77-0.93
+at K = 1,536-14,336 (row-major one row from 896); q6_k 0.95-1.00 at 4,096-14,336, 1.24 at 1,536
+(one row from 3,072); q4_0, q4_1, q5_0, q5_k 0.89-1.06 at 8,960-14,336, 1.01-1.34 at 4,096 and
+1.05-1.26 at 1,536; q4_k 1.41 at 14,336, 1.14-1.76 below (its one-row kernel reads five
+streams). int16 activations interleave at every K (their rows go 4 at a time either way;
+`_random_int16.json`: q8_0 1.14-1.18, q5_0 1.02-1.68, q6_k 0.97-1.65)."""
 
 
 def interleave(arrays, k: int) -> tuple[np.ndarray, ...]:
