@@ -19,7 +19,7 @@ bench/spec_acceptance.py (code generation, whole-file edits), greedy.
 
     python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--draft] [--topk 2]
                               [--levels 4] [--chain-ks 4] [--skip-ngram] [--skip-replay]
-                              [--threads 2] [--host-levels]
+                              [--threads 2] [--host-levels] [--one-at-a-time]
 Writes bench/results/cpu/spec_tree.json.
 """
 from __future__ import annotations
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--edit-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="engine runs: each prompt alone (batch 1), not all at once")
     ap.add_argument("--draft", action="store_true", help="draft-model chains and trees too")
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--skip-ngram", action="store_true", help="engine runs: no n-gram rows")
@@ -100,6 +102,7 @@ def main() -> None:
     sets = build_prompts(llm.get_tokenizer(), 4, 3)
     max_tokens = {"codegen": a.gen_tokens, "edit": a.edit_tokens}
     results = {"env": env_info(), "target": TARGET, "k": K, "levels": a.levels,
+               "one_at_a_time": a.one_at_a_time,
                "max_tokens": max_tokens,
                "replay": [], "engine": []}
 
@@ -108,8 +111,12 @@ def main() -> None:
         engine_llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # warm
         t = time.perf_counter()
-        outs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                   use_tqdm=False)
+        if a.one_at_a_time:  # batch 1: each prompt alone, one after the other
+            outs = [engine_llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                    for p in prompts]
+        else:
+            outs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                       use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t
 
     greedy = {}
