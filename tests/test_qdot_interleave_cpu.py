@@ -133,6 +133,29 @@ def test_negative_control_interleaved_arrays_read_as_row_major(qtype):
     assert not bool((err <= matvec_bound(x, w)).all())
 
 
+def test_tied_table_bytes_count_each_copy_once(monkeypatch):
+    """A tied quantized table's bytes: the table plus whatever its CPU head form does not
+    share with it (none for views; the interleaved copy replaces the table; q6_k's regrouped
+    high bits are a copy of their own)."""
+    from luceio.kernels.quant import nbytes
+    from luceio.models.linear import Embedding
+
+    def loaded(w):
+        emb = Embedding(*w.shape)
+        emb.load(w, torch.float32, torch.device("cpu"), tied=True)
+        return emb
+    w = random_quant_weight("q4_0", 7, 512)  # rows not in fours: views
+    assert loaded(w).weight_bytes() == nbytes(w)
+    w = random_quant_weight("q8_0", 8, 512)
+    emb = loaded(w)
+    assert emb.table_in_head and emb.weight_bytes() == nbytes(w)
+    ids = torch.tensor([7, 1, 4])  # rows read from the head's interleaved copy
+    assert torch.equal(emb(ids), dequantize(w)[ids])
+    w = random_quant_weight("q6_k", 7, 512)  # views but for the regrouped high bits
+    emb = loaded(w)
+    assert not emb.table_in_head and emb.weight_bytes() == nbytes(w) + w.qh.numel()
+
+
 def test_engine_on_interleaved_weights_equals_row_major(tmp_path, monkeypatch):
     """A llama GGUF (tied embeddings) whose every matrix has whole 256-blocks and rows in
     fours loads interleaved: the tied LM head keeps the one copy of the table, which the

@@ -14,6 +14,7 @@ dequantizes only those.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -206,7 +207,12 @@ class Embedding(nn.Module):
         if self.qweight is None:
             return self.weight.numel() * self.weight.element_size()
         from ..kernels.quant import nbytes
-        head = self.head_part  # not the GPU's own form, nor views of the table (CPU)
-        extra = kernels.weight_nbytes(head) if head is not None and head is not self.qweight \
-            and getattr(head, "interleaved", None) is not False else 0
+        head, extra = self.head_part, 0  # not the GPU's own form, nor views of the table
+        if head is not None and head is not self.qweight:
+            extra = kernels.weight_nbytes(head)
+            if getattr(head, "arrays", None) is not None:  # a CPU form: its own arrays only
+                fields = (getattr(self.qweight, f) for f in ("qs", "qh", "d", "m", "sc", "mn"))
+                table = [t.numpy() for t in fields if t is not None]
+                extra = sum(a.nbytes for a in head.arrays
+                            if not any(np.may_share_memory(a, t) for t in table))
         return nbytes(self.qweight) + extra
