@@ -7,7 +7,7 @@ own layouts) and called through its own `qdot_cpu.matvec`.
     python bench/cpu_kernels_ab.py --base 6508cc1 [--models ...] [--activations int8,int16]
                                    [--rows 1,2,5]
 
-The base revision's qdot_cpu.py, qdot_kernels_cpu.py, qdot8_kernels_cpu.py (and qdot_ir_cpu.py) are read with
+The base revision's qdot_cpu.py, qdot_kernels_cpu.py, qdot8_kernels_cpu.py (and the IR files) are read with
 `git show` into a temporary package (`luceio_base.kernels`, its `quant` the tree's). This box's
 memory bandwidth drifts by 20-40% from minute to minute (other tenants); rounds alternate, so
 both sides see the same drift, and the result is the median over rounds of old/new per round,
@@ -30,8 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info, write_json  # noqa: E402
 
-FILES = ("qdot_cpu.py", "qdot_kernels_cpu.py", "qdot8_kernels_cpu.py", "qdot_ir_cpu.py")
-"""The kernels' files (qdot_ir_cpu.py only from session 28's split on: skipped where absent)."""
+FILES = ("qdot_cpu.py", "qdot_kernels_cpu.py", "qdot8_kernels_cpu.py", "qdot_ir_cpu.py",
+         "qdot8_ir_cpu.py")
+"""The kernels' files (qdot_ir_cpu.py only from session 28's split on, qdot8_ir_cpu.py from
+session 32's: skipped where absent)."""
 
 
 def base_package(rev: str, root: str):
@@ -48,7 +50,7 @@ def base_package(rev: str, root: str):
         got = subprocess.run(["git", "show", f"{rev}:luceio/kernels/{name}"], cwd=repo,
                              capture_output=True, text=True)
         if got.returncode:
-            if name == FILES[-1]:
+            if name in FILES[-2:]:
                 continue
             raise RuntimeError(got.stderr)
         with open(os.path.join(pkg, name), "w") as f:

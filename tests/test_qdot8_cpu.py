@@ -92,11 +92,14 @@ def test_quantize_groups_is_its_definition():
 
 @vnni
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m,one_row", [(1, False), (1, True), (3, False), (7, False)])
+@pytest.mark.parametrize("m,one_row", [(1, False), (1, True), (2, False), (3, False), (7, False),
+                                       (35, False)])
 def test_matvec_equals_the_exact_dot_of_its_quantized_activations(qtype, m, one_row, monkeypatch):
-    """One activation row goes through 4 weight rows at a time or one (`ONE_ROW_MIN_K`); more
-    rows take the 4-activation-row kernel either way."""
+    """One activation row goes through 4 weight rows at a time or one (`ONE_ROW_MIN_K`); two
+    rows go against 4 weight rows at once, 3 or more all at once (35: two calls of at most
+    `XN_MAX`), the last 1-3 weight rows of a row-major matrix against 4 activation rows."""
     monkeypatch.setitem(qd.ONE_ROW_MIN_K, qtype, 0 if one_row else 1 << 30)
+    assert qd.qdot8_kernels_cpu.XN_MAX < 35 <= qd.qdot8_kernels_cpu.XN_MAX * 2
     for n, k in shapes(qtype):
         w = random_quant_weight(qtype, n, k, generator=torch.Generator().manual_seed(m + n))
         cw = qd.prepare(w, activations="int8")

@@ -226,11 +226,11 @@ BLOCK = 8
 """Groups whose scales `dot_intrinsic` converts as one vector (a k-quant's 256-block)."""
 
 
-def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=()):
+def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=(), finish=None):
     """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then once each size of
     `tails` (decreasing, below `BLOCK`) if as many groups are left, then the rest one by one;
     returns the intrinsic's tuple: per (weight row, activation row) its accumulator's lanes
-    plus its offset lanes, summed."""
+    plus its offset lanes, summed (or calls `finish`, which stores them, and returns none)."""
     blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
     with cgutils.for_range(b, blocks) as loop:
         run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
@@ -242,6 +242,9 @@ def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=()):
         rest = b.select(left, b.add(rest, ir.Constant(groups.type, n)), rest)
     with cgutils.for_range(b, groups, start=rest) as loop:
         run(loop.index, 1)
+    if finish is not None:
+        finish()
+        return context.get_dummy_value()
     sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
             for acc, off in zip(acc_p, off_p)]
     return context.make_tuple(b, sig.return_type, sums)

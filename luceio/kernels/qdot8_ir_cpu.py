@@ -1,0 +1,288 @@
+"""The LLVM vector IR of the int8-activation CPU kernels (qdot8_kernels_cpu.py, whose docstring
+tells the scheme): the weights' codes unsigned and in block order, `vpdpbusd`, and the dot
+product intrinsic of 4 or 1 weight rows against a fixed or any number of activation rows.
+
+numba's on-disk cache of a jitted function is invalidated by changes to its own file only, and
+the kernels that inline this IR live in qdot8_kernels_cpu.py: after editing this file, touch
+that one (or clear its `__pycache__`), or an old build may be read back.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fmul,
+                          _hsum, _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales,
+                          _vec, _widen, q6_k_high, weight_group)
+
+OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32, "q8_0": 128}
+"""The code offsets taken back through sum(xq) (q6_k: per 16 codes; q8_0's codes enter as
+q + 128)."""
+QUARTERS = ((0, 0), (0, 1), (1, 0), (1, 1))
+"""Block order: a block of 8 groups (256 codes) as four vectors of 64, vector 2c + h holding
+codes 16h .. 16h + 16 of groups 4c .. 4c + 4, group by group; `_quantize_groups8` stores the
+activations of whole blocks in this order, and of half a block (the first two vectors) where 4
+to 7 groups are left after them (K = 896: 3 blocks and a half); the last 0-3 groups in order
+(a pair of them in `_pair_codes`' order, which is theirs)."""
+_LANES = 2 * BLOCK
+"""Width of the offset accumulator: one lane per group, or per half group for q6_k."""
+
+
+def _ucodes(qtype, b, p, g):
+    """Group g of one row's codes as <32 x i8>, unsigned and before the offset (q8_0's: its
+    signed bytes plus 128, `OFFSET`)."""
+    if qtype == "q8_0":
+        q = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
+        return b.xor(q, _const(_I8, 32, 0x80))
+    q = _nibbles(b, p["qs"], g)
+    if qtype in ("q5_0", "q5_1", "q5_k"):
+        q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
+    if qtype == "q6_k":
+        q = b.or_(q, q6_k_high(b, p["qh"], g))
+    return q
+
+
+def _pair_codes(qtype, b, p, g):
+    """Groups g and g + 1 of one row's codes in order as <64 x i8> (as `_ucodes`; a tail's
+    pair, so not q6_k, whose rows are whole blocks): one 32-byte load of their nibbles, one
+    mask, one shift, one shuffle; their fifth bits one 64-bit select."""
+    if qtype == "q8_0":
+        q = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
+        return b.xor(q, _const(_I8, 64, 0x80))
+    both = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 16)), _I8, 32)
+    lo = b.and_(both, _const(_I8, 32, 15))
+    hi = b.lshr(both, _const(_I8, 32, 4))  # group g: lo[:16], hi[:16]; g + 1: lo[16:], hi[16:]
+    q = b.shuffle_vector(lo, hi, _const(_I32, 64, [*range(16), *range(32, 48), *range(16, 32),
+                                                   *range(48, 64)]))
+    if qtype in ("q5_0", "q5_1", "q5_k"):  # both groups' 32-bit planes are adjacent
+        bits = _load(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), ir.IntType(64))
+        q = b.or_(q, _plane_select(b, bits, 16))
+    return q
+
+
+def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
+    """Groups g0 .. g0 + 8 of one row (a block) as four <64 x i8> in block order (`QUARTERS`;
+    the first two: half a block, groups g0 .. g0 + 4),
+    unsigned and before the offset as `_ucodes`: the nibble types' 128 bytes are two 64-byte
+    loads, each one mask and one shift; q8_0's 256 bytes four loads and two qword shuffles per
+    pair; fifth bits one 16-bit shuffle and one select per vector; q6_k's high bits one
+    64-byte load (`qdot_cpu._q6_k_high`), a shift and a mask per vector."""
+    if qtype == "q8_0":
+        at = b.mul(g0, ir.Constant(g0.type, 32))
+        words = [_load(b, p["qs"], b.add(at, ir.Constant(g0.type, 64 * i)), ir.IntType(64), 8)
+                 for i in range(len(quarters))]
+        out = []
+        for c, h in quarters:  # group j of the four: qwords 4j + 2h, + 1 of the pair's 16
+            v = b.shuffle_vector(words[2 * c], words[2 * c + 1], _const(
+                _I32, 8, [4 * j + 2 * h + t for j in range(4) for t in (0, 1)]))
+            out.append(b.xor(b.bitcast(v, _vec(_I8, 64)), _const(_I8, 64, 0x80)))
+        return out
+    halves = [_load(b, p["qs"], b.add(b.mul(g0, ir.Constant(g0.type, 16)),
+                                      ir.Constant(g0.type, 64 * c)), _I8, 64)
+              for c in range(len(quarters) // 2)]
+    out = [b.and_(halves[c], _const(_I8, 64, 15)) if h == 0 else
+           b.lshr(halves[c], _const(_I8, 64, 4)) for c, h in quarters]
+    if qtype in ("q5_0", "q5_1", "q5_k"):  # 32-bit plane per group: 16-bit chunk 2g + h
+        planes = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 4)), _I16,
+                       4 * len(quarters))
+        for i, (c, h) in enumerate(quarters):
+            bits = b.shuffle_vector(planes, planes, _const(
+                _I32, 4, [2 * (4 * c + j) + h for j in range(4)]))
+            out[i] = b.or_(out[i], _plane_select(b, b.bitcast(bits, ir.IntType(64)), 16))
+    elif qtype == "q6_k":  # two bits per code, vector v's at bits 2v (`qdot_cpu._q6_k_high`)
+        high = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 8)), _I8, 64)
+        for v in range(len(quarters)):
+            at4 = (b.shl(high, _const(_I8, 64, 4 - 2 * v)) if v < 2 else
+                   b.lshr(high, _const(_I8, 64, 2 * v - 4)) if v > 2 else high)
+            out[v] = b.or_(out[v], b.and_(at4, _const(_I8, 64, 0x30)))
+    return out
+
+
+def _plane_select(b, bits, value):
+    """64 bits (bit j for code j) -> <64 x i8> of 0 or value."""
+    mask = b.bitcast(bits, _vec(ir.IntType(1), 64))
+    return b.select(mask, _const(_I8, 64, value), _const(_I8, 64, 0))
+
+
+def _dpbusd(b, u, s, acc=None):
+    """acc + <64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
+    4j..4j+3's products."""
+    if acc is None:
+        acc = ir.Constant(_vec(_I32, 16), [0] * 16)
+    as32 = [b.bitcast(v, _vec(_I32, 16)) for v in (u, s)]  # the pre-LLVM-21 signature; newer
+    return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgrade it
+
+
+XN_MAX = 32
+"""Activation rows one `dot8_intrinsic(..., xrows=None)` call takes at most."""
+
+
+def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
+    """sum_k w[r, k] x[i, k] for `wrows` weight rows r and `xrows` activation rows i, r-major
+    (as qdot_kernels_cpu.dot_intrinsic). x as `_quantize_groups8` leaves it: xq int8 [xrows, K]
+    (whole blocks in block order), dx and xsum fp32 [xrows, K/32], qsum fp32 [xrows, K/16] (dx
+    sum(xq) per 16 codes). Groups go `BLOCK` at a time: each quarter of a block one `vpdpbusd`,
+    whose lanes 4j .. 4j + 3 are group j of its four, so that a block's two quarters of the same
+    groups sum in integers (q6_k: each half group its own scale) before one conversion and
+    multiply per four groups; a tail group alone.
+
+    `xrows=None`: as many activation rows as xq has (at most `XN_MAX`), a loop over them inside
+    each block, so the weight rows' codes and scales are unpacked once a block for all of them
+    (with 2 rows a call, 5 rows unpacked them 3 times: ~40% of the instructions); the sums go to
+    a last argument, res fp32 [>= rows, wrows] C-contiguous, and each (weight row, activation
+    row) keeps one accumulator on the stack (its offset terms added in; the fixed-row forms
+    keep those apart and sum them last)."""
+    codegen = _dot8_codegen(qtype, wrows, xrows, interleaved)
+    if xrows is None:
+        @intrinsic
+        def block_dot_rows(typingctx, qs, qh, d, m, sc, mn, xq, dx, xsum, qsum, res):
+            return types.none(qs, qh, d, m, sc, mn, xq, dx, xsum, qsum, res), codegen
+        return block_dot_rows
+
+    @intrinsic
+    def block_dot(typingctx, qs, qh, d, m, sc, mn, xq, dx, xsum, qsum):
+        out = types.UniTuple(types.float32, wrows * xrows)
+        return out(qs, qh, d, m, sc, mn, xq, dx, xsum, qsum), codegen
+    return block_dot
+
+
+def _dot8_codegen(qtype, wrows, xrows, interleaved):
+    halves = qtype == "q6_k"
+
+    def codegen(context, b, sig, args):
+        xs = [context.make_array(sig.args[i])(context, b, args[i]) for i in (6, 7, 8, 9)]
+        shapes = [cgutils.unpack_tuple(b, a.shape, 2) for a in xs]
+        k, groups, _, halfs = (s[1] for s in shapes)
+        rows = _row_pointers(context, b, sig, args, wrows, b.udiv(
+            groups, ir.Constant(groups.type, BLOCK)) if interleaved else None)  # whole blocks
+
+        def x_row(i):  # the activation fields' pointers at row i
+            return [b.gep(a.data, [b.mul(width, i)])
+                    for a, width in zip(xs, (k, groups, groups, halfs))]
+        zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+        if xrows is None:
+            n_x, count = shapes[0][0], ir.Constant(groups.type, wrows)
+            store = cgutils.alloca_once(b, zero.type, size=XN_MAX * wrows)
+            with cgutils.for_range(b, b.mul(n_x, count)) as loop:
+                b.store(zero, b.gep(store, [loop.index]))
+
+            @contextlib.contextmanager
+            def each_x():  # per activation row: its pairs, accumulators (offsets in them)
+                with cgutils.for_range(b, n_x) as loop:
+                    xp = x_row(loop.index)
+                    acc = [b.gep(store, [b.add(b.mul(loop.index, count),
+                                               ir.Constant(groups.type, r))])
+                           for r in range(wrows)]
+                    yield [(p, xp) for p in rows], acc, acc
+
+            def finish():
+                res = context.make_array(sig.args[10])(context, b, args[10])
+                width = cgutils.unpack_tuple(b, res.shape, 2)[1]
+                with cgutils.for_range(b, n_x) as loop:
+                    for r in range(wrows):
+                        at = b.add(b.mul(loop.index, count), ir.Constant(groups.type, r))
+                        b.store(_hsum(b, b.load(b.gep(store, [at]))), b.gep(res.data, [
+                            b.add(b.mul(loop.index, width), ir.Constant(width.type, r))]))
+            acc_p = off_p = ()
+        else:
+            xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
+            pairs = [(p, x) for p in rows for x in xp]
+            acc_p = [cgutils.alloca_once_value(b, zero) for _ in pairs]
+            off_p = [cgutils.alloca_once_value(b, ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES))
+                     for _ in pairs]
+            finish = None
+
+            @contextlib.contextmanager
+            def each_x():
+                yield pairs, acc_p, off_p
+
+        def run(g0, n):  # groups g0 .. g0 + n (n = BLOCK, or 1)
+            gw = weight_group(b, g0, interleaved)  # the weight's fields at g0
+            scales = {id(p): _scales(qtype, b, p, gw, n) for p in rows}
+            codes = {id(p): row_codes(p, g0, gw, n) for p in rows}
+            with each_x() as (pairs, acc_p, off_p):
+                lanes = {}
+                for (p, (x, dp, sp, hp)), off in zip(pairs, off_p):
+                    scale, offset = scales[id(p)]
+                    step = _load(b, dp, g0, _F32, n)
+                    if halves:
+                        step = b.shuffle_vector(step, step,
+                                                _const(_I32, 2 * n, [j // 2 for j in range(2 * n)]))
+                    lanes[id(p), id(x)] = _fmul(b, scale, step)
+                    if qtype in OFFSET:  # (-o) * scale * dx sum(xq)
+                        both = _load(b, hp, b.mul(g0, ir.Constant(g0.type, 2)), _F32, 2 * n)
+                        if halves:
+                            sums = both
+                        else:  # a group's two halves
+                            sums = _fadd(b, *(b.shuffle_vector(both, both, _const(
+                                _I32, n, range(h, 2 * n, 2))) for h in (0, 1)))
+                        neg = _const(_F32, sums.type.count, -float(OFFSET[qtype]))
+                        term = _fmul(b, _fmul(b, scale, neg), sums)
+                    elif offset is not None:  # offset * sum(x), in fp32
+                        term = _fmul(b, offset, _load(b, sp, g0, _F32, n))
+                    else:
+                        continue
+                    b.store(_fadd(b, b.load(off), _widen(b, term, _LANES)), off)
+                sums_of = lone if n == 1 else pair if n == 2 else block
+                sums_of(g0, codes, lanes, pairs, acc_p)
+
+        def row_codes(p, g0, gw, n):  # one weight row's codes at g0, and its lines asked for
+            if n == 1:
+                _prefetch(qtype, b, p, g0)
+                c = _ucodes(qtype, b, p, g0)
+                return b.shuffle_vector(c, ir.Constant(c.type, [0] * 32), _const(_I32, 64, range(64)))
+            if n == 2:  # two groups of a tail, in order
+                c = _pair_codes(qtype, b, p, g0)
+                _prefetch(qtype, b, p, g0)  # a row's last line is asked for here (K = 576)
+                return c
+            c = _block_codes(qtype, b, p, gw, QUARTERS[:n // 2])  # a block, or half of one
+            for j in range(0, n, 2 if qtype == "q8_0" else 4):
+                _prefetch(qtype, b, p, b.add(gw, ir.Constant(g0.type, j)))  # a line each
+            return c
+
+        def block(g0, codes, lanes, pairs, acc_p):
+            quarters = QUARTERS[:len(codes[id(rows[0])])]
+            for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
+                at = b.mul(g0, ir.Constant(g0.type, 32))
+                xv = [_load(b, x, b.add(at, ir.Constant(at.type, 64 * i)), _I8, 64)
+                      for i in range(len(quarters))]
+                sums = {}
+                for i, (c, h) in enumerate(quarters):
+                    key = (c, h) if halves else c
+                    sums[key] = _dpbusd(b, codes[id(p)][i], xv[i], sums.get(key))
+                total = b.load(acc)
+                for key, v in sums.items():
+                    c, h = key if halves else (key, 0)
+                    mask = ([2 * (4 * c + j // 4) + h for j in range(16)] if halves else
+                            [4 * c + j // 4 for j in range(16)])
+                    v8 = lanes[id(p), id(x)]
+                    scale = b.shuffle_vector(v8, v8, _const(_I32, 16, mask))
+                    total = _fadd(b, total, _fmul(b, b.sitofp(v, _vec(_F32, 16)), scale))
+                b.store(total, acc)
+
+        def pair(g, codes, lanes, pairs, acc_p):
+            for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
+                xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
+                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
+                v = lanes[id(p), id(x)]  # lanes 0-7 group g's, 8-15 g + 1's
+                scale = b.shuffle_vector(v, v, _const(_I32, 16, [j // 8 for j in range(16)]))
+                b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+
+        def lone(g, codes, lanes, pairs, acc_p):
+            for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
+                xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
+                xv = b.shuffle_vector(xv, ir.Constant(xv.type, [0] * 32),
+                                      _const(_I32, 64, range(64)))
+                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
+                v = lanes[id(p), id(x)]  # lanes 0-7 the group's (q6_k: 0-3, 4-7 its halves)
+                scale = b.shuffle_vector(v, v, _const(
+                    _I32, 16, [j // 4 if halves else 0 for j in range(16)]))
+                b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+
+        return _run_blocks(context, b, sig, groups, run, acc_p, off_p,
+                           tails=(BLOCK // 2, 2), finish=finish)
+    return codegen
