@@ -90,7 +90,7 @@ them: torch's int4 kernel is faster per call on the 4-bit types alone (Qwen2.5-0
 1.7x, SmolLM2's q4_1 1.4x), but its OpenMP threads and numba's are two pools that spin against
 each other on two cores: with Qwen's q4_k on int4pack a decode step took 41.9 ms, with every
 type here 31.2 ms (one run, per-call profile of the decode step)."""
-QDOT_DENSE_MIN_ROWS = {"int8": 32, "int16": 20}
+QDOT_DENSE_MIN_ROWS = {"int8": 64, "int16": 20}
 """By a `CpuQuant` weight's activations: the smallest M that it multiplies as dequantized bf16
 tiles (oneDNN) outside prefill; fewer rows (decode and verify steps of a few requests) take
 `qdot_cpu.matvec`. A decode step's matrices (LM head aside), 2 threads, Zen 5, ms per step,
@@ -100,7 +100,10 @@ SmolLM2 Q4_1: int8 at 8 rows 78 / 318, 30 / 94, 11 / 36; at 32 rows 297 / 428, 1
 36 / 45; at 48 rows 443 / 558, 166 / 137, 53 / 50. int16 at 20 rows 321 / 384, 100 / 111,
 32 / 41; at 24 rows 390 / 405, 125 / 112, 38 / 41. (Before session 31's multi-row kernels the
 crossover was 8 rows: at [4864, 896] q5_0 matvec took 0.21 / 0.60 / 1.23 / 2.59 ms at M = 1 /
-4 / 8 / 16, the dense path 1.03-1.10 ms.)"""
+4 / 8 / 16, the dense path 1.03-1.10 ms.) Session 32's int8 kernels take 3 or more rows in one call
+(`qdot8_kernels_cpu.py`): on its box (an AMD EPYC as before, its dense path slower) at 32 / 48 / 64
+rows 266 / 430 / 558 against 502 / 1031 / 933, 112 / 139 / 183 against 175 / 209 / 218, 36 / 55 / 69
+against 70 / 85 / 92 (`cpu_dense_rows_session32.json`), so int8 moved from 32 to 64."""
 
 
 def dense_min_rows(w: CpuQuant) -> int:
