@@ -83,10 +83,14 @@ def test_dequantize_rows_is_the_oracle_bit_for_bit(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 3, 7])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 35])
 def test_matvec_within_rounding_bound(qtype, m):
+    """int16 activations at one row, two, and 3 or more in one call (35: two calls of at most
+    `qdot_kernels_cpu.XN_MAX`)."""
+    from luceio.kernels.qdot_kernels_cpu import XN_MAX
+    assert XN_MAX < 35 <= 2 * XN_MAX
     for w in weights(qtype, seed=m):
-        cw = qd.prepare(w)
+        cw = qd.prepare(w, activations="int16")
         x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m))
         wd = dequantize(w)
         # into a column slice of a wider buffer, as a fused projection's parts are written
