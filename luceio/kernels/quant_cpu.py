@@ -90,7 +90,7 @@ them: torch's int4 kernel is faster per call on the 4-bit types alone (Qwen2.5-0
 1.7x, SmolLM2's q4_1 1.4x), but its OpenMP threads and numba's are two pools that spin against
 each other on two cores: with Qwen's q4_k on int4pack a decode step took 41.9 ms, with every
 type here 31.2 ms (one run, per-call profile of the decode step)."""
-QDOT_DENSE_MIN_ROWS = {"int8": 64, "int16": 20}
+QDOT_DENSE_MIN_ROWS = {"int8": 64, "int16": 32}
 """By a `CpuQuant` weight's activations: the smallest M that it multiplies as dequantized bf16
 tiles (oneDNN) outside prefill; fewer rows (decode and verify steps of a few requests) take
 `qdot_cpu.matvec`. A decode step's matrices (LM head aside), 2 threads, Zen 5, ms per step,
@@ -103,7 +103,9 @@ crossover was 8 rows: at [4864, 896] q5_0 matvec took 0.21 / 0.60 / 1.23 / 2.59 
 4 / 8 / 16, the dense path 1.03-1.10 ms.) Session 32's int8 kernels take 3 or more rows in one call
 (`qdot8_kernels_cpu.py`): on its box (an AMD EPYC as before, its dense path slower) at 32 / 48 / 64
 rows 266 / 430 / 558 against 502 / 1031 / 933, 112 / 139 / 183 against 175 / 209 / 218, 36 / 55 / 69
-against 70 / 85 / 92 (`cpu_dense_rows_session32.json`), so int8 moved from 32 to 64."""
+against 70 / 85 / 92 (`cpu_dense_rows_session32.json`), so int8 moved from 32 to 64; int16
+at 32 / 48 rows 603 / 887 against 788 / 1005, 168 / 240 against 173 / 189, 56 / 85 against 68 /
+84 (`cpu_dense_rows_int16_session32.json`), so int16 moved from 20 to 32."""
 
 
 def dense_min_rows(w: CpuQuant) -> int:
