@@ -7,7 +7,7 @@ as llama.cpp's CPU kernels do); the weights' codes enter unsigned, before their 
 widening and a `pmaddwd` per group. The offset comes back exactly through the group's integer
 sum of xq: sum (q - o) xq = sum q xq - o sum xq.
 
-Block order. A block of 8 groups (256 codes) goes as four 64-byte vectors (`QUARTERS`):
+Block order. A block of 8 groups (256 codes) goes as four 64-byte vectors (`qdot8_ir_cpu.QUARTERS`):
 vector 2c + h holds codes 16h .. 16h + 16 of groups 4c .. 4c + 4, which is how the nibbles of
 four groups come out of one 64-byte load (mask: codes 0-15 of each, shift: codes 16-31), and
 `_quantize_groups8` stores the activations in that order. `vpdpbusd` lanes 4j .. 4j + 3 are
@@ -55,7 +55,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qdot8_ir_cpu import OFFSET, QUARTERS, XN_MAX, dot8_intrinsic  # noqa: F401 (the tests')
+from .qdot8_ir_cpu import XN_MAX, dot8_intrinsic
 from .qdot_ir_cpu import _CPU, KINDS
 from .qdot_kernels_cpu import _by_kind, group_step, task_rows
 

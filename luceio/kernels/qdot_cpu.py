@@ -204,7 +204,7 @@ def interleave(arrays, k: int) -> tuple[np.ndarray, ...]:
 
 def _q6_k_high(qh: np.ndarray) -> np.ndarray:
     """q6_k's high bits, 2 per code (bits 2 (k % 4) and 2 (k % 4) + 1 of byte k / 4), regrouped
-    per block of 8 groups in the int8 kernels' block order (qdot8_kernels_cpu.QUARTERS): byte
+    per block of 8 groups in the int8 kernels' block order (qdot8_ir_cpu.QUARTERS): byte
     16j + t of a block's 64 holds in bits 2v, 2v + 1 those of code 16h + t of group 4c + j,
     v = 2c + h. The same bytes; a block's four vectors of codes take theirs from one 64-byte
     load, a shift and a mask each, a single group from 16 bytes. uint8 [N, K/4] -> [N, K/4]."""
