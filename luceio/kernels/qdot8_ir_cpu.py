@@ -8,16 +8,14 @@ that one (or clear its `__pycache__`), or an old build may be read back.
 """
 from __future__ import annotations
 
-import contextlib
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fmul,
-                          _hsum, _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales,
-                          _vec, _widen, q6_k_high, weight_group)
+                          _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales, _vec,
+                          _widen, q6_k_high, row_loop, weight_group)
 
 OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32, "q8_0": 128}
 """The code offsets taken back through sum(xq) (q6_k: per 16 codes; q8_0's codes enter as
@@ -117,10 +115,6 @@ def _dpbusd(b, u, s, acc=None):
     return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgrade it
 
 
-XN_MAX = 32
-"""Activation rows one `dot8_intrinsic(..., xrows=None)` call takes at most."""
-
-
 def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
     """sum_k w[r, k] x[i, k] for `wrows` weight rows r and `xrows` activation rows i, r-major
     (as qdot_kernels_cpu.dot_intrinsic). x as `_quantize_groups8` leaves it: xq int8 [xrows, K]
@@ -130,7 +124,7 @@ def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
     groups sum in integers (q6_k: each half group its own scale) before one conversion and
     multiply per four groups; a tail group alone.
 
-    `xrows=None`: as many activation rows as xq has (at most `XN_MAX`), a loop over them inside
+    `xrows=None`: as many activation rows as xq has (at most `qdot_ir_cpu.XN_MAX`), a loop over them inside
     each block, so the weight rows' codes and scales are unpacked once a block for all of them
     (with 2 rows a call, 5 rows unpacked them 3 times: ~40% of the instructions); the sums go to
     a last argument, res fp32 [>= rows, wrows] C-contiguous, and each (weight row, activation
@@ -165,28 +159,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                     for a, width in zip(xs, (k, groups, groups, halfs))]
         zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
         if xrows is None:
-            n_x, count = shapes[0][0], ir.Constant(groups.type, wrows)
-            store = cgutils.alloca_once(b, zero.type, size=XN_MAX * wrows)
-            with cgutils.for_range(b, b.mul(n_x, count)) as loop:
-                b.store(zero, b.gep(store, [loop.index]))
-
-            @contextlib.contextmanager
-            def each_x():  # per activation row: its pairs, accumulators (offsets in them)
-                with cgutils.for_range(b, n_x) as loop:
-                    xp = x_row(loop.index)
-                    acc = [b.gep(store, [b.add(b.mul(loop.index, count),
-                                               ir.Constant(groups.type, r))])
-                           for r in range(wrows)]
-                    yield [(p, xp) for p in rows], acc, acc
-
-            def finish():
-                res = context.make_array(sig.args[10])(context, b, args[10])
-                width = cgutils.unpack_tuple(b, res.shape, 2)[1]
-                with cgutils.for_range(b, n_x) as loop:
-                    for r in range(wrows):
-                        at = b.add(b.mul(loop.index, count), ir.Constant(groups.type, r))
-                        b.store(_hsum(b, b.load(b.gep(store, [at]))), b.gep(res.data, [
-                            b.add(b.mul(loop.index, width), ir.Constant(width.type, r))]))
+            each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 10)
             acc_p = off_p = ()
         else:
             xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
@@ -196,15 +169,15 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                      for _ in pairs]
             finish = None
 
-            @contextlib.contextmanager
-            def each_x():
-                yield pairs, acc_p, off_p
+            def each_x(body):
+                body(pairs, acc_p, off_p)
 
         def run(g0, n):  # groups g0 .. g0 + n (n = BLOCK, or 1)
             gw = weight_group(b, g0, interleaved)  # the weight's fields at g0
             scales = {id(p): _scales(qtype, b, p, gw, n) for p in rows}
             codes = {id(p): row_codes(p, g0, gw, n) for p in rows}
-            with each_x() as (pairs, acc_p, off_p):
+
+            def body(pairs, acc_p, off_p):
                 lanes = {}
                 for (p, (x, dp, sp, hp)), off in zip(pairs, off_p):
                     scale, offset = scales[id(p)]
@@ -229,6 +202,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                     b.store(_fadd(b, b.load(off), _widen(b, term, _LANES)), off)
                 sums_of = lone if n == 1 else pair if n == 2 else block
                 sums_of(g0, codes, lanes, pairs, acc_p)
+            each_x(body)
 
         def row_codes(p, g0, gw, n):  # one weight row's codes at g0, and its lines asked for
             if n == 1:

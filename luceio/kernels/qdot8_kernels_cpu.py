@@ -55,8 +55,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .qdot8_ir_cpu import XN_MAX, dot8_intrinsic
-from .qdot_ir_cpu import _CPU, KINDS
+from .qdot8_ir_cpu import dot8_intrinsic
+from .qdot_ir_cpu import _CPU, KINDS, XN_MAX
 from .qdot_kernels_cpu import _by_kind, group_step, task_rows
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU

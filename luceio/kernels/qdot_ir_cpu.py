@@ -250,6 +250,43 @@ def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=(), finish=Non
     return context.make_tuple(b, sig.return_type, sums)
 
 
+XN_MAX = 32
+"""Activation rows one call of a dot intrinsic's any-rows form takes at most (`row_loop`)."""
+
+
+def row_loop(context, b, sig, args, rows, n_x, x_row, res_index):
+    """The any-rows form of the dot intrinsics (qdot_kernels_cpu.dot_intrinsic and
+    qdot8_ir_cpu.dot8_intrinsic with xrows=None): one <16 x float> accumulator per (weight row,
+    activation row) on the stack (room for `XN_MAX` activation rows), zeroed. Returns
+    (each_x, finish): `each_x(body)` calls body(pairs, accumulators, accumulators) inside a loop
+    over the n_x activation rows (pairs: (weight row's pointers, x_row(i)); the offset terms go
+    into the same accumulators); `finish()` stores each pair's sum into the intrinsic's argument
+    `res_index`, fp32 [>= n_x, len(rows)] C-contiguous."""
+    zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+    count = ir.Constant(n_x.type, len(rows))
+    store = cgutils.alloca_once(b, zero.type, size=XN_MAX * len(rows))
+    with cgutils.for_range(b, b.mul(n_x, count)) as loop:
+        b.store(zero, b.gep(store, [loop.index]))
+
+    def at(i, r):
+        return b.gep(store, [b.add(b.mul(i, count), ir.Constant(n_x.type, r))])
+
+    def each_x(body):
+        with cgutils.for_range(b, n_x) as loop:
+            acc = [at(loop.index, r) for r in range(len(rows))]
+            xp = x_row(loop.index)
+            body([(p, xp) for p in rows], acc, acc)
+
+    def finish():
+        res = context.make_array(sig.args[res_index])(context, b, args[res_index])
+        width = cgutils.unpack_tuple(b, res.shape, 2)[1]
+        with cgutils.for_range(b, n_x) as loop:
+            for r in range(len(rows)):
+                b.store(_hsum(b, b.load(at(loop.index, r))), b.gep(res.data, [
+                    b.add(b.mul(loop.index, width), ir.Constant(width.type, r))]))
+    return each_x, finish
+
+
 def _widen(b, v, n):
     """<k x float> -> <n x float>, zeros beyond k."""
     if v.type.count == n:

@@ -19,8 +19,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fmul, _lane,
-                          _hsum, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
-                          _to_bf16, _vec, _widen, weight_group)
+                          XN_MAX, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
+                          _to_bf16, _vec, _widen, row_loop, weight_group)
 
 
 @njit(nogil=True)
@@ -32,10 +32,6 @@ def task_rows(n_rows, tasks):
     other's half). A few long runs of rows stream from DRAM faster than many short ones: the
     1.5B's decode matrices (int8, 2 threads) at 8 tasks 35.2 GB/s, at 64-row tasks 33.4."""
     return max(1, -(-n_rows // (4 * max(1, tasks)))) * 4
-
-
-XN_MAX = 32
-"""Activation rows one `dot_intrinsic(..., xrows=None)` call takes at most."""
 
 
 def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
@@ -62,27 +58,7 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
             return [b.gep(a.data, [b.mul(width, i)]) for a, width in zip(xs, (k, groups, groups))]
         zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
         if xrows is None:
-            n_x, count = shapes[0][0], ir.Constant(groups.type, wrows)
-            store = cgutils.alloca_once(b, zero.type, size=XN_MAX * wrows)
-            with cgutils.for_range(b, b.mul(n_x, count)) as loop:
-                b.store(zero, b.gep(store, [loop.index]))
-
-            def each_x(body):  # body(pairs, accumulators, offset accumulators) per x row
-                with cgutils.for_range(b, n_x) as loop:
-                    acc = [b.gep(store, [b.add(b.mul(loop.index, count),
-                                               ir.Constant(groups.type, r))])
-                           for r in range(wrows)]
-                    xp = x_row(loop.index)
-                    body([(p, xp) for p in rows], acc, acc)
-
-            def finish():
-                res = context.make_array(sig.args[9])(context, b, args[9])
-                width = cgutils.unpack_tuple(b, res.shape, 2)[1]
-                with cgutils.for_range(b, n_x) as loop:
-                    for r in range(wrows):
-                        at = b.add(b.mul(loop.index, count), ir.Constant(groups.type, r))
-                        b.store(_hsum(b, b.load(b.gep(store, [at]))), b.gep(res.data, [
-                            b.add(b.mul(loop.index, width), ir.Constant(width.type, r))]))
+            each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 9)
             acc_p = off_p = ()
         else:
             xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
