@@ -258,11 +258,11 @@ class Sampler:
             return None
         k = max(x or 0 for x in num)
         rows, vocab = raw.shape
-        step = max(1, LOGPROB_CHUNK_ELEMS[raw.device.type == "cpu"] // max(1, vocab))
-        if rows <= step:
+        step = max(1, LOGPROB_CPU_SLICE_ELEMS // max(1, vocab))
+        if rows <= step or raw.device.type != "cpu":
             return LogprobTensors(tokens, *_logprob_rows(raw, tokens, k))
-        # many rows (prompt logprobs): a slice of rows at a time, so the fp32 log-softmax and the
-        # comparison mask stay small (on the CPU, in cache: [2100, 151936] took 1.4 s this way
+        # many rows on the CPU (prompt logprobs): a slice of rows at a time, so the fp32
+        # log-softmax and the comparison mask stay in cache ([2100, 151936] took 1.4 s this way
         # against 5-11 s at once) instead of two more copies of the whole [rows, vocab] block
         chosen = torch.empty(rows, dtype=torch.float32, device=raw.device)
         ranks = torch.empty(rows, dtype=torch.int64, device=raw.device)
@@ -281,9 +281,9 @@ class Sampler:
         return [None] * len(num) if lps is None else lps.to_dicts(num)
 
 
-LOGPROB_CHUNK_ELEMS = {True: 1 << 22, False: 1 << 26}
-"""Logits elements per slice of `Sampler.logprob_tensors` (keyed by "on the CPU"): ~27 rows of a
-152K vocabulary on the CPU (16 MiB of fp32), ~440 on a GPU (one slice for any decode step)."""
+LOGPROB_CPU_SLICE_ELEMS = 1 << 22
+"""Logits elements per slice of `Sampler.logprob_tensors` on the CPU: ~27 rows of a 152K
+vocabulary (16 MiB of fp32). GPUs take the whole block in one go."""
 
 
 def _logprob_rows(raw: torch.Tensor, tokens: torch.Tensor, k: int):

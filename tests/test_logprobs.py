@@ -1,5 +1,5 @@
-"""Logprobs of many rows (prompt logprobs) are computed a slice of rows at a time
-(`sampler.LOGPROB_CHUNK_ELEMS`): the result is the whole-block computation's, bit for bit."""
+"""Logprobs of many rows (prompt logprobs) are computed on the CPU a slice of rows at a time
+(`sampler.LOGPROB_CPU_SLICE_ELEMS`): the result is the whole-block computation's, bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -31,14 +31,14 @@ def test_sliced_logprobs_equal_the_whole_block(monkeypatch, dtype, k):
     ref = _whole_block(raw, tokens, k)
     for got, want in zip((whole.chosen, whole.ranks, whole.top_values, whole.top_ids), ref):
         assert torch.equal(got, want)
-    monkeypatch.setitem(sampler.LOGPROB_CHUNK_ELEMS, True, 4 * vocab)  # 4 rows a slice, 10 slices
+    monkeypatch.setattr(sampler, "LOGPROB_CPU_SLICE_ELEMS", 4 * vocab)  # 4 rows a slice, 10 slices
     sliced = Sampler.logprob_tensors(raw, tokens, num)
     for got, want in zip((sliced.chosen, sliced.ranks, sliced.top_values, sliced.top_ids), ref):
         assert torch.equal(got, want)
     assert torch.equal(sliced.token_ids, tokens)
     assert sliced.to_dicts(num) == whole.to_dicts(num)
     # a vocabulary wider than the slice still goes one row at a time
-    monkeypatch.setitem(sampler.LOGPROB_CHUNK_ELEMS, True, 7)
+    monkeypatch.setattr(sampler, "LOGPROB_CPU_SLICE_ELEMS", 7)
     one = Sampler.logprob_tensors(raw, tokens, num)
     assert one.to_dicts(num) == whole.to_dicts(num)
 
@@ -50,7 +50,7 @@ def test_prompt_logprobs_in_slices_equal_one_block(monkeypatch, tiny_llama):
     llm = LLM(tiny_llama, **engine_kwargs(enable_prefix_caching=False))
     vocab = llm.engine.runner.cfg.vocab_size
     whole = llm.generate([{"prompt_token_ids": prompt}], params)[0]
-    monkeypatch.setitem(sampler.LOGPROB_CHUNK_ELEMS, True, 5 * vocab)  # 66 rows in 14 slices
+    monkeypatch.setattr(sampler, "LOGPROB_CPU_SLICE_ELEMS", 5 * vocab)  # 66 rows in 14 slices
     sliced = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     assert len(sliced.prompt_logprobs) == len(prompt) and sliced.prompt_logprobs[0] is None
     assert sliced.prompt_logprobs == whole.prompt_logprobs
