@@ -50,7 +50,7 @@ def test_prompt_logprobs_in_slices_equal_one_block(monkeypatch, tiny_llama):
     llm = LLM(tiny_llama, **engine_kwargs(enable_prefix_caching=False))
     vocab = llm.engine.runner.cfg.vocab_size
     whole = llm.generate([{"prompt_token_ids": prompt}], params)[0]
-    monkeypatch.setattr(sampler, "LOGPROB_CPU_SLICE_ELEMS", 5 * vocab)  # 66 rows in 14 slices
+    monkeypatch.setattr(sampler, "LOGPROB_CPU_SLICE_ELEMS", 5 * vocab)  # 5 rows a slice
     sliced = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     assert len(sliced.prompt_logprobs) == len(prompt) and sliced.prompt_logprobs[0] is None
     assert sliced.prompt_logprobs == whole.prompt_logprobs
