@@ -15,11 +15,14 @@ bench/spec_acceptance.py (code generation, whole-file edits), greedy.
    greedy output equal to plain decoding; `--host-levels`: the draft trees again with their
    levels built on the host (`spec/tree_graph.py` off). Every drafting step is pinned to the configuration
    measured (chain or tree, k = the cap): the adaptive budget would otherwise switch by the
-   CPU's step costs and mix configurations.
+   CPU's step costs and mix configurations. `--adaptive` measures that switching instead (the
+   engine picks tree, chain or no drafts per step from its measured costs), and `--copies N`
+   runs each prompt set N times over in one batch (e.g. `--sets codegen --copies 4`: 16 at once).
 
     python bench/spec_tree.py [--budgets 8,12,16,24] [--engine-budget 12] [--draft] [--topk 2]
                               [--levels 4] [--chain-ks 4] [--skip-ngram] [--skip-replay]
-                              [--threads 2] [--host-levels] [--one-at-a-time]
+                              [--threads 2] [--host-levels] [--one-at-a-time] [--adaptive]
+                              [--copies N] [--sets codegen,edit]
 Writes bench/results/cpu/spec_tree.json.
 """
 from __future__ import annotations
@@ -95,14 +98,21 @@ def main() -> None:
     ap.add_argument("--chain-ks", default=str(K), help="draft-model chain lengths")
     ap.add_argument("--host-levels", action="store_true",
                     help="draft trees also with their levels built on the host")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="engine runs: the engine's own choice of tree / chain / no drafts per "
+                         "step (SpecDecoder.mode), not pinned to the configuration")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="engine runs: each prompt set N times over (batches N times larger)")
+    ap.add_argument("--sets", default="codegen,edit", help="prompt sets to run")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     common = dict(device="cpu", max_model_len=4096, cpu_threads=a.threads)
     llm = LLM(TARGET, **common)
-    sets = build_prompts(llm.get_tokenizer(), 4, 3)
+    sets = {name: prompts * a.copies for name, prompts in build_prompts(llm.get_tokenizer(), 4, 3).items()
+            if name in a.sets.split(",")}
     max_tokens = {"codegen": a.gen_tokens, "edit": a.edit_tokens}
     results = {"env": env_info(), "target": TARGET, "k": K, "levels": a.levels,
-               "one_at_a_time": a.one_at_a_time,
+               "one_at_a_time": a.one_at_a_time, "adaptive": a.adaptive, "copies": a.copies,
                "max_tokens": max_tokens,
                "replay": [], "engine": []}
 
@@ -154,7 +164,10 @@ def main() -> None:
         spec_llm = LLM(TARGET, num_speculative_tokens=k, **common, **kw)
         if label.endswith(" host levels"):
             spec_llm.engine.spec.proposer.tree_graph = None
-        pin(spec_llm.engine.spec, "tree" if kw.get("spec_tree_budget") else "chain")
+        if a.adaptive:
+            label += " adaptive"
+        else:
+            pin(spec_llm.engine.spec, "tree" if kw.get("spec_tree_budget") else "chain")
         for name, prompts in sets.items():
             toks, wall = generate(spec_llm, prompts, max_tokens[name])
             st = spec_llm.engine.spec.stats

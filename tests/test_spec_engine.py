@@ -200,6 +200,28 @@ def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
     assert all(e[3] == [True] for e in decode if e[1])  # drafting steps always are
 
 
+def test_cost_model_measures_plain_decoding_before_drafting_and_drops_one_off_costs():
+    """With the batch size's plain cost unknown the engine decodes plainly (it used to take
+    every way of drafting as unmeasured and draft at each step until a plain probe landed on
+    that batch size: a 16-request batch drafted with a draft model throughout, at 0.37x plain
+    decoding on the CPU). A drafting step under half the average cost restarts the average: a
+    draft model's first step for new requests also prefills their prompts (10.5 s against
+    0.85 s a step after it), which an average would carry for dozens of steps."""
+    from luceio.spec import SpecDecoder
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    spec._step = 3
+    assert not spec.pays(16)
+    spec.observe(16, drafted=False, num_tokens=16, seconds=0.2)
+    assert spec.pays(16)  # the plain baseline known, drafting is not measured yet: tried
+    spec.observe(16, drafted=True, num_tokens=44, seconds=10.5)  # with the draft's prefill
+    assert not spec.pays(16)
+    spec.observe(16, drafted=True, num_tokens=44, seconds=0.30)
+    assert spec._cost[(16, "chain")] == 0.30
+    assert spec.pays(16)  # 1.75 tokens a request over 1.5 plain steps
+    spec.observe(16, drafted=True, num_tokens=44, seconds=0.50)  # a slower step: averaged
+    assert spec._cost[(16, "chain")] == pytest.approx(0.2 * 0.50 + 0.8 * 0.30)
+
+
 def test_cost_model_follows_acceptance_not_one_unlucky_step():
     from luceio.spec import SpecDecoder
     spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)

@@ -163,6 +163,9 @@ def test_greedy_tree_speculation_equals_plain_decoding(tiny_models, sched, arch,
         counters.append(proposer)
         real_init(self, method, k, proposer, sampler, **kw)
     monkeypatch.setattr(decoding.SpecDecoder, "__init__", counting_init)
+    # every step drafts trees: with chunked prefill most steps carry a prompt chunk, and the
+    # cost model (which measures decode-only steps) would leave the batch to plain decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "tree")
     prompts = _branchy_prompts(16)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
     expected, _ = _run(tiny_models[arch], prompts, params)
@@ -371,16 +374,18 @@ def test_switching_between_trees_and_chains_equals_plain_decoding(tiny_llama, tm
 def test_adaptive_budget_picks_what_pays():
     """From measured costs and emitted tokens: trees when they are worth more than chains,
     chains when trees cost too much for what they add, plain decoding when neither is worth a
-    plain step; what is not measured yet is tried; the drafting probe alternates the two."""
+    plain step; the plain baseline is measured first, then what is not measured yet is tried;
+    the drafting probe alternates the two."""
     from luceio.request import Request
     from luceio.sampling_params import SamplingParams
     from luceio.spec import SpecDecoder
     spec = SpecDecoder("ngram", 4, proposer=None, sampler=None, tree_budget=12)
     spec._step = 3
-    assert spec.mode(1) == "tree"  # nothing measured
+    assert spec.mode(1) is None  # nothing measured: the plain baseline first
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), eos_token_ids=set(),
                   max_model_len=64)
     spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)
+    assert spec.mode(1) == "tree"  # drafting not measured yet: tried
     spec.observe(1, drafted=True, num_tokens=3, seconds=0.020, tree=True)
     for _ in range(100):
         spec._record(req, 12, 2, tree=True)  # a tree verify emits 3 tokens: worth 1.5 steps

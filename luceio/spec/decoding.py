@@ -153,6 +153,9 @@ class SpecDecoder:
         modes = ("tree", "chain") if self.tree_budget else ("chain",)
         if phase == _PROBE_EVERY:  # measure a way of drafting
             return modes[step // (2 * _PROBE_EVERY) % len(modes)]
+        if (b, "plain") not in self._cost:
+            return None  # the baseline first: with it unknown every way looked unmeasured and
+            # was tried at every step (a 16-request batch drafted with a draft model throughout)
         worth = {m: self._worth(b, m, self.batch_cap(batch_size)) for m in modes}
         unknown = [m for m in modes if worth[m] is None]
         if unknown:
@@ -205,7 +208,11 @@ class SpecDecoder:
             return
         key = (_bucket(batch_size), "tree" if tree else "chain" if drafted else "plain")
         prev = self._cost.get(key)
-        self._cost[key] = seconds if prev is None else \
+        # a step under half the average means the average holds a one-off: a draft model's
+        # first step for new requests also prefills their prompts in its own cache (10.5 s
+        # against 0.85 s a step after it, 16 requests on the CPU), and the average would carry
+        # it for dozens of steps; start over from this step
+        self._cost[key] = seconds if prev is None or 2 * seconds < prev else \
             _COST_EMA * seconds + (1 - _COST_EMA) * prev
 
     def draft(self, reqs: list[Request], ks: list[int], tree: bool = True):
