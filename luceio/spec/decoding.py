@@ -140,7 +140,8 @@ class SpecDecoder:
         batch-size bucket; the best one runs while it is worth at least the plain step's one
         token. Chains expect (1 - a^(k+1)) / (1 - a) tokens for acceptance rate a and k drafts,
         `a` counted over the last ~50 verified drafts (one unlucky step does not switch drafting
-        off); trees expect what their recent verifies emitted. A way not measured yet is tried.
+        off); trees expect what their recent verifies emitted. Plain decoding's cost is measured
+        first; then a way of drafting not measured yet is tried.
         Every `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline cost
         and one drafting step re-measures a way of drafting (the two in turn, so acceptance and
         cost stay current while a way is off). `step`: the plan step asked about (default: the
