@@ -22,7 +22,7 @@ def _split_range(seq_len, window, num_splits, min_tokens_per_split, BLOCK_N: tl.
     return lo, tokens_per_split, used
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])  # eager steps' tables vary in width
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, po_ptr, pl_ptr,
                    scale_log2, min_tokens_per_split, num_splits, window,
                    s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,

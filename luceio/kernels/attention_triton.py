@@ -42,7 +42,7 @@ from .pdl import pdl_enter, pdl_kwargs
 from .quant_x import xq_args, xq_flags
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span", "s_bt", "num_splits", "num_tokens"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, tm_ptr,
                     pos_ptr, scale_log2, window, span,
                     s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_bt, s_ot, s_oh,
@@ -143,7 +143,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
                  o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _prefill_merge_kernel(po_ptr, pl_ptr, out_ptr, num_splits, num_tokens, s_ot, s_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                           PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):

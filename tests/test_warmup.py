@@ -1,0 +1,39 @@
+"""The eager warm-up (luceio/warmup.py) that compiles the prefill and mixed steps' Triton
+kernel variants at start-up: its steps stay within the engine's limits and write nothing."""
+import torch
+
+from conftest import engine_kwargs
+from luceio import LLM
+from luceio.warmup import eager_shapes, step_inputs, warm_eager
+
+
+def test_shapes_stay_within_the_engine_limits():
+    for seqs, mml in ((1, 32), (4, 300), (256, 40960), (64, 2048)):
+        shapes = eager_shapes(seqs, mml)
+        assert len(shapes) == len(set(shapes))
+        for n, q, ctx in shapes:
+            assert 1 <= n <= seqs and 1 <= q <= ctx <= mml
+        assert max(n for n, _, _ in shapes) == min(64, seqs)
+        assert max(ctx for _, _, ctx in shapes) == min(2048, mml)
+
+
+def test_step_inputs_describe_a_varlen_step():
+    ids, pos, meta = step_inputs(3, 4, 10, 4, torch.device("cpu"))
+    assert ids.shape == (12,) and pos.tolist() == [6, 7, 8, 9] * 3
+    assert meta.query_start_loc.tolist() == [0, 4, 8, 12]
+    assert meta.seq_lens.tolist() == [10] * 3 and meta.block_tables.shape == (3, 3)
+    assert (meta.slot_mapping == -1).all() and meta.max_query_len == 4 and meta.max_seq_len == 10
+
+
+def test_warm_up_leaves_the_kv_cache_as_it_was(tiny_llama):
+    llm = LLM(tiny_llama, **engine_kwargs(max_model_len=128, max_num_seqs=4))
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(3)
+    for kv in runner.kv_caches:
+        kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+    before = [kv.clone() for kv in runner.kv_caches]
+    took = warm_eager(runner.model, runner.kv_caches, runner.device, 4, runner.max_model_len,
+                      runner.block_size)
+    assert took > 0
+    for a, b in zip(before, runner.kv_caches):
+        assert torch.equal(a, b)
