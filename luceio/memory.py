@@ -64,6 +64,9 @@ def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elt
 
 
+_ZEROS = np.zeros(16, np.int64)
+
+
 class Staging:
     """Host→device transfers of many small int arrays as one copy per dtype, through persistent
     pinned buffers (allocating pinned memory per step costs more than the copy). Each dtype has
@@ -77,9 +80,24 @@ class Staging:
         self.buffers: dict = {}  # dtype -> [(pinned buffer, event of its last copy)]
         self.turn: dict = {}  # dtype -> index of the buffer to use next
 
+    ALIGN_BYTES = 16
+
     def to_device(self, dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        packed = np.concatenate([a.reshape(-1).astype(dtype, copy=False) for a in arrays])
+        """The arrays as device tensors of `dtype`, each starting `ALIGN_BYTES`-aligned in the
+        packed copy: Triton specialises a kernel on its pointers' 16-byte alignment, so packing
+        them end to end made each new block-table width a new compile of the prefill kernels
+        (~2 s each on an H100, bench/results/h100/triton_compiles_session34.log)."""
+        step = max(self.ALIGN_BYTES // np.dtype(dtype).itemsize, 1)
+        sizes, parts, starts, at = [], [], [], 0
+        for a in arrays:
+            parts.append(a.reshape(-1).astype(dtype, copy=False))
+            sizes.append(a.size)
+            starts.append(at)
+            gap = -a.size % step
+            if gap:
+                parts.append(_ZEROS[:gap].astype(dtype, copy=False))
+            at += a.size + gap
+        packed = np.concatenate(parts) if parts else np.zeros(0, dtype)
         if self.device.type == "cpu":
             flat = torch.from_numpy(packed)
         else:
@@ -97,7 +115,7 @@ class Staging:
             event = torch.cuda.Event()
             event.record(current_stream(self.device))
             ring[i] = (buf, event)
-        return list(flat.split(sizes))
+        return [flat[o:o + n] for o, n in zip(starts, sizes)]
 
 
 _STREAMS: dict = {}

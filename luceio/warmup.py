@@ -11,11 +11,14 @@ key splits or none, and programmatic dependent launch's early signal for small g
 `warm_eager` runs the model eagerly over a few step shapes that pick those variants: one to
 many requests, short and long contexts, a few tokens or a chunk each. No step writes the KV
 cache (every slot is -1) and the outputs are dropped; attention reads block 0, whatever it
-holds. Later processes load the compiled kernels from Triton's disk cache.
+holds. Later processes load the compiled kernels from Triton's disk cache. It runs where CUDA
+graphs are captured (the Triton path); `LUCEIO_EAGER_WARMUP=0` skips it (the test suite does:
+each tiny model's new shapes would compile every variant).
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -23,6 +26,11 @@ import torch
 from .models.llama import AttnMetadata
 
 logger = logging.getLogger(__name__)
+
+
+def wanted() -> bool:
+    """Whether engines warm up (`LUCEIO_EAGER_WARMUP`, default on)."""
+    return os.environ.get("LUCEIO_EAGER_WARMUP", "1").lower() not in ("0", "false", "no", "")
 
 
 def eager_shapes(max_num_seqs: int, max_model_len: int) -> list[tuple[int, int, int]]:
@@ -33,8 +41,8 @@ def eager_shapes(max_num_seqs: int, max_model_len: int) -> list[tuple[int, int, 
         for q, ctx in ((16, 16), (16, long_ctx), (3, long_ctx)):
             q = min(q, ctx)
             shapes.append((n, q, ctx))
-    chunk = min(512, max_model_len)
-    shapes.append((1, chunk, chunk))  # one prompt chunk: the widest grid
+    chunk = min(2048, max_model_len)  # one long prompt chunk: grids past PDL's early signal
+    shapes.append((1, chunk, chunk))
     return list(dict.fromkeys(shapes))
 
 

@@ -15,6 +15,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# engines on a GPU skip the start-up compile of eager kernel variants (`luceio.warmup`): every
+# tiny model's shapes would compile them anew; tests/gpu/test_warmup_gpu.py turns it on
+os.environ.setdefault("LUCEIO_EAGER_WARMUP", "0")
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
