@@ -46,6 +46,7 @@ from .spec.commit import commit_verified
 from .stages import start_stages
 from .structured import StructuredOutputs
 from .tokenizer import Tokenizer
+from .warmup import warm_runner
 
 logger = logging.getLogger("luceio")
 
@@ -91,6 +92,8 @@ class LLMEngine:
             raise ValueError("--kv-resident-policy spec scores blocks with the draft model: "
                              "give --draft-model")
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
+        # compile the eager steps' kernel variants now, not in a request's first steps
+        warm_runner(self.runner, args.max_num_seqs, self.scheduler.config.max_num_batched_tokens)
         self.sampler = Sampler(args.seed, piece=token_piece(tokenizer))
         self.spec = build_spec_decoder(args, self.runner, self.sampler, self.max_model_len, draft)
         self.spec_prefill = build_spec_prefill(args, self.runner, draft, self.max_model_len) \

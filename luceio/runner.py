@@ -115,7 +115,7 @@ class ModelRunner:
         if offloaded and device.type == "cuda":
             logger.info("the experts' routing is read on the host: no CUDA graphs")
         if device.type == "cuda" and not enforce_eager and stages is None and not offloaded:
-            from . import kernels, warmup
+            from . import kernels
             from .cuda_graphs import StepGraphs
             if kernels.use_triton(self.kv_caches[0]):  # graphs need the static-shape kernels
                 verify = 0 if self.stateful else max_spec_tokens  # hybrid: eager verify steps
@@ -127,9 +127,6 @@ class ModelRunner:
                                          tree_rows=tree_rows,
                                          scratch_slot=max_num_seqs if self.stateful else None)
                 self.graphs.capture()
-                if warmup.wanted() and not self.stateful:  # hybrid: prefill writes states
-                    warmup.warm_eager(self.model, self.kv_caches, device, max_num_seqs,
-                                      self.max_model_len, self.block_size)
                 if in_place:  # the capture's warm-up runs counted experts
                     self.expert_offload.tables.reset_counts()
 

@@ -33,16 +33,30 @@ def wanted() -> bool:
     return os.environ.get("LUCEIO_EAGER_WARMUP", "1").lower() not in ("0", "false", "no", "")
 
 
-def eager_shapes(max_num_seqs: int, max_model_len: int) -> list[tuple[int, int, int]]:
-    """(requests, tokens each, context each) of the warm-up steps, within the engine's limits."""
+def eager_shapes(max_num_seqs: int, max_model_len: int, token_budget: int
+                 ) -> list[tuple[int, int, int]]:
+    """(requests, tokens each, context each) of the warm-up steps, within the engine's limits
+    (`token_budget`: tokens a step may compute)."""
     long_ctx = min(2048, max_model_len)
     shapes = []
     for n in sorted({1, min(8, max_num_seqs), min(64, max_num_seqs)}):
         for q, ctx in ((16, 16), (16, long_ctx), (3, long_ctx)):
-            q = min(q, ctx)
-            shapes.append((n, q, ctx))
-    chunk = min(2048, max_model_len)  # one long prompt chunk: grids past PDL's early signal
+            shapes.append((n, min(q, ctx), ctx))
+    # a few query tokens over a long context split the keys; the merge kernel's width is the
+    # split count's power of two, and the count grows with the context
+    ctx = 128
+    while ctx < min(max_model_len, 16384):
+        shapes.append((1, 3, ctx))
+        ctx *= 2
+    shapes.append((1, 3, min(max_model_len, 16384)))
+    # the step's whole budget: one prompt chunk, and many requests' chunks (the widest grids)
+    chunk = min(token_budget, max_model_len)
     shapes.append((1, chunk, chunk))
+    n = min(64, max_num_seqs)
+    q = min(token_budget // n, max_model_len)
+    if q >= 1:
+        shapes.append((n, q, q))
+    shapes = [(n, q, ctx) for n, q, ctx in shapes if n * q <= token_budget and q <= ctx]
     return list(dict.fromkeys(shapes))
 
 
@@ -59,12 +73,24 @@ def step_inputs(n: int, q: int, ctx: int, block_size: int, device: torch.device)
     return ids, pos, meta
 
 
+def warm_runner(runner, max_num_seqs: int, token_budget: int) -> float | None:
+    """Warms up a runner that captured CUDA graphs (not a hybrid model's: prefill writes its
+    state slots), unless `LUCEIO_EAGER_WARMUP=0`; returns the seconds it took, or None."""
+    if runner.graphs is None or runner.stateful or not wanted():
+        return None
+    took = warm_eager(runner.model, runner.kv_caches, runner.device, max_num_seqs,
+                      runner.max_model_len, runner.block_size, token_budget)
+    if runner.expert_offload is not None:  # routed experts were counted as if served
+        runner.expert_offload.tables.reset_counts()
+    return took
+
+
 @torch.inference_mode()
 def warm_eager(model, kv_caches, device: torch.device, max_num_seqs: int, max_model_len: int,
-               block_size: int) -> float:
+               block_size: int, token_budget: int) -> float:
     """Runs the eager warm-up steps (`eager_shapes`); returns the seconds it took."""
     t0 = time.perf_counter()
-    for n, q, ctx in eager_shapes(max_num_seqs, max_model_len):
+    for n, q, ctx in eager_shapes(max_num_seqs, max_model_len, token_budget):
         ids, pos, meta = step_inputs(n, q, ctx, block_size, device)
         hidden = model(ids, pos, kv_caches, meta)
         model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])

@@ -4,17 +4,24 @@ import torch
 
 from conftest import engine_kwargs
 from luceio import LLM
-from luceio.warmup import eager_shapes, step_inputs, warm_eager
+from luceio.warmup import eager_shapes, step_inputs, warm_eager, warm_runner
 
 
 def test_shapes_stay_within_the_engine_limits():
-    for seqs, mml in ((1, 32), (4, 300), (256, 40960), (64, 2048)):
-        shapes = eager_shapes(seqs, mml)
+    for seqs, mml, budget in ((1, 32, 32), (4, 300, 2048), (256, 40960, 8192), (64, 2048, 512),
+                              (8, 100000, 16)):
+        shapes = eager_shapes(seqs, mml, budget)
         assert len(shapes) == len(set(shapes))
         for n, q, ctx in shapes:
-            assert 1 <= n <= seqs and 1 <= q <= ctx <= mml
-        assert max(n for n, _, _ in shapes) == min(64, seqs)
-        assert max(ctx for _, _, ctx in shapes) == min(2048, mml)
+            assert 1 <= n <= seqs and 1 <= q <= ctx <= mml and n * q <= budget
+        # the widest steps: one chunk of the whole budget, and the most requests filling it
+        assert (1, min(budget, mml), min(budget, mml)) in shapes
+        n = min(64, seqs)
+        assert (n, min(budget // n, mml), min(budget // n, mml)) in shapes
+        # a few tokens over contexts doubling up to 16K: each key-split count's merge width
+        few = sorted(ctx for n, q, ctx in shapes if (n, q) == (1, 3))
+        assert few[-1] == min(mml, 16384)
+        assert all(b <= 2 * a for a, b in zip(few, few[1:]))
 
 
 def test_step_inputs_describe_a_varlen_step():
@@ -33,10 +40,12 @@ def test_warm_up_leaves_the_kv_cache_as_it_was(tiny_llama):
         kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
     before = [kv.clone() for kv in runner.kv_caches]
     took = warm_eager(runner.model, runner.kv_caches, runner.device, 4, runner.max_model_len,
-                      runner.block_size)
+                      runner.block_size, 64)
     assert took > 0
     for a, b in zip(before, runner.kv_caches):
         assert torch.equal(a, b)
+    # engines warm up only where CUDA graphs run (the eager kernels are Triton's there)
+    assert runner.graphs is None and warm_runner(runner, 4, 64) is None
 
 
 def test_staged_arrays_start_16_byte_aligned():
