@@ -179,9 +179,9 @@ def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
     seen, log = [], []
     observe, observe_step = eng.spec.observe, eng.spec.observe_step
 
-    def spy_observe(batch_size, drafted, num_tokens, seconds, tree=False):
+    def spy_observe(batch_size, drafted, num_tokens, seconds, tree=False, drafting=None):
         seen.append(drafted)
-        observe(batch_size, drafted, num_tokens, seconds, tree)
+        observe(batch_size, drafted, num_tokens, seconds, tree, drafting)
 
     def spy_observe_step(batch, result, overlap):
         seen.clear()

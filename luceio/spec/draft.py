@@ -94,12 +94,25 @@ class DraftModelProposer(Proposer):
             return self.propose_trees(batch)
         reqs = [p.request for p in batch]
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
+        fed = self._behind(seqs, batch)
         steps, sampled, probs = self._launch(seqs, reqs, [p.k for p in batch])
         drafts, order = self._read_drafts(seqs, steps, sampled)
         if not probs:
-            return Proposal(drafts, None)
+            return Proposal(drafts, None, fed=fed)
         flat = torch.cat(probs)  # step-major rows, as `order` counts them
-        return Proposal(drafts, flat[device_tensor(order, torch.int64, flat.device)])
+        return Proposal(drafts, flat[device_tensor(order, torch.int64, flat.device)], fed=fed)
+
+    @staticmethod
+    def _behind(seqs: list[DraftSeq], batch: list[ProposalInput]) -> int:
+        """Tokens the drafting requests' caches lack before their last one (`Proposal.fed`)."""
+        return sum(max(len(s.all_token_ids) - 1 - s.num_computed_tokens, 0)
+                   for s, p in zip(seqs, batch) if p.k > 0)
+
+    def uncached(self, request_id: str, num_tokens: int) -> int:
+        """Tokens before a request's last that its draft cache does not hold (an estimate read
+        between steps: the fed prefix that still matches is found when drafting)."""
+        s = self.seqs.get(request_id)
+        return max(num_tokens - 1 - (s.num_computed_tokens if s is not None else 0), 0)
 
     def _launch(self, seqs: list[DraftSeq], reqs, ks: list[int]):
         """Queues the draft steps without reading anything back. Returns the requests each step
@@ -202,11 +215,12 @@ class DraftModelProposer(Proposer):
         batches of a few requests build their levels on the device (`_device_trees`)."""
         reqs, ks = [p.request for p in batch], [p.k for p in batch]
         seqs = [self._sync(p.request.request_id, list(p.tokens)) for p in batch]
+        behind = self._behind(seqs, batch)
         if self.tree_graph is not None and plain_argmax(reqs):
             trees = self._device_trees(seqs, reqs, ks)
             if trees is not None:
                 return Proposal([t.tokens for t in trees], None,
-                                [t if t.num_nodes else None for t in trees])
+                                [t if t.num_nodes else None for t in trees], fed=behind)
         trees = [DraftTree() for _ in reqs]
         path_p: list[list[float]] = [[] for _ in reqs]  # per node: its path's probability
         live = [i for i, k in enumerate(ks) if k > 0 and self._room(seqs[i])]
@@ -241,7 +255,7 @@ class DraftModelProposer(Proposer):
             s.spec_tree, s.spec_token_ids = None, []
         trees = [self._best(t, pp) for t, pp in zip(trees, path_p)]
         return Proposal([t.tokens for t in trees], None,
-                        [t if t.num_nodes else None for t in trees])
+                        [t if t.num_nodes else None for t in trees], fed=behind)
 
     def _device_trees(self, seqs: list[DraftSeq], reqs, ks: list[int]) -> list[DraftTree] | None:
         """`propose_trees` with levels 2.. built on the device (`spec.tree_graph`), or None

@@ -52,6 +52,9 @@ class Proposal:
     # tree speculation (`spec.tree.DraftTree` per input, or None): drafts[i] is then
     # trees[i].tokens, the nodes in topological order
     trees: Any = None
+    # tokens the proposer computed to catch up with the requests before drafting (a draft
+    # model reading new prompts); the engine measures what catching up costs from it
+    fed: int = 0
 
 
 class Proposer(abc.ABC):
@@ -76,6 +79,11 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, batch: list[ProposalInput]) -> Proposal:
         ...
+
+    def uncached(self, request_id: str, num_tokens: int) -> int:
+        """Of a request's `num_tokens` tokens, how many the proposer would have to read before
+        drafting for it (a draft model's cache of it is behind); 0 for stateless proposers."""
+        return 0
 
     def release(self, request_id: str) -> None:
         """Frees what the proposer keeps for a request that has finished."""
