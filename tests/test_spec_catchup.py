@@ -80,3 +80,19 @@ def test_draft_model_reports_its_catch_up_and_output_stays_plain(tiny_llama):
     assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert spec.stats.num_draft_tokens > 0
     assert spec._feed_cost is not None and spec._feed_cost > 0  # 119 prompt tokens fed at once
+
+
+def test_a_drafting_step_that_caught_up_is_not_drafting_cost():
+    """The step whose proposal fed a prompt to the draft model is a one-off: not recorded as
+    what drafting costs (it made drafting look 10x dearer and switched it off at batch 1)."""
+    from types import SimpleNamespace as NS
+    spec = SpecDecoder("draft", 4, None, sampler=None)
+    sched = [NS(spec_token_ids=[1, 2], spec_tree=None), NS(spec_token_ids=[3], spec_tree=None)]
+    batch = NS(sched=NS(scheduled=sched), decode_only=True)
+    result = NS(overlapped=False, sampled={"a": [1, 2, 3], "b": [4, 5]}, seconds=0.5)
+    spec._fed_last = 120  # as `draft` leaves it after feeding a 120-token prompt
+    spec.observe_step(batch, result, overlap=False)
+    assert (2, "chain") not in spec._cost and spec._fed_last == 0
+    result.seconds = 0.05
+    spec.observe_step(batch, result, overlap=False)  # a drafting step that fed nothing
+    assert spec._cost[(2, "chain")] == 0.05

@@ -71,6 +71,7 @@ class SpecDecoder:
         # (batch bucket, "chain" | "tree") -> share of a drafting step's requests that drafted
         self._share: dict[tuple[int, str], float] = {}
         self._feed_cost: float | None = None  # seconds a token the proposer feeds to catch up
+        self._fed_last = 0  # tokens the last proposal fed to catch up (`observe_step`)
         self._accepted, self._drafted = 4 * _ACCEPT_PRIOR, 4.0  # chains: decayed token counts
         self._tree_emitted, self._tree_verifies = 0.0, 0.0  # trees: decayed, per request
         self._step = 0
@@ -227,9 +228,12 @@ class SpecDecoder:
         """Feeds a processed step (`pipeline.Batch` and its `StepResult`) to the cost model when
         it is a decode-only step; `overlap`: whether the pipeline overlaps steps."""
         sched = batch.sched.scheduled
+        fed, self._fed_last = self._fed_last, 0
         if not batch.decode_only:
             return  # a prefill chunk rode along: not comparable
         drafted = any(s.spec_token_ids for s in sched)
+        if drafted and fed >= _FEED_MEASURE:
+            return  # the proposer caught up with prompts first: a one-off, not drafting's cost
         if not drafted and overlap and not result.overlapped:
             # a plain step launched with nothing in flight (after a drafting step) paid host
             # work that plain decoding hides: it is not what drafting is weighed against
@@ -267,7 +271,7 @@ class SpecDecoder:
                                           for r, k in zip(reqs, ks)])
         self.last_draft_seconds = time.perf_counter() - t0
         self.stats.draft_seconds += self.last_draft_seconds
-        fed = getattr(proposal, "fed", 0)
+        fed = self._fed_last = getattr(proposal, "fed", 0)
         if fed >= _FEED_MEASURE:  # its cost a token fed or drafted (a draft step ~ a token)
             per = self.last_draft_seconds / (fed + sum(ks))
             self._feed_cost = per if self._feed_cost is None else \
