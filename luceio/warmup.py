@@ -5,8 +5,9 @@ eagerly, and each new specialisation of a kernel is compiled on first use: 1.5-2
 varlen attention kernel on an H100 (bench/triton_compiles.py, bench/results/h100/
 triton_compiles_session33.log). The first 64-stream run of a fresh engine stalled ~1.4 s on
 those compiles. The kernels' per-step integers (token counts, key splits, block-table width)
-are marked `do_not_specialize`, so what remains are the constexpr variants a step's shape picks:
-key splits or none, and programmatic dependent launch's early signal for small grids or not.
+are marked `do_not_specialize` and every staged input starts 16-byte aligned (`Staging`), so
+what remains are the constexpr variants a step's shape picks: key splits or none, the merge
+kernel's width, and programmatic dependent launch's early signal for small grids or not.
 
 `warm_eager` runs the model eagerly over a few step shapes that pick those variants: one to
 many requests, short and long contexts, a few tokens or a chunk each. No step writes the KV
