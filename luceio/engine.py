@@ -23,6 +23,7 @@ import torch
 
 from .cache import KVCacheManager
 from .config import EngineArgs
+from .engine_runner import build_runner
 from .engine_info import EngineStats, MemoryStats, ModelInfo, engine_stats, model_info
 from .errors import QueueFullError
 from .infill_sampling import token_piece
@@ -34,10 +35,8 @@ from .output_processor import RequestState
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .admission import check_request, check_token_ids
-from .models import caches_prefixes, check_engine_support, context_limit, runs_spec_prefill
+from .models import caches_prefixes, check_engine_support, runs_spec_prefill
 from .pipeline import Batch, DeviceSamples, StepPipeline, StepResult, pending_tokens
-from .memory import kv_bytes_per_block
-from .runner import ModelRunner
 from .sampler import Sampler, device_tensor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -73,7 +72,7 @@ class LLMEngine:
                 model = self.stages.build_model(ckpt, dtype, device, args.quantization)
             # the draft model loads first, so the target's KV cache is sized around its weights
             draft = build_draft_model(args, dtype, device)
-            self.runner = self._make_runner(args, ckpt, model, dtype, device, draft)
+            self.runner = build_runner(args, ckpt, model, dtype, device, draft, self.stages)
             if draft is not None:
                 check_draft_vocab(args, draft.cfg.vocab_size, self.runner.cfg.vocab_size)
         except BaseException:
@@ -114,25 +113,6 @@ class LLMEngine:
                       "overlapped_steps": 0, "sync_steps": Counter(), "discarded_tokens": 0}
         logger.info("%s", self.memory_stats())
         logger.info("weights stored as %s", ", ".join(self.runner.model.weight_types()))
-
-    def _make_runner(self, args: EngineArgs, ckpt, model, dtype, device,
-                     draft) -> ModelRunner:
-        return ModelRunner(ckpt, dtype, device, args.cache_config(),
-                           context_limit(ckpt, model, args.max_model_len), model=model,
-                           enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-                           quantization=args.quantization,
-                           fit_context=args.max_model_len is None,
-                           max_spec_tokens=args.num_speculative_tokens
-                           if args.speculative_method else 0,
-                           tree_rows=args.spec_tree_budget + 1
-                           if args.speculative_method and args.spec_tree_budget else 0,
-                           # the draft's KV blocks share the pool's memory on one device
-                           extra_bytes_per_block=kv_bytes_per_block(
-                               draft.cfg, args.block_size, dtype)
-                           if draft is not None and args.speculative_method == "draft" and
-                           args.resolved_draft_device() == device else 0,
-                           stages=self.stages,
-                           expert_offload=args.expert_offload_config())
 
     def memory_stats(self) -> MemoryStats:
         """What the weights and the KV pool take, and the context the pool serves."""
