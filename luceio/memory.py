@@ -74,13 +74,12 @@ class Staging:
     a buffer is rewritten the host waits for that copy alone, never for the device's other work,
     so the next step is staged while the device still runs this one."""
     NUM_BUFFERS = 2
+    ALIGN_BYTES = 16  # each array's start in the packed copy (Triton's alignment specialisation)
 
     def __init__(self, device: torch.device):
         self.device = device
         self.buffers: dict = {}  # dtype -> [(pinned buffer, event of its last copy)]
         self.turn: dict = {}  # dtype -> index of the buffer to use next
-
-    ALIGN_BYTES = 16
 
     def to_device(self, dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays as device tensors of `dtype`, each starting `ALIGN_BYTES`-aligned in the
