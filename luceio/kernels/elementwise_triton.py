@@ -18,7 +18,7 @@ def _warps(block: int) -> int:
     return min(16, max(1, block // 512))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kg_all"])  # rows × groups: its parity varies by step
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_r, s_o, s_ro,
                      xq0, xs0, xsum0, xq1, xs1, xsum1, kg_all,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
@@ -125,7 +125,7 @@ def silu_mul(g, u, out_ptr):
     return (s * u).to(dt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kg_all"])  # rows × groups: its parity varies by step
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, xq0, xs0, xsum0, xq1, xs1, xsum1, kg_all,
                          D: tl.constexpr, BLOCK: tl.constexpr,
                          XQ_PLANES: tl.constexpr = False, XQ_GROUPS: tl.constexpr = False,
