@@ -179,9 +179,10 @@ def test_cost_model_weighs_drafting_against_overlapped_plain_steps(tiny_llama):
     seen, log = [], []
     observe, observe_step = eng.spec.observe, eng.spec.observe_step
 
-    def spy_observe(batch_size, drafted, num_tokens, seconds, tree=False, drafting=None):
+    def spy_observe(batch_size, drafted, num_tokens, seconds, tree=False, drafting=None,
+                    drafts=None):
         seen.append(drafted)
-        observe(batch_size, drafted, num_tokens, seconds, tree, drafting)
+        observe(batch_size, drafted, num_tokens, seconds, tree, drafting, drafts)
 
     def spy_observe_step(batch, result, overlap):
         seen.clear()
@@ -229,14 +230,14 @@ def test_cost_model_follows_acceptance_not_one_unlucky_step():
     spec.observe(1, drafted=True, num_tokens=2, seconds=0.012)  # a verify costs 1.2 plain steps
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), eos_token_ids=set(), max_model_len=64)
     for _ in range(100):
-        spec._record(req, 4, 2)  # acceptance 0.5: 1.94 tokens per verify of 4 drafts
+        spec._record(req, 4, 2)  # 2 of 4 accepted: 3 tokens a verify (a = 2/3 once tried)
     spec._step = 1
     assert spec.pays(1)
     spec._record(req, 4, 0)  # one step where nothing is accepted
     assert spec.pays(1)
     spec.observe(1, drafted=True, num_tokens=1, seconds=0.012)  # ...and emitted a single token
     assert spec.pays(1)
-    for _ in range(100):
+    for _ in range(200):
         spec._record(req, 4, 0)  # acceptance falls to ~0: a verify is worth ~1 token, costs 1.2
     assert spec.expected_tokens(4) < 1.2 and not spec.pays(1)
     spec._step = 8

@@ -1,12 +1,11 @@
-"""Speculative decoding inside the engine step: propose drafts for running requests (adaptive
-k), verify them in the one target forward, and keep acceptance statistics.
-
-Which requests speculate: decoding ones whose params allow it (`use_speculation`, no
-penalties — they depend on each emitted token — and `min_tokens` already met). How many drafts:
-per request, an estimate of how many would be accepted (an exponential moving average of the
-accepted length) plus one, capped by `num_speculative_tokens`; a request whose drafts keep
-failing drops to k = 0 and probes again now and then. Larger batches speculate less: the target
-forward stops being memory-bound, so rejected drafts cost real compute."""
+"""Speculative decoding inside the engine step: propose drafts for running requests (adaptive k),
+verify them in the one target forward, and keep acceptance statistics. Which requests speculate:
+decoding ones whose params allow it (`use_speculation`, no penalties — they depend on each
+emitted token — and `min_tokens` already met). How many drafts: per request, an estimate of how
+many would be accepted (an exponential moving average of the accepted length) plus one, capped
+by `num_speculative_tokens`; a request whose drafts keep failing drops to k = 0 and probes again
+now and then. Larger batches speculate less: the target forward stops being memory-bound, so
+rejected drafts cost real compute."""
 from __future__ import annotations
 
 import math
@@ -72,7 +71,11 @@ class SpecDecoder:
         self._share: dict[tuple[int, str], float] = {}
         self._feed_cost: float | None = None  # seconds a token the proposer feeds to catch up
         self._fed_last = 0  # tokens the last proposal fed to catch up (`observe_step`)
-        self._accepted, self._drafted = 4 * _ACCEPT_PRIOR, 4.0  # chains: decayed token counts
+        # chains: decayed counts of accepted drafts and of drafts tried (those accepted plus
+        # each verify's first rejection: the drafts after it were never compared)
+        self._accepted, self._tried = 4 * _ACCEPT_PRIOR, 4.0
+        # (batch bucket, "chain") -> drafts a drafting request verified, on average
+        self._k: dict[tuple[int, str], float] = {}
         self._tree_emitted, self._tree_verifies = 0.0, 0.0  # trees: decayed, per request
         self._step = 0
         self.last_draft_seconds = 0.0
@@ -136,14 +139,13 @@ class SpecDecoder:
         return [r for r, _ in picked], [k for _, k in picked], mode == "tree"
 
     def _catch_up(self, picked: list, batch_size: int, mode: str | None, cap: int) -> list:
-        """The (request, k) pairs that draft, less those whose proposer state is cold (a draft
-        model that has not read the request's prompt) where catching up would not pay: its cost
-        (tokens to feed x the measured seconds a fed token) against what drafting saves over
-        the request's remaining tokens (each a plain step's share per request, times the share
-        of it drafting saves: 1 - 1 / worth, `_PRIOR_GAIN` while the way is unmeasured). Until
-        the feed cost is measured, cold requests catch up a step only until `_FEED_MEASURE`
-        tokens are due (one at least). At batch 16 on the CPU a draft model's catch-up of 16
-        prompts took 10.5 s against 0.27 s a plain step."""
+        """The (request, k) pairs that draft, less cold ones (a draft model that has not read
+        the prompt) where catching up would not pay: tokens to feed x the measured seconds a
+        fed token, against what drafting saves over the tokens the request has left (each a
+        plain step's share per request x (1 - 1 / worth), `_PRIOR_GAIN` while unmeasured).
+        Until the feed cost is measured, cold requests catch up only until `_FEED_MEASURE`
+        tokens are due in a step (one at least). At batch 16 on the CPU a draft model's
+        catch-up of 16 prompts took 10.5 s against 0.27 s a plain step."""
         uncached = getattr(self.proposer, "uncached", None)
         if uncached is None or not picked:
             return picked
@@ -175,16 +177,15 @@ class SpecDecoder:
     def mode(self, batch_size: int, step: int | None = None) -> str | None:
         """How a step of `batch_size` requests drafts: "chain", "tree" (with a tree budget) or
         None (plain decoding). A way of drafting is worth the tokens a drafting step is expected
-        to emit per request over its measured cost relative to a plain step of the same
-        batch-size bucket; the best one runs while it is worth at least the plain step's one
-        token. Chains expect (1 - a^(k+1)) / (1 - a) tokens for acceptance rate a and k drafts,
-        `a` counted over the last ~50 verified drafts (one unlucky step does not switch drafting
-        off); trees expect what their recent verifies emitted. Plain decoding's cost is measured
-        first; then a way of drafting not measured yet is tried.
-        Every `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline cost
-        and one drafting step re-measures a way of drafting (the two in turn, so acceptance and
-        cost stay current while a way is off). `step`: the plan step asked about (default: the
-        current one)."""
+        to emit per request over its measured cost in plain steps of the same batch-size bucket;
+        the best runs while worth >= 1. Chains expect (1 - a^(k+1)) / (1 - a) tokens for k the
+        mean drafts a request verified in the bucket's recent steps and `a` a draft's chance of
+        acceptance once those before it were accepted, over the last ~50 tried drafts (one
+        unlucky step does not switch drafting off); trees expect what recent verifies emitted.
+        Plain decoding's cost is measured first; then a way not measured yet is tried. Every
+        `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline and one
+        drafting step re-measures a way (the ways in turn, so acceptance and cost stay current
+        while a way is off). `step`: the plan step asked about (default: the current one)."""
         b = _bucket(batch_size)
         step = self._step if step is None else step
         phase = step % (2 * _PROBE_EVERY)
@@ -193,9 +194,8 @@ class SpecDecoder:
         modes = ("tree", "chain") if self.tree_budget else ("chain",)
         if phase == _PROBE_EVERY:  # measure a way of drafting
             return modes[step // (2 * _PROBE_EVERY) % len(modes)]
-        if (b, "plain") not in self._cost:
-            return None  # the baseline first: with it unknown every way looked unmeasured and
-            # was tried at every step (a 16-request batch drafted with a draft model throughout)
+        if (b, "plain") not in self._cost:  # the baseline first (unknown, every way looked
+            return None  # unmeasured: a 16-request batch drafted with a draft model throughout)
         worth = {m: self._worth(b, m, self.batch_cap(batch_size)) for m in modes}
         unknown = [m for m in modes if worth[m] is None]
         if unknown:
@@ -210,7 +210,7 @@ class SpecDecoder:
         if cost is None or plain is None:
             return None
         if mode == "chain":
-            tokens = self.expected_tokens(k)
+            tokens = self.expected_tokens(self._k.get((bucket, mode), k))
         elif self._tree_verifies:
             tokens = self._tree_emitted / self._tree_verifies
         else:
@@ -220,10 +220,13 @@ class SpecDecoder:
         return tokens / (cost / plain)
 
     def acceptance_rate(self) -> float:
-        """Recent fraction of draft tokens accepted (decayed counts, with a weak prior)."""
-        return self._accepted / self._drafted
+        """A draft's recent chance of acceptance where the drafts before it were accepted
+        (decayed counts, with a weak prior). Not accepted / drafted: a verify of k drafts
+        rejected at its first compares only one, so that ratio reads 0.36 where each draft is
+        accepted with probability 0.5 (k = 2..4) and undercounts what a verify emits."""
+        return self._accepted / self._tried
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: float) -> float:
         """Tokens one verify of k drafts emits on average at the recent acceptance rate."""
         a = min(self.acceptance_rate(), 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
@@ -245,12 +248,15 @@ class SpecDecoder:
         # result.seconds is the step's period, its drafting included (pipeline._process)
         self.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()),
                      result.seconds, tree=any(s.spec_tree is not None for s in sched),
-                     drafting=sum(1 for s in sched if s.spec_token_ids))
+                     drafting=sum(1 for s in sched if s.spec_token_ids),
+                     drafts=sum(len(s.spec_token_ids) for s in sched))
 
     def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float,
-                tree: bool = False, drafting: int | None = None) -> None:
+                tree: bool = False, drafting: int | None = None, drafts: int | None = None
+                ) -> None:
         """Records one decode step's time (drafting included); `tree`: it verified trees;
-        `drafting`: how many of its requests drafted (default: all, where it drafted)."""
+        `drafting`: how many of its requests drafted (default: all, where it drafted);
+        `drafts`: the draft tokens they verified (chains: their mean is the k `_worth` uses)."""
         if seconds <= 0 or num_tokens <= 0:
             return
         key = (_bucket(batch_size), "tree" if tree else "chain" if drafted else "plain")
@@ -258,11 +264,14 @@ class SpecDecoder:
             share = (batch_size if drafting is None else drafting) / batch_size
             old = self._share.get(key)
             self._share[key] = share if old is None else _COST_EMA * share + (1 - _COST_EMA) * old
+            n = batch_size if drafting is None else drafting
+            if not tree and drafts and n:
+                old = self._k.get(key)
+                self._k[key] = drafts / n if old is None else \
+                    _COST_EMA * drafts / n + (1 - _COST_EMA) * old
         prev = self._cost.get(key)
-        # a step under half the average means the average holds a one-off: a draft model's
-        # first step for new requests also prefills their prompts in its own cache (10.5 s
-        # against 0.85 s a step after it, 16 requests on the CPU), and the average would carry
-        # it for dozens of steps; start over from this step
+        # a step under half the average: the average holds a one-off (a draft model's catch-up
+        # with 16 prompts, 10.5 s against 0.85 s a step after it on the CPU); start over
         self._cost[key] = seconds if prev is None or 2 * seconds < prev else \
             _COST_EMA * seconds + (1 - _COST_EMA) * prev
 
@@ -380,7 +389,7 @@ class SpecDecoder:
             self._tree_verifies = _ACCEPT_DECAY * self._tree_verifies + 1
         else:
             self._accepted = _ACCEPT_DECAY * self._accepted + num_accepted
-            self._drafted = _ACCEPT_DECAY * self._drafted + num_drafts
+            self._tried = _ACCEPT_DECAY * self._tried + num_accepted + (num_accepted < num_drafts)
         prev = self._ema.get(r.request_id)
         self._ema[r.request_id] = num_accepted if prev is None else \
             _EMA * num_accepted + (1 - _EMA) * prev
