@@ -332,7 +332,12 @@ def section_forced_acceptance(quick: bool, kind: str = "bf16") -> None:
                    "spec_tok_s": round(tps, 1), "speedup": round(tps / base, 2),
                    "measured_acceptance": round(st.acceptance_rate, 3),
                    "mean_tokens_per_verify": round(st.mean_accepted_length, 2),
-                   "outputs_identical": outs == refs}
+                   "outputs_identical": outs == refs,
+                   # the cost model's view at the end (why it drafted or not) and the steps
+                   "steps": eng.counters["steps"], "sync_steps": dict(eng.counters["sync_steps"]),
+                   "cost_model_ms": {f"{b}/{m}": round(v * 1e3, 3) for (b, m), v in eng.spec._cost.items()},
+                   "estimated_acceptance": round(eng.spec.acceptance_rate(), 3),
+                   "mean_k": {f"{b}/{m}": round(v, 2) for (b, m), v in eng.spec._k.items()}}
             print(row, flush=True)
             rows.append(row)
             del eng

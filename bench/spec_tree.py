@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=1,
                     help="engine runs: each prompt set N times over (batches N times larger)")
     ap.add_argument("--sets", default="codegen,edit", help="prompt sets to run")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="engine runs: each set N times over in the same engine, a row a pass "
+                         "(from the second on, the adaptive cost model has measured this batch)")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     common = dict(device="cpu", max_model_len=4096, cpu_threads=a.threads)
@@ -113,7 +116,7 @@ def main() -> None:
     max_tokens = {"codegen": a.gen_tokens, "edit": a.edit_tokens}
     results = {"env": env_info(), "target": TARGET, "k": K, "levels": a.levels,
                "one_at_a_time": a.one_at_a_time, "adaptive": a.adaptive, "copies": a.copies,
-               "max_tokens": max_tokens,
+               "max_tokens": max_tokens, "passes": a.passes,
                "replay": [], "engine": []}
 
     def generate(engine_llm, prompts, n):
@@ -130,12 +133,14 @@ def main() -> None:
         return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t
 
     greedy = {}
+    passes = [{}] if a.passes == 1 else [{"pass": i + 1} for i in range(a.passes)]
     for name, prompts in sets.items():
-        toks, wall = generate(llm, prompts, max_tokens[name])
-        greedy[name] = toks
-        results["engine"].append({"set": name, "method": "none", "wall_s": round(wall, 2),
-                                  "tok_s": round(sum(map(len, toks)) / wall, 2)})
-        print(results["engine"][-1], flush=True)
+        for tag in passes:
+            toks, wall = generate(llm, prompts, max_tokens[name])
+            greedy.setdefault(name, toks)
+            results["engine"].append({"set": name, "method": "none", **tag, "wall_s": round(wall, 2),
+                                      "tok_s": round(sum(map(len, toks)) / wall, 2)})
+            print(results["engine"][-1], flush=True)
     for budget in [] if a.skip_replay else [0] + [int(b) for b in a.budgets.split(",")]:
         prop = NgramProposer(tree_budget=budget)
         for name, prompts in sets.items():
@@ -169,24 +174,25 @@ def main() -> None:
         else:
             pin(spec_llm.engine.spec, "tree" if kw.get("spec_tree_budget") else "chain")
         for name, prompts in sets.items():
-            toks, wall = generate(spec_llm, prompts, max_tokens[name])
-            st = spec_llm.engine.spec.stats
-            before = dict(getattr(spec_llm, "_bench_counts", {"a": 0, "d": 0, "v": 0}))
-            spec_llm._bench_counts = {"a": st.num_accepted_tokens, "d": st.num_draft_tokens,
-                                      "v": st.num_verify_steps}
-            acc, drafted, verify = (spec_llm._bench_counts[c] - before[c] for c in "adv")
-            hist_before = getattr(spec_llm, "_bench_hist", {})
-            hist = {n: c - hist_before.get(n, 0) for n, c in st.accepted_histogram.items()}
-            spec_llm._bench_hist = dict(st.accepted_histogram)
-            row = {"set": name, "method": label, "wall_s": round(wall, 2),
-                   "tok_s": round(sum(map(len, toks)) / wall, 2),
-                   "greedy_exact": toks == greedy[name], "accepted": acc, "drafted": drafted,
-                   "verify_steps": verify,
-                   "tokens_per_verify": round((acc + verify) / verify, 3) if verify else None,
-                   "accepted_histogram": {n: c for n, c in sorted(hist.items()) if c}}
-            results["engine"].append(row)
-            print(row, flush=True)
-            write_json(a.out, results)
+            for tag in passes:
+                toks, wall = generate(spec_llm, prompts, max_tokens[name])
+                st = spec_llm.engine.spec.stats
+                before = dict(getattr(spec_llm, "_bench_counts", {"a": 0, "d": 0, "v": 0}))
+                spec_llm._bench_counts = {"a": st.num_accepted_tokens, "d": st.num_draft_tokens,
+                                          "v": st.num_verify_steps}
+                acc, drafted, verify = (spec_llm._bench_counts[c] - before[c] for c in "adv")
+                hist_before = getattr(spec_llm, "_bench_hist", {})
+                hist = {n: c - hist_before.get(n, 0) for n, c in st.accepted_histogram.items()}
+                spec_llm._bench_hist = dict(st.accepted_histogram)
+                row = {"set": name, "method": label, **tag, "wall_s": round(wall, 2),
+                       "tok_s": round(sum(map(len, toks)) / wall, 2),
+                       "greedy_exact": toks == greedy[name], "accepted": acc, "drafted": drafted,
+                       "verify_steps": verify,
+                       "tokens_per_verify": round((acc + verify) / verify, 3) if verify else None,
+                       "accepted_histogram": {n: c for n, c in sorted(hist.items()) if c}}
+                results["engine"].append(row)
+                print(row, flush=True)
+                write_json(a.out, results)
         del spec_llm
 
 

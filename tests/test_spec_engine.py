@@ -128,8 +128,10 @@ def test_cost_model_stops_speculating_when_it_does_not_pay():
     for step in range(1, 2 * 8):
         spec._step = step
         decisions.append((spec.pays(16), spec.pays(4)))
-    # at batch 16 only the periodic probe step drafts; at batch 4 every step but the plain probe
-    assert [d[0] for d in decisions].count(True) == 1 and decisions[7][0] is True
+    # at batch 16 drafting lost, so it waits for the periodic probe, and that probe skips two
+    # cycles (`_back_off`): step 40; at batch 4 every step drafts but the plain probe
+    assert not any(d[0] for d in decisions) and spec.pays(16, 40)
+    assert [spec.pays(16, step) for step in (24, 39, 41)] == [False] * 3
     assert all(d[1] for d in decisions)
     spec._step = 16
     assert spec.pays(4) is False  # the periodic plain step that refreshes the baseline

@@ -392,14 +392,16 @@ def test_adaptive_budget_picks_what_pays():
     assert spec.mode(1) == "chain"  # chains not measured yet
     spec.observe(1, drafted=True, num_tokens=2, seconds=0.012)
     for _ in range(100):
-        spec._record(req, 4, 2)  # acceptance 0.5: 1.94 tokens per chain verify, over 1.2 steps
+        spec._record(req, 4, 2)  # a = 2/3 once tried: ~2.6 tokens a chain verify, over 1.2 steps
     assert spec.mode(1) == "chain"
     for _ in range(200):
         spec._record(req, 12, 4, tree=True)  # trees now emit ~5 tokens: worth ~2.5
     assert spec.mode(1) == "tree"
     spec.observe(16, drafted=False, num_tokens=16, seconds=0.010)
     spec.observe(16, drafted=True, num_tokens=40, seconds=0.060, tree=True)  # ~5 / 6 = 0.83
-    spec.observe(16, drafted=True, num_tokens=28, seconds=0.030)  # 1.75 / 3 = 0.58
+    spec.observe(16, drafted=True, num_tokens=28, seconds=0.030)  # k = 2: 2.1 / 3 = 0.7
     assert spec.mode(16) is None and spec.mode(1) == "tree"
-    assert spec.mode(16, 8) == "tree" and spec.mode(16, 24) == "chain"  # the probes
+    # the probes, in turn; both ways lost at step 3, so each skips two cycles (`_back_off`)
+    assert spec.mode(16, 8) is None and spec.mode(16, 24) is None
+    assert spec.mode(16, 40) == "tree" and spec.mode(16, 56) == "chain"
     assert spec.mode(16, 16) is None and spec.mode(1, 32) is None  # the plain probes

@@ -58,3 +58,47 @@ def test_a_step_without_chain_drafts_leaves_k_alone():
     assert (1, "chain") not in spec._k and (1, "tree") not in spec._k
     spec.observe(1, drafted=True, num_tokens=3, seconds=0.013)  # no draft counts given
     assert (1, "chain") not in spec._k
+
+
+def _losing_chain(spec: SpecDecoder) -> None:
+    """Plain steps 10 ms; a chain step 30 ms that emits ~1 token a request: worth ~0.35."""
+    r = _req()
+    for _ in range(300):
+        spec._record(r, 4, 0)
+    spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)
+
+
+def test_a_losing_way_skips_its_next_probes_doubling():
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    _losing_chain(spec)
+    spec._step = 3
+    assert spec.mode(1) == "chain"  # never measured: tried
+    spec.observe(1, drafted=True, num_tokens=1, seconds=0.030)
+    assert spec.mode(1, step=4) is None
+    assert spec.mode(1, step=8) is None  # the probe 5 steps after it lost: skipped
+    assert spec.mode(1, step=24) is None
+    assert spec.mode(1, step=40) == "chain"  # 2 cycles on (the loss at step 3 + 32)
+    spec._step = 40
+    spec.observe(1, drafted=True, num_tokens=1, seconds=0.030)  # lost again: 4 cycles
+    assert [spec.mode(1, step=s) for s in (56, 72, 88)] == [None] * 3
+    assert spec.mode(1, step=104) == "chain"
+    for n in range(6):  # the gap stops growing at 16 cycles (256 steps)
+        spec.observe(1, drafted=True, num_tokens=1, seconds=0.030)
+    assert spec._resume[(1, "chain")] == 40 + 256
+
+
+def test_a_way_that_pays_again_is_probed_every_cycle():
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    _losing_chain(spec)
+    spec._step = 3
+    spec.observe(1, drafted=True, num_tokens=1, seconds=0.030)
+    assert spec.mode(1, step=8) is None
+    r = _req()
+    for _ in range(300):
+        spec._record(r, 4, 4)  # the drafts start matching
+    spec._step = 40
+    spec.observe(1, drafted=True, num_tokens=5, seconds=0.012)  # cost average falls too
+    spec.observe(1, drafted=True, num_tokens=5, seconds=0.012)
+    assert spec._worth(1, "chain", 4) > 1
+    assert (1, "chain") not in spec._resume
+    assert spec.mode(1, step=41) == "chain"

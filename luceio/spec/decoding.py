@@ -15,21 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..request import Request
+from .cost import _PROBE_EVERY, CostModel
 from .proposer import ProposalInput
 from .rejection import rejection_sample_batch
 from .tree import accept as tree_accept
 
 _EMA = 0.5
-_PROBE_EVERY = 8
-_COST_EMA = 0.2       # step-cost averages remember a few steps
-_ACCEPT_DECAY = 0.98  # acceptance is a decayed count over roughly the last 50 verified drafts
-_ACCEPT_PRIOR = 0.5   # acceptance assumed before any draft is verified (weight: 4 draft tokens)
-_FEED_MEASURE = 64    # a proposal that fed this many tokens to catch up measures their cost
-_PRIOR_GAIN = 0.5     # share of a plain step's cost a token saves, a way of drafting unmeasured
-
-
-def _bucket(batch_size: int) -> int:
-    return 1 << max(batch_size - 1, 0).bit_length()
 
 
 @dataclass
@@ -53,7 +44,7 @@ class SpecStats:
         return (self.num_accepted_tokens + self.num_verify_steps) / max(self.num_verify_steps, 1)
 
 
-class SpecDecoder:
+class SpecDecoder(CostModel):
     def __init__(self, method: str, num_speculative_tokens: int, proposer, sampler,
                  tree_budget: int = 0):
         self.method = method
@@ -65,18 +56,7 @@ class SpecDecoder:
         self._ema: dict[str, float] = {}
         self._idle: dict[str, int] = {}
         self._released: list[str] = []  # proposer state is freed on the loop thread, between steps
-        # (batch bucket, "plain" | "chain" | "tree") -> step seconds
-        self._cost: dict[tuple[int, str], float] = {}
-        # (batch bucket, "chain" | "tree") -> share of a drafting step's requests that drafted
-        self._share: dict[tuple[int, str], float] = {}
-        self._feed_cost: float | None = None  # seconds a token the proposer feeds to catch up
-        self._fed_last = 0  # tokens the last proposal fed to catch up (`observe_step`)
-        # chains: decayed counts of accepted drafts and of drafts tried (those accepted plus
-        # each verify's first rejection: the drafts after it were never compared)
-        self._accepted, self._tried = 4 * _ACCEPT_PRIOR, 4.0
-        # (batch bucket, "chain") -> drafts a drafting request verified, on average
-        self._k: dict[tuple[int, str], float] = {}
-        self._tree_emitted, self._tree_verifies = 0.0, 0.0  # trees: decayed, per request
+        self._init_cost_model()
         self._step = 0
         self.last_draft_seconds = 0.0
         # plain steps at the start of each probe cycle (the engine sets 2 with overlapped
@@ -138,143 +118,6 @@ class SpecDecoder:
         picked = self._catch_up([(r, k) for r, k in zip(reqs, ks) if k], len(running), mode, cap)
         return [r for r, _ in picked], [k for _, k in picked], mode == "tree"
 
-    def _catch_up(self, picked: list, batch_size: int, mode: str | None, cap: int) -> list:
-        """The (request, k) pairs that draft, less cold ones (a draft model that has not read
-        the prompt) where catching up would not pay: tokens to feed x the measured seconds a
-        fed token, against what drafting saves over the tokens the request has left (each a
-        plain step's share per request x (1 - 1 / worth), `_PRIOR_GAIN` while unmeasured).
-        Until the feed cost is measured, cold requests catch up only until `_FEED_MEASURE`
-        tokens are due in a step (one at least). At batch 16 on the CPU a draft model's
-        catch-up of 16 prompts took 10.5 s against 0.27 s a plain step."""
-        uncached = getattr(self.proposer, "uncached", None)
-        if uncached is None or not picked:
-            return picked
-        out, due = [], 0
-        plain = self._cost.get((_bucket(batch_size), "plain"))
-        if self._feed_cost is not None and plain is not None:
-            worth = self._worth(_bucket(batch_size), mode, cap)
-            gain = _PRIOR_GAIN if worth is None else max(0.0, 1 - 1 / worth)
-            saved = plain / batch_size * gain  # seconds drafting saves a token of a request
-        for r, k in picked:
-            cold = uncached(r.request_id, r.num_tokens)
-            if cold > self.k_max + 2:
-                if self._feed_cost is None:
-                    if due >= _FEED_MEASURE:
-                        continue
-                    due += cold
-                elif plain is not None:
-                    left = min(r.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
-                    if cold * self._feed_cost > left * saved:
-                        continue
-            out.append((r, k))
-        return out
-
-    # cost model: does speculation pay at this batch size on this machine? -------------------
-    def pays(self, batch_size: int, step: int | None = None) -> bool:
-        """Whether a step of `batch_size` requests drafts (`mode` is not None)."""
-        return self.mode(batch_size, step) is not None
-
-    def mode(self, batch_size: int, step: int | None = None) -> str | None:
-        """How a step of `batch_size` requests drafts: "chain", "tree" (with a tree budget) or
-        None (plain decoding). A way of drafting is worth the tokens a drafting step is expected
-        to emit per request over its measured cost in plain steps of the same batch-size bucket;
-        the best runs while worth >= 1. Chains expect (1 - a^(k+1)) / (1 - a) tokens for k the
-        mean drafts a request verified in the bucket's recent steps and `a` a draft's chance of
-        acceptance once those before it were accepted, over the last ~50 tried drafts (one
-        unlucky step does not switch drafting off); trees expect what recent verifies emitted.
-        Plain decoding's cost is measured first; then a way not measured yet is tried. Every
-        `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline and one
-        drafting step re-measures a way (the ways in turn, so acceptance and cost stay current
-        while a way is off). `step`: the plan step asked about (default: the current one)."""
-        b = _bucket(batch_size)
-        step = self._step if step is None else step
-        phase = step % (2 * _PROBE_EVERY)
-        if phase < self.plain_probe_steps:
-            return None  # measure plain decoding
-        modes = ("tree", "chain") if self.tree_budget else ("chain",)
-        if phase == _PROBE_EVERY:  # measure a way of drafting
-            return modes[step // (2 * _PROBE_EVERY) % len(modes)]
-        if (b, "plain") not in self._cost:  # the baseline first (unknown, every way looked
-            return None  # unmeasured: a 16-request batch drafted with a draft model throughout)
-        worth = {m: self._worth(b, m, self.batch_cap(batch_size)) for m in modes}
-        unknown = [m for m in modes if worth[m] is None]
-        if unknown:
-            return unknown[0]
-        best = max(modes, key=lambda m: worth[m])
-        return best if worth[best] >= 1.0 else None
-
-    def _worth(self, bucket: int, mode: str, k: int) -> float | None:
-        """Tokens per request a `mode` drafting step is expected to emit over its cost in plain
-        steps; None while a part of that is unmeasured."""
-        cost, plain = self._cost.get((bucket, mode)), self._cost.get((bucket, "plain"))
-        if cost is None or plain is None:
-            return None
-        if mode == "chain":
-            tokens = self.expected_tokens(self._k.get((bucket, mode), k))
-        elif self._tree_verifies:
-            tokens = self._tree_emitted / self._tree_verifies
-        else:
-            return None
-        # requests that did not draft in those steps (cold, idle, no guess) emit one token
-        tokens = 1 + self._share.get((bucket, mode), 1.0) * (tokens - 1)
-        return tokens / (cost / plain)
-
-    def acceptance_rate(self) -> float:
-        """A draft's recent chance of acceptance where the drafts before it were accepted
-        (decayed counts, with a weak prior). Not accepted / drafted: a verify of k drafts
-        rejected at its first compares only one, so that ratio reads 0.36 where each draft is
-        accepted with probability 0.5 (k = 2..4) and undercounts what a verify emits."""
-        return self._accepted / self._tried
-
-    def expected_tokens(self, k: float) -> float:
-        """Tokens one verify of k drafts emits on average at the recent acceptance rate."""
-        a = min(self.acceptance_rate(), 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
-
-    def observe_step(self, batch, result, overlap: bool) -> None:
-        """Feeds a processed step (`pipeline.Batch` and its `StepResult`) to the cost model when
-        it is a decode-only step; `overlap`: whether the pipeline overlaps steps."""
-        sched = batch.sched.scheduled
-        fed, self._fed_last = self._fed_last, 0
-        if not batch.decode_only:
-            return  # a prefill chunk rode along: not comparable
-        drafted = any(s.spec_token_ids for s in sched)
-        if drafted and fed >= _FEED_MEASURE:
-            return  # the proposer caught up with prompts first: a one-off, not drafting's cost
-        if not drafted and overlap and not result.overlapped:
-            # a plain step launched with nothing in flight (after a drafting step) paid host
-            # work that plain decoding hides: it is not what drafting is weighed against
-            return
-        # result.seconds is the step's period, its drafting included (pipeline._process)
-        self.observe(len(sched), drafted, sum(len(t) for t in result.sampled.values()),
-                     result.seconds, tree=any(s.spec_tree is not None for s in sched),
-                     drafting=sum(1 for s in sched if s.spec_token_ids),
-                     drafts=sum(len(s.spec_token_ids) for s in sched))
-
-    def observe(self, batch_size: int, drafted: bool, num_tokens: int, seconds: float,
-                tree: bool = False, drafting: int | None = None, drafts: int | None = None
-                ) -> None:
-        """Records one decode step's time (drafting included); `tree`: it verified trees;
-        `drafting`: how many of its requests drafted (default: all, where it drafted);
-        `drafts`: the draft tokens they verified (chains: their mean is the k `_worth` uses)."""
-        if seconds <= 0 or num_tokens <= 0:
-            return
-        key = (_bucket(batch_size), "tree" if tree else "chain" if drafted else "plain")
-        if drafted:
-            share = (batch_size if drafting is None else drafting) / batch_size
-            old = self._share.get(key)
-            self._share[key] = share if old is None else _COST_EMA * share + (1 - _COST_EMA) * old
-            n = batch_size if drafting is None else drafting
-            if not tree and drafts and n:
-                old = self._k.get(key)
-                self._k[key] = drafts / n if old is None else \
-                    _COST_EMA * drafts / n + (1 - _COST_EMA) * old
-        prev = self._cost.get(key)
-        # a step under half the average: the average holds a one-off (a draft model's catch-up
-        # with 16 prompts, 10.5 s against 0.85 s a step after it on the CPU); start over
-        self._cost[key] = seconds if prev is None or 2 * seconds < prev else \
-            _COST_EMA * seconds + (1 - _COST_EMA) * prev
-
     def draft(self, reqs: list[Request], ks: list[int], tree: bool = True):
         """Worker thread: runs the proposer (reads request tokens, writes only its own state);
         `tree`: a proposer with a tree budget may draft trees (`plan`'s choice)."""
@@ -284,11 +127,7 @@ class SpecDecoder:
                                           for r, k in zip(reqs, ks)])
         self.last_draft_seconds = time.perf_counter() - t0
         self.stats.draft_seconds += self.last_draft_seconds
-        fed = self._fed_last = getattr(proposal, "fed", 0)
-        if fed >= _FEED_MEASURE:  # its cost a token fed or drafted (a draft step ~ a token)
-            per = self.last_draft_seconds / (fed + sum(ks))
-            self._feed_cost = per if self._feed_cost is None else \
-                _COST_EMA * per + (1 - _COST_EMA) * self._feed_cost
+        self._note_feed(getattr(proposal, "fed", 0), self.last_draft_seconds, sum(ks))
         return proposal.drafts, proposal.probs, proposal.trees
 
     def apply(self, reqs: list[Request], drafts, probs, trees=None) -> None:
@@ -384,12 +223,7 @@ class SpecDecoder:
         st.num_draft_tokens += num_drafts
         st.num_accepted_tokens += num_accepted
         st.accepted_histogram[num_accepted] = st.accepted_histogram.get(num_accepted, 0) + 1
-        if tree:  # a tree's nodes are mostly siblings: count what a verify emits
-            self._tree_emitted = _ACCEPT_DECAY * self._tree_emitted + num_accepted + 1
-            self._tree_verifies = _ACCEPT_DECAY * self._tree_verifies + 1
-        else:
-            self._accepted = _ACCEPT_DECAY * self._accepted + num_accepted
-            self._tried = _ACCEPT_DECAY * self._tried + num_accepted + (num_accepted < num_drafts)
+        self._count_acceptance(num_drafts, num_accepted, tree)
         prev = self._ema.get(r.request_id)
         self._ema[r.request_id] = num_accepted if prev is None else \
             _EMA * num_accepted + (1 - _EMA) * prev
