@@ -354,8 +354,8 @@ class ModelRunner:
                         raise ValueError("pipeline stages cannot run a per-layer probe")
                     hidden = self.stages.forward(
                         self.model, ids, pos, self.kv_caches, meta, inp.prefill,
-                        decoder=self.cpu_decoder if self._cpu_decode(h, probe) else None)
-                elif self._cpu_decode(h, probe):
+                        decoder=self.cpu_decoder if self._cpu_decode(inp, probe) else None)
+                elif self._cpu_decode(inp, probe):
                     hidden = self.cpu_decoder(ids, pos, meta)
                 else:
                     hidden = self.model(ids, pos, self.kv_caches, meta, probe=probe)
@@ -366,10 +366,13 @@ class ModelRunner:
         the step's message and the later stages' graphs follow from the host batch."""
         return self.stage_graphs is not None and probe is None and self.stage_graphs.fits(h)
 
-    def _cpu_decode(self, h: HostBatch, probe) -> bool:
-        """Whether the CPU decode path takes this step (`CpuDecoder.takes`), with no probe."""
+    def _cpu_decode(self, inp: StepInputs, probe) -> bool:
+        """Whether the CPU decode path takes this step (`CpuDecoder.takes`: decode steps and
+        chain verifies), with no probe."""
+        h = inp.host
         return (self.cpu_decoder is not None and probe is None
-                and CpuDecoder.takes(len(h.input_ids), len(h.seq_lens)))
+                and CpuDecoder.takes(len(h.input_ids), len(h.seq_lens), int(h.q_lens.max()),
+                                     inp.prefill, h.tree_mask is not None))
 
 
 def _prefill_rows(on: bool):

@@ -33,7 +33,8 @@ recompiled on shape guards, and broke graphs on the module path's host sync; num
 these kernels in ~4 s once and caches them on disk.
 
 Rules:
-- The model runner sends a step here when every request has exactly one query token, the
+- The model runner sends a step here when every request has exactly one query token (or, in
+  a verify step of draft chains, a few: `VERIFY_ROWS`), the
   model runs in fp32 on the CPU, numba is installed, no `LUCEIO_KERNELS` asks for the torch
   references or the Triton kernels, and no probe (speculative prefill, residency scoring)
   needs the per-layer queries.
@@ -64,6 +65,10 @@ from .llama import AttnMetadata, LlamaForCausalLM
 from .moe import SparseMoeBlock
 
 _EMPTY = np.zeros(0, np.float32)
+VERIFY_ROWS = 16
+"""The most query tokens a request may have in a step this path takes: a chain verify's drafts
+and the token before them. Each row attends as a one-token request whose keys end at its own
+cache index; the attention kernel writes a row's K and V before any later row reads them."""
 
 
 class CpuDecoder:
@@ -95,11 +100,15 @@ class CpuDecoder:
         return decode_cpu.available() and dtype == torch.float32
 
     @staticmethod
-    def takes(num_tokens: int, num_seqs: int) -> bool:
-        """Whether this path runs a step: one query token a request, on the default kernels
-        (`LUCEIO_KERNELS=torch|triton` asks for the torch references or the Triton kernels)."""
+    def takes(num_tokens: int, num_seqs: int, max_query_len: int = 1, prefill: bool = True,
+              tree: bool = False) -> bool:
+        """Whether this path runs a step, on the default kernels (`LUCEIO_KERNELS=torch|triton`
+        asks for the torch references or the Triton kernels): one query token a request, or
+        a verify step of draft chains (no prompt tokens, no tree: a tree's rows attend to
+        their ancestors only; up to `VERIFY_ROWS` a request)."""
         from .. import kernels
-        return num_tokens == num_seqs and kernels.kernel_mode() == "auto"
+        chains = not prefill and not tree and max_query_len <= VERIFY_ROWS
+        return kernels.kernel_mode() == "auto" and (num_tokens == num_seqs or chains)
 
     @classmethod
     def for_stage(cls, model, kv_caches, layer_range: tuple[int, int]) -> "CpuDecoder | None":
@@ -161,9 +170,18 @@ class CpuDecoder:
 
     @staticmethod
     def _batch(positions: torch.Tensor, meta: AttnMetadata) -> tuple[np.ndarray, ...]:
-        """(positions, slots, block tables, seq lens) as the attention kernel reads them."""
-        return (positions.numpy(), meta.slot_mapping.numpy(), meta.block_tables.numpy(),
-                meta.seq_lens.numpy())
+        """(positions, slots, block tables, seq lens) as the attention kernel reads them: one
+        entry a query row. A request's rows of a verify step become one-token requests, row i
+        of q attending to the cache up to its own index (seq_len - q + i + 1, causal)."""
+        tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
+        if len(positions) != len(seq_lens):  # (a micro-batch's meta may carry its step's
+            # max_query_len and query starts that do not begin at 0)
+            q_lens = np.diff(meta.query_start_loc.numpy())
+            seq = np.repeat(np.arange(len(q_lens)), q_lens)
+            row = np.arange(len(seq)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+            tables = tables[seq]
+            seq_lens = (seq_lens[seq] - q_lens[seq] + row + 1).astype(np.int32)
+        return positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens
 
     def _attend(self, layer, h, i: int, batch: tuple, cos_sin: np.ndarray, scale: float,
                 window: int) -> tuple[torch.Tensor, np.ndarray]:

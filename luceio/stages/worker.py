@@ -263,7 +263,9 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
                 out = graphs.replay(bs, hidden)
             else:
                 positions, meta, prefill = unpack_step(header, ints, link.device)
-                if decoder is not None and decoder.takes(header[1], header[2]):  # tokens, seqs
+                # tokens, seqs, max query length, prompt rows, tree
+                if decoder is not None and decoder.takes(*header[1:3], header[4], prefill,
+                                                         bool(header[7])):
                     out = decoder(None, positions, meta, hidden=tuple(hidden.unbind(0)))
                 else:
                     with _prefill_rows(prefill and link.device.type == "cpu"):
