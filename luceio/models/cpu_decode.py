@@ -174,8 +174,7 @@ class CpuDecoder:
         entry a query row. A request's rows of a verify step become one-token requests, row i
         of q attending to the cache up to its own index (seq_len - q + i + 1, causal)."""
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
-        if len(positions) != len(seq_lens):  # (a micro-batch's meta may carry its step's
-            # max_query_len and query starts that do not begin at 0)
+        if len(positions) != len(seq_lens):  # a verify step's rows (query starts from 0)
             q_lens = np.diff(meta.query_start_loc.numpy())
             seq = np.repeat(np.arange(len(q_lens)), q_lens)
             row = np.arange(len(seq)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)

@@ -181,9 +181,9 @@ class CostModel:
 
     def _back_off(self, key: tuple[int, str], batch_size: int) -> None:
         """A way of drafting measured not to pay skips its next probes: 2, 4, 8, then 16 probe
-        cycles after each losing measurement in a row (a drafting step at batch 16 on the CPU
-        costs several plain steps: it leaves the one-token-a-request fast path); one measured
-        to pay is probed on the usual cycle again."""
+        cycles after each losing measurement in a row (on the CPU at batch 16 a drafting step
+        where one request drafted cost over 2 plain steps); one measured to pay is probed on
+        the usual cycle again."""
         worth = self._worth(key[0], key[1], self.batch_cap(batch_size))
         if worth is None or worth >= 1.0:
             self._losses.pop(key, None)
