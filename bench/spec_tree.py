@@ -197,8 +197,10 @@ def main() -> None:
 
 
 def pin(spec, mode: str) -> None:
-    """Every eligible step drafts in `mode` at the cap (see the module docstring)."""
+    """Every eligible step drafts in `mode` at the cap (see the module docstring), cold draft
+    caches caught up whatever the catch-up rule would decide."""
     spec.mode = lambda batch_size, step=None: mode
+    spec._catch_up = lambda picked, batch_size, mode, cap: picked
     spec.k_for = lambda r, cap: max(0, min(cap, r.max_tokens - r.num_output_tokens - 1,
                                            r.max_model_len - r.num_tokens - 1))
 

@@ -369,10 +369,11 @@ class ModelRunner:
     def _cpu_decode(self, inp: StepInputs, probe) -> bool:
         """Whether the CPU decode path takes this step (`CpuDecoder.takes`: decode steps and
         chain verifies), with no probe."""
-        h = inp.host
-        return (self.cpu_decoder is not None and probe is None
+        h, dec = inp.host, self.cpu_decoder
+        return (dec is not None and probe is None
                 and CpuDecoder.takes(len(h.input_ids), len(h.seq_lens), int(h.q_lens.max()),
-                                     inp.prefill, h.tree_mask is not None))
+                                     inp.prefill, h.tree_mask is not None and (
+                                         self.stages is not None or not dec.trees)))
 
 
 def _prefill_rows(on: bool):

@@ -34,7 +34,8 @@ these kernels in ~4 s once and caches them on disk.
 
 Rules:
 - The model runner sends a step here when every request has exactly one query token (or, in
-  a verify step of draft chains, a few: `VERIFY_ROWS`), the
+  a verify step of draft chains or trees, a few: `VERIFY_ROWS`; trees not in stages nor on
+  Gemma's step), the
   model runs in fp32 on the CPU, numba is installed, no `LUCEIO_KERNELS` asks for the torch
   references or the Triton kernels, and no probe (speculative prefill, residency scoring)
   needs the per-layer queries.
@@ -55,7 +56,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import decode_cpu, half_cpu, qdot_cpu
+from ..kernels import decode_cpu, half_cpu, qdot_cpu, tree_cpu
 from ..kernels.half_cpu import CpuHalf
 from ..kernels.qdot_cpu import CpuQuant
 from ..kernels.quant_cpu import dense_min_rows, in_prefill
@@ -65,10 +66,12 @@ from .llama import AttnMetadata, LlamaForCausalLM
 from .moe import SparseMoeBlock
 
 _EMPTY = np.zeros(0, np.float32)
-VERIFY_ROWS = 16
-"""The most query tokens a request may have in a step this path takes: a chain verify's drafts
-and the token before them. Each row attends as a one-token request whose keys end at its own
-cache index; the attention kernel writes a row's K and V before any later row reads them."""
+VERIFY_ROWS = 64
+"""The most query tokens a request may have in a step this path takes: a verify's drafts (a
+chain, or a tree's nodes) and the token before them. Each row attends as a one-token request
+whose keys end at its own cache index (a tree row: its ancestors among the step's rows,
+`kernels/tree_cpu.py`); the attention kernel writes a row's K and V before a later row reads
+them."""
 
 
 class CpuDecoder:
@@ -104,11 +107,17 @@ class CpuDecoder:
               tree: bool = False) -> bool:
         """Whether this path runs a step, on the default kernels (`LUCEIO_KERNELS=torch|triton`
         asks for the torch references or the Triton kernels): one query token a request, or
-        a verify step of draft chains (no prompt tokens, no tree: a tree's rows attend to
-        their ancestors only; up to `VERIFY_ROWS` a request)."""
+        a verify step of draft chains or trees (no prompt tokens, up to `VERIFY_ROWS` a
+        request; `tree`: the step has tree rows this decoder does not take, `trees`)."""
         from .. import kernels
         chains = not prefill and not tree and max_query_len <= VERIFY_ROWS
         return kernels.kernel_mode() == "auto" and (num_tokens == num_seqs or chains)
+
+    @property
+    def trees(self) -> bool:
+        """Whether this decoder takes verify steps of draft trees (`kernels/tree_cpu.py`): not
+        Gemma's step (sliding windows) nor a module forward."""
+        return not self.gemma and not self.module_forward
 
     @classmethod
     def for_stage(cls, model, kv_caches, layer_range: tuple[int, int]) -> "CpuDecoder | None":
@@ -170,25 +179,37 @@ class CpuDecoder:
 
     @staticmethod
     def _batch(positions: torch.Tensor, meta: AttnMetadata) -> tuple[np.ndarray, ...]:
-        """(positions, slots, block tables, seq lens) as the attention kernel reads them: one
-        entry a query row. A request's rows of a verify step become one-token requests, row i
-        of q attending to the cache up to its own index (seq_len - q + i + 1, causal)."""
+        """(positions, slots, block tables, seq lens) as the attention kernel reads them, one
+        entry a query row, then for a tree step (firsts, words) as `tree_cpu.tree_attention`
+        reads them. A request's rows of a verify step become one-token requests, row i of q
+        attending to the cache up to its own index (seq_len - q + i + 1, causal)."""
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
+        tree = ()
         if len(positions) != len(seq_lens):  # a verify step's rows (query starts from 0)
             q_lens = np.diff(meta.query_start_loc.numpy())
             seq = np.repeat(np.arange(len(q_lens)), q_lens)
             row = np.arange(len(seq)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
             tables = tables[seq]
-            seq_lens = (seq_lens[seq] - q_lens[seq] + row + 1).astype(np.int32)
-        return positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens
+            firsts = (seq_lens[seq] - q_lens[seq]).astype(np.int64)
+            seq_lens = (firsts + row + 1).astype(np.int32)
+            if meta.tree_mask is not None:
+                if meta.tree_span:
+                    raise ValueError("the CPU decode path takes no tree span")
+                tree = (firsts, meta.tree_mask.numpy())
+        return (positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens) + tree
 
     def _attend(self, layer, h, i: int, batch: tuple, cos_sin: np.ndarray, scale: float,
                 window: int) -> tuple[torch.Tensor, np.ndarray]:
         """Layer i's QKV projection of h, the attention kernel (q/k norm, RoPE, KV write,
         attention), then its o projection."""
-        positions, slots, tables, seq_lens = batch
+        positions, slots, tables, seq_lens = batch[:4]
         qkv = layer.qkv(*h)
         o = self._scratch(h[0].shape[0], layer.o.lin.in_features)
+        if len(batch) > 4:  # draft trees (no window: `trees`)
+            tree_cpu.tree_attention(qkv[1], cos_sin, positions, self.kv[i], slots, tables,
+                                    seq_lens, *batch[4:], self.num_heads, *layer.qk_norm,
+                                    self.eps, o[1], scale)
+            return layer.o(*o)
         args = (qkv[1], cos_sin, positions, self.kv[i], slots, tables, seq_lens, self.num_heads,
                 *layer.qk_norm, self.eps, o[1], scale, window)
         splits = decode_cpu.attention_splits(seq_lens, self.kv[i].shape[3], window)
