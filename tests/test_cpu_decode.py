@@ -186,17 +186,22 @@ def _decode_batch(runner, seq_lens: list[int], seed: int):
     return torch.randint(0, runner.cfg.vocab_size, (len(seq_lens),), generator=g), pos, meta
 
 
-@torch.inference_mode()
 def _decoder_vs_module_forward(runner, seq_lens, seed=0):
     """(relative error of the hidden states, of the KV cache after the step)."""
-    ids, pos, meta = _decode_batch(runner, seq_lens, seed)
+    return decoder_vs_module_forward(runner, *_decode_batch(runner, seq_lens, seed))
+
+
+@torch.inference_mode()
+def decoder_vs_module_forward(runner, ids, pos, meta):
+    """The CPU decoder's step of (ids, pos, meta) against the module forward's, from the same
+    KV cache: (relative error of the hidden states, of the KV cache after the step)."""
     before = [kv.clone() for kv in runner.kv_caches]
     want = runner.model(ids, pos, runner.kv_caches, meta)
     want_kv = [kv.clone() for kv in runner.kv_caches]
     for kv, b in zip(runner.kv_caches, before):
         kv.copy_(b)
     got = runner.cpu_decoder(ids, pos, meta)
-    assert got.dtype == want.dtype == torch.float32
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
     kv_err = max(float((a - b).norm() / b.norm()) for a, b in zip(runner.kv_caches, want_kv))
     assert not all(torch.equal(a, b) for a, b in zip(runner.kv_caches, before))  # it wrote KV
     return float((got - want).norm() / want.norm()), kv_err

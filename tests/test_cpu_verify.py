@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, engine_kwargs, make_tiny_gemma
+from test_cpu_decode import decoder_vs_module_forward
 from luceio import LLM, SamplingParams
 from luceio.models import AttnMetadata
 from luceio.models.cpu_decode import VERIFY_ROWS, CpuDecoder
@@ -52,18 +53,22 @@ def _verify_batch(runner, seq_lens: list[int], q_lens: list[int], seed: int, tre
     return ids, pos, meta
 
 
-@torch.inference_mode()
 def _against_module(runner, seq_lens, q_lens, seed=0, trees=None):
     ids, pos, meta = _verify_batch(runner, seq_lens, q_lens, seed, trees)
-    before = [kv.clone() for kv in runner.kv_caches]
-    want = runner.model(ids, pos, runner.kv_caches, meta)
-    want_kv = [kv.clone() for kv in runner.kv_caches]
-    for kv, b in zip(runner.kv_caches, before):
+    return decoder_vs_module_forward(runner, ids, pos, meta)
+
+
+@torch.inference_mode()
+def _rows_changed(runner, ids, pos, meta, row: int) -> list[bool]:
+    """Which rows' hidden states change when row `row`'s token does (same KV cache)."""
+    base = [kv.clone() for kv in runner.kv_caches]
+    a = runner.cpu_decoder(ids, pos, meta).clone()
+    for kv, b in zip(runner.kv_caches, base):
         kv.copy_(b)
-    got = runner.cpu_decoder(ids, pos, meta)
-    assert got.shape == want.shape == (sum(q_lens), runner.cfg.hidden_size)
-    kv_err = max(float((a - b).norm() / b.norm()) for a, b in zip(runner.kv_caches, want_kv))
-    return float((got - want).norm() / want.norm()), kv_err
+    ids2 = ids.clone()
+    ids2[row] = (ids2[row] + 1) % runner.cfg.vocab_size
+    b = runner.cpu_decoder(ids2, pos, meta)
+    return [not torch.equal(a[r], b[r]) for r in range(len(ids))]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -78,17 +83,8 @@ def test_chain_verify_rows_see_only_their_causal_prefix(tiny_llama):
     """Changing a later row's token changes no earlier row's hidden state, and does change
     its own and the rows after it."""
     runner = LLM(tiny_llama, **engine_kwargs()).engine.runner
-    ids, pos, meta = _verify_batch(runner, [30], [5], seed=1)
-    base = [kv.clone() for kv in runner.kv_caches]
-    with torch.inference_mode():
-        a = runner.cpu_decoder(ids, pos, meta).clone()
-        for kv, b in zip(runner.kv_caches, base):
-            kv.copy_(b)
-        ids2 = ids.clone()
-        ids2[3] = (ids2[3] + 1) % runner.cfg.vocab_size
-        b = runner.cpu_decoder(ids2, pos, meta)
-    assert torch.equal(a[:3], b[:3])
-    assert not torch.equal(a[3], b[3]) and not torch.equal(a[4], b[4])
+    assert _rows_changed(runner, *_verify_batch(runner, [30], [5], seed=1), 3) == \
+        [False, False, False, True, True]
 
 
 def test_gemma3_chain_verify_with_sliding_windows(tmp_path):
@@ -117,17 +113,9 @@ def test_tree_verify_equals_module_forward(tiny_models, arch):
 def test_tree_rows_see_only_their_ancestors(tiny_llama):
     """A node's token changes its own row and its descendants' rows, no other."""
     runner = LLM(tiny_llama, **engine_kwargs()).engine.runner
-    ids, pos, meta = _verify_batch(runner, [30], [7], seed=2, trees=[_tree()])
-    base = [kv.clone() for kv in runner.kv_caches]
-    with torch.inference_mode():
-        a = runner.cpu_decoder(ids, pos, meta).clone()
-        for kv, b in zip(runner.kv_caches, base):
-            kv.copy_(b)
-        ids2 = ids.clone()
-        ids2[1] = (ids2[1] + 1) % runner.cfg.vocab_size  # node a (row 1)
-        b = runner.cpu_decoder(ids2, pos, meta)
-    changed = [not torch.equal(a[r], b[r]) for r in range(7)]
-    assert changed == [False, True, False, True, True, False, True]  # a, c, d, f
+    batch = _verify_batch(runner, [30], [7], seed=2, trees=[_tree()])
+    assert _rows_changed(runner, *batch, 1) == \
+        [False, True, False, True, True, False, True]  # node a (row 1): a, c, d, f
 
 
 def test_gemma_step_takes_no_trees(tmp_path):
