@@ -26,6 +26,13 @@
 #                   Q4_K_M weights, batch-1 decode from random Q4_K_M / Q8_0 weights
 #   decode          luceio on the same files at contexts 512 and 8192, beside llama-bench's
 #                   numbers ($OUT/decode_gguf.json)
+#   tests-a         the first half of `pytest -m gpu tests/gpu` (a fresh machine's compiles do not
+#                   fit the whole suite in one call): warm-up, dense GEMV, engine, families,
+#                   kernels, overlap ($OUT/gpu_tests_a.log)
+#   tests-b         the rest: quantization, speculation, stages, structured ($OUT/gpu_tests_b.log)
+#   check           what changed since the last full pass: the warm-up, speculation, overlap,
+#                   engine and kernel GPU tests, bench/triton_compiles.py with an empty Triton
+#                   cache ($OUT/triton_compiles.log), forced acceptance (bf16, --quick)
 #   stages          (nvidia-h200-x2) the two-GPU stage tests ($OUT/gpu_stages_tests.log), then
 #                   bench/stages_bench.py --quick ($OUT/stages_bench.json, $OUT/stages_bench.log);
 #                   TYPES=bf16,int4 adds the 4-bit rows (about twice the time)
@@ -121,6 +128,25 @@ case $1 in
       --json-name gpu_bench_forced_q4km.json --out "$OUT" 2>&1 | grep -v -i warn | tail -20
     timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
       --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8 ;;
+  tests-a)
+    timeout ${TEST_S:-530} python -m pytest -m gpu tests/gpu/test_warmup_gpu.py tests/gpu/test_dense_gemv_gpu.py \
+      tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_kernels_gpu.py \
+      tests/gpu/test_overlap_gpu.py -q -p no:cacheprovider -rs > "$OUT/gpu_tests_a.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_a.log" ;;
+  tests-b)
+    timeout ${TEST_S:-530} python -m pytest -m gpu tests/gpu/test_quant_gpu.py tests/gpu/test_quant_engine_gpu.py \
+      tests/gpu/test_quant_format_gpu.py tests/gpu/test_spec_gpu.py tests/gpu/test_stages_gpu.py \
+      tests/gpu/test_structured_gpu.py -q -p no:cacheprovider -rs > "$OUT/gpu_tests_b.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_b.log" ;;
+  check)
+    timeout ${TEST_S:-250} python -m pytest -m gpu tests/gpu/test_warmup_gpu.py tests/gpu/test_spec_gpu.py \
+      tests/gpu/test_overlap_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py \
+      -q -p no:cacheprovider -rs > "$OUT/gpu_tests_check.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_check.log"
+    TRITON_CACHE_DIR=$(mktemp -d) timeout ${COMPILES_S:-110} python bench/triton_compiles.py > "$OUT/triton_compiles.log" 2>&1
+    echo "compiles rc=$?"; grep -E "COMPILE-MISS|SLOW STEP|PHASE" "$OUT/triton_compiles.log" | grep -A1000 "PHASE n=1 new=4" | cut -c1-160
+    timeout ${FORCED_S:-190} python bench/gpu_bench.py --sections forced --quick --out "$OUT" \
+      --json-name gpu_bench_forced_check.json 2>&1 | grep "^{" | cut -c1-420 ;;
   stages)  # pipeline stages on two GPUs: NCCL and host-staged vs one GPU, then the bench
     timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_stages_gpu.py -q -p no:cacheprovider > "$OUT/gpu_stages_tests.log" 2>&1
     echo "stage gpu tests rc=$?"; tail -3 "$OUT/gpu_stages_tests.log"
