@@ -368,12 +368,15 @@ class ModelRunner:
 
     def _cpu_decode(self, inp: StepInputs, probe) -> bool:
         """Whether the CPU decode path takes this step (`CpuDecoder.takes`: decode steps and
-        chain verifies), with no probe."""
+        verifies of chains and trees), with no probe."""
         h, dec = inp.host, self.cpu_decoder
-        return (dec is not None and probe is None
-                and CpuDecoder.takes(len(h.input_ids), len(h.seq_lens), int(h.q_lens.max()),
-                                     inp.prefill, h.tree_mask is not None and (
-                                         self.stages is not None or not dec.trees)))
+        if dec is None or probe is not None:
+            return False
+        rows, seqs = len(h.input_ids), len(h.seq_lens)
+        if rows == seqs:  # a decode step: nothing more to look at
+            return CpuDecoder.takes(rows, seqs)
+        return CpuDecoder.takes(rows, seqs, int(h.q_lens.max()), inp.prefill,
+                                h.tree_mask is not None and (self.stages is not None or not dec.trees))
 
 
 def _prefill_rows(on: bool):

@@ -250,6 +250,17 @@ def _attend_range(q, kv, table, h, t0, t1, scale, top, total, acc):
 
 
 @_njit
+def _head_scratch(num_heads, kv):
+    """(group, q [H, D], acc [group, D], top [group], total [group]): the buffers one query
+    row's attention reuses, for `kv`'s KV heads and head size."""
+    num_kv_heads, head_dim = kv.shape[3], kv.shape[4]
+    group = num_heads // num_kv_heads
+    return (group, np.empty((num_heads, head_dim), np.float32),
+            np.empty((group, head_dim), np.float32), np.empty(group, np.float32),
+            np.empty(group, np.float32))
+
+
+@_njit
 def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens, num_heads,
                      q_norm, k_norm, eps, out, scale, window):
     """One decode token per request: q and k normalised per head (Qwen3: q_norm, k_norm of
@@ -263,11 +274,8 @@ def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens,
     block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs];
     out: [num_seqs, H D]."""
     num_kv_heads, head_dim = kv.shape[3], kv.shape[4]
-    group = num_heads // num_kv_heads
+    group, q, acc, top, total = _head_scratch(num_heads, kv)
     scale = np.float32(scale)
-    q = np.empty((num_heads, head_dim), np.float32)
-    acc = np.empty((group, head_dim), np.float32)
-    top, total = np.empty(group, np.float32), np.empty(group, np.float32)
     for b in range(qkv.shape[0]):
         _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q)
         seq_len = seq_lens[b]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode_cpu import _dots, _exp, _njit, _rope_write, _store
+from .decode_cpu import _dots, _exp, _head_scratch, _njit, _rope_write, _store
 
 
 @_njit
@@ -57,11 +57,8 @@ def tree_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens, f
     words[b] is set (j < 64; from 64 on, every one: the reference's rule). A request without a
     tree passes words -1: causal attention."""
     num_kv_heads, head_dim = kv.shape[3], kv.shape[4]
-    group = num_heads // num_kv_heads
+    group, q, acc, top, total = _head_scratch(num_heads, kv)
     scale = np.float32(scale)
-    q = np.empty((num_heads, head_dim), np.float32)
-    acc = np.empty((group, head_dim), np.float32)
-    top, total = np.empty(group, np.float32), np.empty(group, np.float32)
     keys = np.empty(max(int(seq_lens.max()), 1), np.int64)
     for b in range(qkv.shape[0]):
         _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q)
