@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import time
@@ -36,10 +35,12 @@ from common import env_info, write_json  # noqa: E402
 from luceio import LLM, SamplingParams  # noqa: E402
 from luceio.spec import NgramProposer, ProposalInput, SpecStats  # noqa: E402
 from luceio.spec import decoding as spec_decoding  # noqa: E402
+from luceio.spec.length import DraftLength  # noqa: E402
 
 TARGET = "qwen2.5-coder-1.5b"
 DRAFT = "qwen2.5-coder-0.5b"
 K = 4
+DRAFT_COST = 0.1  # the replay's adaptive rule: a draft token's cost (the engine's prior)
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT_JSON = os.path.join(HERE, "results", "cpu", "spec_acceptance.json")
 OUT_MD = os.path.join(HERE, "results", "cpu", "spec_acceptance.md")
@@ -261,25 +262,22 @@ def _fixed_k_for(self, r, cap):
 
 
 # --- replay of the proposer under greedy decoding -------------------------------------------
-def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propose) -> dict:
+def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propose,
+           draft_cost: float = DRAFT_COST, prior: float = 0.5) -> dict:
     """Steps through one greedy output as the engine would (prefill emits token 0, then one
-    decode/verify step per iteration), with k from `policy` ("fixed" or "adaptive", the latter
-    a copy of SpecDecoder.k_for/_record). propose(o, k) -> drafts for output position o.
-    Returns draft/accept/verify counts."""
+    decode/verify step per iteration), with k from `policy`: "fixed" (K) or "adaptive" (the
+    engine's own per-request rule, `luceio.spec.length.DraftLength`, at `draft_cost` a draft
+    token and `prior` acceptance before the first verify). propose(o, k) -> drafts for output
+    position o. Returns draft/accept/verify counts and the target steps taken."""
     o = 1
-    ema, idle = None, 0
-    n_draft = n_acc = n_verify = 0
+    length = DraftLength(prior, spec_decoding._PROBE_EVERY)
+    n_draft = n_acc = n_verify = n_steps = 0
     while o < len(out):
         room = max_tokens - o - 1
-        if policy == "fixed" or ema is None:
-            k = K
-        elif ema < 0.25:
-            idle += 1
-            k = 1 if idle % spec_decoding._PROBE_EVERY == 0 else 0
-        else:
-            k = math.ceil(ema) + 1
+        k = K if policy == "fixed" else length.k(K, draft_cost)
         k = max(0, min(k, K, room))
         drafts = propose(o, k) if k else []
+        n_steps += 1
         if not drafts:
             o += 1
             continue
@@ -289,9 +287,10 @@ def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propos
         n_draft += len(drafts)
         n_acc += a
         n_verify += 1
-        ema = a if ema is None else spec_decoding._EMA * a + (1 - spec_decoding._EMA) * ema
+        length.record(len(drafts), a)
         o += a + 1
-    return {"num_draft_tokens": n_draft, "num_accepted_tokens": n_acc, "num_verify_steps": n_verify}
+    return {"num_draft_tokens": n_draft, "num_accepted_tokens": n_acc, "num_verify_steps": n_verify,
+            "num_steps": n_steps}
 
 
 def ngram_propose_fn(prompt: list[int], out: list[int]):

@@ -11,6 +11,9 @@ _ACCEPT_PRIOR = 0.5   # acceptance assumed before any draft is verified (weight:
 _FEED_MEASURE = 64    # a proposal that fed this many tokens to catch up measures their cost
 _PRIOR_GAIN = 0.5     # share of a plain step's cost a token saves, a way of drafting unmeasured
 _BACK_OFF_MAX = 4     # a losing way is probed at least every 2^4 probe cycles (256 steps)
+_DRAFT_COST_PRIOR = 0.1  # a draft token's cost in a request's share of a plain step, unmeasured
+_DRAFT_COST_MIN, _DRAFT_COST_MAX = 0.01, 2.0
+_FIT_DECAY = 0.9      # the draft-token cost fit remembers ~10 drafting steps
 
 
 def _bucket(batch_size: int) -> int:
@@ -37,6 +40,10 @@ class CostModel:
         # each verify's first rejection: the drafts after it were never compared)
         self._accepted, self._tried = 4 * _ACCEPT_PRIOR, 4.0
         self._tree_emitted, self._tree_verifies = 0.0, 0.0  # trees: decayed, per request
+        # batch bucket -> decayed sums [n, x, y, xx, xy] of chain steps: x the drafts a drafting
+        # request verified, y the step's extra cost over plain per drafting request (in that
+        # request's share of a plain step); the slope of y on x is a draft token's cost
+        self._fit: dict[int, list[float]] = {}
 
     def _catch_up(self, picked: list, batch_size: int, mode: str | None, cap: int) -> list:
         """The (request, k) pairs that draft, less cold ones (a draft model that has not read
@@ -121,6 +128,35 @@ class CostModel:
         tokens = 1 + self._share.get((bucket, mode), 1.0) * (tokens - 1)
         return tokens / (cost / plain)
 
+    def draft_token_cost(self, batch_size: int) -> float:
+        """What one more draft token costs a drafting request, drafting and verifying it, in
+        that request's share of a plain step (`spec.length` picks k from it): the slope of the
+        extra cost of recent chain steps over their drafts a request, where those drafts varied
+        enough to fit it, else the extra cost over the drafts (a step's fixed cost included: an
+        upper bound); `_DRAFT_COST_PRIOR` until a chain step of the bucket is measured."""
+        fit = self._fit.get(_bucket(batch_size))
+        if fit is None or fit[0] < 1e-6:
+            return _DRAFT_COST_PRIOR
+        n, sx, sy, sxx, sxy = fit
+        mx, my = sx / n, sy / n
+        ratio = max(my, 0.0) / max(mx, 1e-6)
+        var = sxx / n - mx * mx
+        cost = ratio
+        if var >= 0.25:  # k spread by a draft at least: the slope is measurable
+            cost = min(max((sxy / n - mx * my) / var, 0.0), ratio)
+        return min(max(cost, _DRAFT_COST_MIN), _DRAFT_COST_MAX)
+
+    def _fit_draft_cost(self, bucket: int, batch_size: int, drafting: int, drafts: int,
+                        seconds: float) -> None:
+        plain = self._cost.get((bucket, "plain"))
+        if plain is None or not drafting or not drafts:
+            return
+        x = drafts / drafting
+        y = (seconds - plain) / plain * batch_size / drafting
+        fit = self._fit.setdefault(bucket, [0.0] * 5)
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            fit[i] = _FIT_DECAY * fit[i] + v
+
     def acceptance_rate(self) -> float:
         """A draft's recent chance of acceptance where the drafts before it were accepted
         (decayed counts, with a weak prior). Not accepted / drafted: a verify of k drafts
@@ -171,6 +207,7 @@ class CostModel:
                 old = self._k.get(key)
                 self._k[key] = drafts / n if old is None else \
                     _COST_EMA * drafts / n + (1 - _COST_EMA) * old
+                self._fit_draft_cost(key[0], batch_size, n, drafts, seconds)
         prev = self._cost.get(key)
         # a step under half the average: the average holds a one-off (a draft model's catch-up
         # with 16 prompts, 10.5 s against 0.85 s a step after it on the CPU); start over

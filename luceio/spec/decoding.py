@@ -1,14 +1,13 @@
 """Speculative decoding inside the engine step: propose drafts for running requests (adaptive k),
 verify them in the one target forward, and keep acceptance statistics. Which requests speculate:
 decoding ones whose params allow it (`use_speculation`, no penalties — they depend on each
-emitted token — and `min_tokens` already met). How many drafts: per request, an estimate of how
-many would be accepted (an exponential moving average of the accepted length) plus one, capped
-by `num_speculative_tokens`; a request whose drafts keep failing drops to k = 0 and probes again
-now and then. Larger batches speculate less: the target forward stops being memory-bound, so
-rejected drafts cost real compute."""
+emitted token — and `min_tokens` already met). How many drafts: per request, the k expected to
+emit the most tokens per cost from the request's own acceptance and the measured cost of a draft
+token (`spec.length`), capped by `num_speculative_tokens`; a request whose drafts keep failing
+drops to k = 0 and probes again now and then. Larger batches speculate less: the target forward
+stops being memory-bound, so rejected drafts cost real compute."""
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -16,11 +15,10 @@ import torch
 
 from ..request import Request
 from .cost import _PROBE_EVERY, CostModel
+from .length import DraftLength
 from .proposer import ProposalInput
 from .rejection import rejection_sample_batch
 from .tree import accept as tree_accept
-
-_EMA = 0.5
 
 
 @dataclass
@@ -53,10 +51,10 @@ class SpecDecoder(CostModel):
         self.proposer = proposer
         self.sampler = sampler
         self.stats = SpecStats()
-        self._ema: dict[str, float] = {}
-        self._idle: dict[str, int] = {}
+        self._length: dict[str, DraftLength] = {}  # by request id
         self._released: list[str] = []  # proposer state is freed on the loop thread, between steps
         self._init_cost_model()
+        self._draft_cost = self.draft_token_cost(1)  # `plan` sets it for its batch
         self._step = 0
         self.last_draft_seconds = 0.0
         # plain steps at the start of each probe cycle (the engine sets 2 with overlapped
@@ -92,17 +90,15 @@ class SpecDecoder(CostModel):
             for r in running)
 
     def k_for(self, r: Request, cap: int) -> int:
+        """Drafts for `r` this step, at most `cap` (`spec.length`), at the draft token's cost
+        `plan` looked up for this step's batch (`CostModel.draft_token_cost`)."""
         room = min(r.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens) - 1
-        ema = self._ema.get(r.request_id)
-        if ema is None:
-            k = cap
-        elif ema < 0.25:
-            idle = self._idle.get(r.request_id, 0) + 1
-            self._idle[r.request_id] = idle
-            k = 1 if idle % _PROBE_EVERY == 0 else 0
-        else:
-            k = math.ceil(ema) + 1
-        return max(0, min(k, cap, room))
+        if min(cap, room) <= 0:
+            return 0
+        length = self._length.get(r.request_id)
+        if length is None:
+            length = self._length[r.request_id] = DraftLength(self.acceptance_rate(), _PROBE_EVERY)
+        return max(0, min(length.k(cap, self._draft_cost), room))
 
     def plan(self, running: list[Request]) -> tuple[list[Request], list[int], bool]:
         """Loop thread: which requests draft this step, how many tokens each, and whether as
@@ -114,6 +110,7 @@ class SpecDecoder(CostModel):
         mode = self.mode(len(running))
         cap = self.batch_cap(len(running)) if mode is not None else 0
         reqs = [r for r in running if self.eligible(r)] if cap else []
+        self._draft_cost = self.draft_token_cost(len(running))
         ks = [self.k_for(r, cap) for r in reqs]
         picked = self._catch_up([(r, k) for r, k in zip(reqs, ks) if k], len(running), mode, cap)
         return [r for r, _ in picked], [k for _, k in picked], mode == "tree"
@@ -224,11 +221,11 @@ class SpecDecoder(CostModel):
         st.num_accepted_tokens += num_accepted
         st.accepted_histogram[num_accepted] = st.accepted_histogram.get(num_accepted, 0) + 1
         self._count_acceptance(num_drafts, num_accepted, tree)
-        prev = self._ema.get(r.request_id)
-        self._ema[r.request_id] = num_accepted if prev is None else \
-            _EMA * num_accepted + (1 - _EMA) * prev
+        length = self._length.get(r.request_id)
+        if length is None:
+            length = self._length[r.request_id] = DraftLength(self.acceptance_rate(), _PROBE_EVERY)
+        length.record(num_drafts, num_accepted)
 
     def release(self, request_id: str) -> None:
-        self._ema.pop(request_id, None)
-        self._idle.pop(request_id, None)
+        self._length.pop(request_id, None)
         self._released.append(request_id)
