@@ -22,6 +22,7 @@ Writes bench/results/cpu/spec_length.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -83,6 +84,31 @@ def step_through(out: list[int], propose, rule, d: float) -> dict:
             "accepted": accepted}
 
 
+def generate(a, max_tokens: dict) -> tuple[dict, dict, dict]:
+    """The prompt sets, their greedy outputs, and (`--draft`) whether the draft model's argmax
+    equals each output token (one teacher-forced pass)."""
+    llm = LLM(TARGET, device="cpu", max_model_len=4096, cpu_threads=a.threads)
+    sets = build_prompts(llm.get_tokenizer(), 4, 3)
+    greedy, hits = {}, {}
+    for name, prompts in sets.items():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, ignore_eos=True,
+                                           max_tokens=max_tokens[name], use_speculation=False),
+                            use_tqdm=False)
+        greedy[name] = [list(o.outputs[0].token_ids) for o in outs]
+    del llm
+    if a.draft:
+        small = LLM(DRAFT, device="cpu", max_model_len=4096, cpu_threads=a.threads,
+                    enable_prefix_caching=False)
+        for name, prompts in sets.items():
+            seqs = [{"prompt_token_ids": p + o} for p, o in zip(prompts, greedy[name])]
+            outs = small.generate(seqs, SamplingParams(temperature=0, max_tokens=1,
+                                                       prompt_logprobs=0), use_tqdm=False)
+            hits[name] = [[ro.prompt_logprobs[len(p) + i][o[i]].rank == 1 for i in range(len(o))]
+                          for p, o, ro in zip(prompts, greedy[name], outs)]
+    return sets, greedy, hits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gen-tokens", type=int, default=64)
@@ -92,34 +118,25 @@ def main() -> None:
     ap.add_argument("--true-cost", default="ngram=0.07,draft=0.35",
                     help="d used for the projected speedup, per proposer")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", default="", help="a JSON file keeping the prompts, greedy outputs "
+                    "and draft hits between runs (written if missing)")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
-    llm = LLM(TARGET, device="cpu", max_model_len=4096, cpu_threads=a.threads)
-    sets = build_prompts(llm.get_tokenizer(), 4, 3)
     max_tokens = {"codegen": a.gen_tokens, "edit": a.edit_tokens}
-    greedy = {}
-    for name, prompts in sets.items():
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, ignore_eos=True,
-                                           max_tokens=max_tokens[name], use_speculation=False),
-                            use_tqdm=False)
-        greedy[name] = [list(o.outputs[0].token_ids) for o in outs]
-    del llm
+    if a.cache and os.path.exists(a.cache):
+        with open(a.cache) as f:
+            data = json.load(f)
+        sets, greedy, hits = data["sets"], data["greedy"], data["hits"]
+    else:
+        sets, greedy, hits = generate(a, max_tokens)
+        if a.cache:
+            with open(a.cache, "w") as f:
+                json.dump({"sets": sets, "greedy": greedy, "hits": hits}, f)
     proposers = {"ngram": {name: [ngram_propose_fn(p, o) for p, o in zip(sets[name], greedy[name])]
                            for name in sets}}
-    if a.draft:
-        small = LLM(DRAFT, device="cpu", max_model_len=4096, cpu_threads=a.threads,
-                    enable_prefix_caching=False)
-        proposers["draft"] = {}
-        for name, prompts in sets.items():
-            seqs = [{"prompt_token_ids": p + o} for p, o in zip(prompts, greedy[name])]
-            outs = small.generate(seqs, SamplingParams(temperature=0, max_tokens=1,
-                                                       prompt_logprobs=0), use_tqdm=False)
-            proposers["draft"][name] = [
-                draft_propose_fn(p, o, [ro.prompt_logprobs[len(p) + i][o[i]].rank == 1
-                                        for i in range(len(o))])
-                for p, o, ro in zip(prompts, greedy[name], outs)]
-        del small
+    if hits:
+        proposers["draft"] = {name: [draft_propose_fn(p, o, h) for p, o, h in
+                                     zip(sets[name], greedy[name], hits[name])] for name in sets}
     true = dict(kv.split("=") for kv in a.true_cost.split(","))
     rules = [("fixed", FixedRule, 0.0), ("ema", EmaRule, 0.0)] + \
         [(f"length(d={d})", lambda: DraftLength(0.5, 8), float(d)) for d in a.costs.split(",")]

@@ -95,11 +95,20 @@ async def test_aborts_mid_stream_with_speculation(tiny_llama):
 
 
 def test_sampled_speculation_runs_and_is_seeded(tiny_llama):
+    """A seed reproduces a sampled output for the same drafting schedule: rejection sampling
+    draws differently from a plain step. Which steps draft is the cost model's choice from
+    measured step times (and a draft model's catch-up from the measured feed cost), so both are
+    pinned here; unpinned, this test failed on a loaded machine."""
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
-    a, eng = run_all(tiny_llama, repetitive_prompts(4), params, speculative_method="draft",
-                     draft_model=tiny_llama)
-    b, _ = run_all(tiny_llama, repetitive_prompts(4), params, speculative_method="draft",
-                   draft_model=tiny_llama)
+    runs = []
+    for _ in range(2):
+        llm = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama))
+        spec = llm.engine.spec
+        spec.mode = lambda batch_size, step=None: "chain"
+        spec._catch_up = lambda picked, batch_size, mode, cap: picked
+        outs = llm.generate([{"prompt_token_ids": p} for p in repetitive_prompts(4)], params)
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.engine))
+    (a, eng), (b, _) = runs
     assert a == b and eng.spec.stats.num_draft_tokens > 0
     # draft = target: with sampling, the acceptance probability min(1, p/q) is 1
     assert eng.spec.stats.num_accepted_tokens == eng.spec.stats.num_draft_tokens
@@ -133,10 +142,11 @@ def test_cost_model_stops_speculating_when_it_does_not_pay():
     assert not any(d[0] for d in decisions) and spec.pays(16, 40)
     assert [spec.pays(16, step) for step in (24, 39, 41)] == [False] * 3
     assert all(d[1] for d in decisions)
-    spec._step = 16
-    assert spec.pays(4) is False  # the periodic plain step that refreshes the baseline
+    # batch 4's chain is worth 1.94 / 1.2 = 1.6 plain steps (>= 1.25): the periodic plain
+    # step that refreshes the baseline comes every fourth cycle (plain measured at step 0)
+    assert [spec.pays(4, step) for step in (16, 32, 48, 64)] == [True, True, True, False]
     spec.plain_probe_steps = 2  # with overlapped scheduling: two plain steps, then by cost
-    assert [spec.pays(4, step) for step in (16, 17, 18)] == [False, False, True]
+    assert [spec.pays(4, step) for step in (64, 65, 66)] == [False, False, True]
 
 
 def test_cost_model_charges_a_drafting_step_its_host_work(tiny_llama, monkeypatch):

@@ -39,8 +39,8 @@ def test_a_short_verify_does_not_cut_k_of_a_request_that_accepts_most():
         spec._record(r, 4, accepted)
     assert spec._length["r"].acceptance > 0.8
     assert spec.k_for(r, 4) == 4
-    spec._record(r, 4, 0)
-    spec._record(r, 4, 0)  # three misses in a row: now it shortens
+    for _ in range(4):
+        spec._record(r, 4, 0)  # five misses in a row: now it shortens
     assert spec.k_for(r, 4) < 4
 
 

@@ -404,4 +404,7 @@ def test_adaptive_budget_picks_what_pays():
     # the probes, in turn; both ways lost at step 3, so each skips two cycles (`_back_off`)
     assert spec.mode(16, 8) is None and spec.mode(16, 24) is None
     assert spec.mode(16, 40) == "tree" and spec.mode(16, 56) == "chain"
-    assert spec.mode(16, 16) is None and spec.mode(1, 32) is None  # the plain probes
+    assert spec.mode(16, 16) is None  # the plain probe
+    # at batch 1 the tree is worth ~2.5 plain steps: plain decoding, measured at step 3, is
+    # probed again only once 64 steps old
+    assert spec.mode(1, 32) == "tree" and spec.mode(1, 64) == "tree" and spec.mode(1, 80) is None

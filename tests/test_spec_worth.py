@@ -102,3 +102,38 @@ def test_a_way_that_pays_again_is_probed_every_cycle():
     assert spec._worth(1, "chain", 4) > 1
     assert (1, "chain") not in spec._resume
     assert spec.mode(1, step=41) == "chain"
+
+
+def _chain_worth(spec: SpecDecoder, accepted: int, chain_ms: float) -> None:
+    """Plain steps measured (10 ms) at step 5, then chain steps of `chain_ms` accepting
+    `accepted` of 4 drafts."""
+    r = _req()
+    for _ in range(300):
+        spec._record(r, 4, accepted)
+    spec._step = 5
+    spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)
+    for _ in range(20):
+        spec.observe(1, drafted=True, num_tokens=1 + accepted, seconds=chain_ms / 1000,
+                     drafting=1, drafts=4)
+
+
+def test_a_way_well_ahead_of_plain_probes_plain_every_fourth_cycle():
+    """A chain worth ~3.5 plain steps: the plain probe (phase 0 of each 16-step cycle) is
+    skipped while plain decoding was measured within 4 cycles (64 steps)."""
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    _chain_worth(spec, accepted=4, chain_ms=14.0)
+    assert spec._worth(1, "chain", 4) > 1.25
+    assert [spec.mode(1, step=s) for s in (16, 32, 48, 64)] == ["chain"] * 4
+    assert spec.mode(1, step=80) is None  # 75 steps after plain's measurement: probe it
+    spec._step = 80
+    spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)  # measured again
+    assert spec.mode(1, step=96) == "chain"
+
+
+def test_a_way_barely_ahead_probes_plain_every_cycle():
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    _chain_worth(spec, accepted=1, chain_ms=17.0)
+    worth = spec._worth(1, "chain", 4)
+    assert 1.0 <= worth < 1.25
+    assert spec.mode(1, step=17) == "chain"
+    assert [spec.mode(1, step=s) for s in (16, 32)] == [None, None]

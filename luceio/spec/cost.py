@@ -14,6 +14,8 @@ _BACK_OFF_MAX = 4     # a losing way is probed at least every 2^4 probe cycles (
 _DRAFT_COST_PRIOR = 0.1  # a draft token's cost in a request's share of a plain step, unmeasured
 _DRAFT_COST_MIN, _DRAFT_COST_MAX = 0.01, 2.0
 _FIT_DECAY = 0.9      # the draft-token cost fit remembers ~10 drafting steps
+_SURE_WORTH = 1.25    # a way this far ahead of plain decoding probes plain decoding less often
+_PLAIN_STALE = 4      # ... every this many probe cycles (64 steps) instead of every cycle
 
 
 def _bucket(batch_size: int) -> int:
@@ -44,6 +46,7 @@ class CostModel:
         # request verified, y the step's extra cost over plain per drafting request (in that
         # request's share of a plain step); the slope of y on x is a draft token's cost
         self._fit: dict[int, list[float]] = {}
+        self._plain_at: dict[int, int] = {}  # batch bucket -> the plan step plain was last measured
 
     def _catch_up(self, picked: list, batch_size: int, mode: str | None, cap: int) -> list:
         """The (request, k) pairs that draft, less cold ones (a draft model that has not read
@@ -89,16 +92,18 @@ class CostModel:
         acceptance once those before it were accepted, over the last ~50 tried drafts (one
         unlucky step does not switch drafting off); trees expect what recent verifies emitted.
         Plain decoding's cost is measured first; then a way not measured yet is tried. Every
-        `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline and one
+        `_PROBE_EVERY * 2` steps `plain_probe_steps` plain steps refresh the baseline (every
+        `_PLAIN_STALE` cycles only while a way is worth `_SURE_WORTH` or more) and one
         drafting step re-measures a way (the ways in turn, so acceptance and cost stay current
         while a way is off), unless its last probes lost (`_back_off`). `step`: the plan step
         asked about (default: the current one)."""
         b = _bucket(batch_size)
         step = self._step if step is None else step
         phase = step % (2 * _PROBE_EVERY)
-        if phase < self.plain_probe_steps:
-            return None  # measure plain decoding
         modes = ("tree", "chain") if self.tree_budget else ("chain",)
+        if phase < self.plain_probe_steps and not self._plain_fresh(
+                b, step, modes, self.batch_cap(batch_size)):
+            return None  # measure plain decoding
         if phase == _PROBE_EVERY:  # measure a way of drafting, unless it lost lately
             way = modes[step // (2 * _PROBE_EVERY) % len(modes)]
             if step >= self._resume.get((b, way), 0):
@@ -111,6 +116,16 @@ class CostModel:
             return unknown[0]
         best = max(modes, key=lambda m: worth[m])
         return best if worth[best] >= 1.0 else None
+
+    def _plain_fresh(self, bucket: int, step: int, modes: tuple, k: int) -> bool:
+        """Whether a plain probe can be skipped: a way of drafting is measured worth at least
+        `_SURE_WORTH` and plain decoding was measured within `_PLAIN_STALE` probe cycles. At
+        batch 1 on code edits a plain probe every 16 steps cost ~7% of the steps against
+        drafting every step (n-gram, 88 steps against 80 for 288 tokens, bench/spec_k_rule.py)."""
+        at = self._plain_at.get(bucket)
+        if at is None or step - at >= _PLAIN_STALE * 2 * _PROBE_EVERY:
+            return False
+        return any((self._worth(bucket, m, k) or 0.0) >= _SURE_WORTH for m in modes)
 
     def _worth(self, bucket: int, mode: str, k: int) -> float | None:
         """Tokens per request a `mode` drafting step is expected to emit over its cost in plain
@@ -208,6 +223,8 @@ class CostModel:
                 self._k[key] = drafts / n if old is None else \
                     _COST_EMA * drafts / n + (1 - _COST_EMA) * old
                 self._fit_draft_cost(key[0], batch_size, n, drafts, seconds)
+        if not drafted:
+            self._plain_at[key[0]] = self._step
         prev = self._cost.get(key)
         # a step under half the average: the average holds a one-off (a draft model's catch-up
         # with 16 prompts, 10.5 s against 0.85 s a step after it on the CPU); start over

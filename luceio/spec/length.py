@@ -13,9 +13,9 @@ batch 1 it drafted 2.66 tokens on average at 85% acceptance, where drafting 4 ev
 use this same class."""
 from __future__ import annotations
 
-_DECAY = 0.6         # a verify's weight halves after ~1.4 verifies: the last 3-4 count
+_DECAY = 0.75        # a verify's weight halves after ~2.4 verifies
 _PRIOR_WEIGHT = 1.0  # the batch-wide acceptance, as this many tried drafts, for a new request
-_IDLE_BELOW = 0.2    # a request whose drafts are accepted less often than this stops drafting
+_IDLE_BELOW = 0.1    # a request whose drafts are accepted less often than this stops drafting
 _A_MAX = 0.98        # the estimate never reads certain: one miss must be able to move it
 
 
