@@ -13,10 +13,12 @@ decoding is tokens / (steps + d * drafts). Rules:
                 idle below 0.25 (a reference copy, kept here to compare)
   length(d=..)  the engine's rule now (`luceio.spec.length.DraftLength`) told the draft cost d
 
-The projection column uses `--true-cost` as d (CPU decode path at batch 1: a 4-row verify costs
-about 1.2-1.3 plain steps with n-gram drafts; a 0.5B draft step about 0.35 of a 1.5B step).
+The projection uses `--true-cost` as d per proposer. On this CPU a step verifying 4 n-gram drafts
+took 2.4 plain steps at batch 1 (bench/spec_k_rule.py's pinned row: d ~ 0.35 with all of it
+counted per draft); on a GPU a 5-token verify costs ~1.2 plain steps (d ~ 0.05).
 
-    python bench/spec_length.py [--draft] [--gen-tokens 64] [--edit-tokens 96]
+    python bench/spec_length.py [--draft] [--gen-tokens 64] [--edit-tokens 96] [--cache F]
+                                [--costs 0.07,0.35] [--true-cost ngram=0.07,draft=0.35]
 Writes bench/results/cpu/spec_length.json.
 """
 from __future__ import annotations

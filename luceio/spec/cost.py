@@ -4,6 +4,8 @@ and drafts the way expected to emit the most tokens per plain step's cost, if an
 decoding; a draft model's catch-up with new prompts is weighed against what it saves."""
 from __future__ import annotations
 
+from .length import expected_tokens
+
 _PROBE_EVERY = 8
 _COST_EMA = 0.2       # step-cost averages remember a few steps
 _ACCEPT_DECAY = 0.98  # acceptance is a decayed count over roughly the last 50 verifies
@@ -181,8 +183,7 @@ class CostModel:
 
     def expected_tokens(self, k: float) -> float:
         """Tokens one verify of k drafts emits on average at the recent acceptance rate."""
-        a = min(self.acceptance_rate(), 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+        return expected_tokens(self.acceptance_rate(), k)
 
     def observe_step(self, batch, result, overlap: bool) -> None:
         """Feeds a processed step (`pipeline.Batch` and its `StepResult`) to the cost model when

@@ -6,11 +6,11 @@ and verifying, in those units); the request drafts the k that maximises E(k) / (
 
 `a` is counted per request: accepted drafts over tried ones (those accepted plus each verify's
 first rejection), decayed over the last few verifies, so a verify that failed early cuts k only
-as much as it moves the estimate. The earlier rule (k = the moving average of the accepted count,
-rounded up, plus one) cut k after every short verify: on code edits with the n-gram proposer at
-batch 1 it drafted 2.66 tokens on average at 85% acceptance, where drafting 4 every time gave
-1.54x plain against its 1.28x. `spec/decoding.py` and the replay in `bench/spec_acceptance.py`
-use this same class."""
+as much as it moves the estimate. It replaced k = (the moving average of the accepted count,
+rounded up) + 1, which knew nothing of what a draft costs. Replayed on real greedy outputs at
+batch 1 (bench/spec_length.py) this rule projects between -2% and +6% of that one; in the CPU
+engine the two measure the same (bench/spec_k_rule.py).
+`spec/decoding.py` and the replay in `bench/spec_acceptance.py` use this same class."""
 from __future__ import annotations
 
 _DECAY = 0.75        # a verify's weight halves after ~2.4 verifies
