@@ -262,20 +262,25 @@ def _fixed_k_for(self, r, cap):
 
 
 # --- replay of the proposer under greedy decoding -------------------------------------------
-def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propose,
-           draft_cost: float = DRAFT_COST, prior: float = 0.5) -> dict:
-    """Steps through one greedy output as the engine would (prefill emits token 0, then one
-    decode/verify step per iteration), with k from `policy`: "fixed" (K) or "adaptive" (the
-    engine's own per-request rule, `luceio.spec.length.DraftLength`, at `draft_cost` a draft
-    token and `prior` acceptance before the first verify). propose(o, k) -> drafts for output
-    position o. Returns draft/accept/verify counts and the target steps taken."""
+class FixedK:
+    """k = the cap at every step (the replay's "fixed" policy)."""
+
+    def k(self, cap: int, _cost: float) -> int:
+        return cap
+
+    def record(self, _n: int, _a: int) -> None:
+        pass
+
+
+def step_through(out: list[int], max_tokens: int, propose, rule, draft_cost: float) -> dict:
+    """Steps through one greedy output as the engine would at batch 1 (prefill emits token 0,
+    then one decode/verify step per iteration), k from `rule` (`.k(cap, draft_cost)`,
+    `.record(drafts, accepted)`). propose(o, k) -> drafts for output position o. Returns
+    draft/accept/verify counts and the target steps taken."""
     o = 1
-    length = DraftLength(prior, spec_decoding._PROBE_EVERY)
     n_draft = n_acc = n_verify = n_steps = 0
     while o < len(out):
-        room = max_tokens - o - 1
-        k = K if policy == "fixed" else length.k(K, draft_cost)
-        k = max(0, min(k, K, room))
+        k = max(0, min(rule.k(K, draft_cost), K, max_tokens - o - 1))
         drafts = propose(o, k) if k else []
         n_steps += 1
         if not drafts:
@@ -287,10 +292,19 @@ def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propos
         n_draft += len(drafts)
         n_acc += a
         n_verify += 1
-        length.record(len(drafts), a)
+        rule.record(len(drafts), a)
         o += a + 1
     return {"num_draft_tokens": n_draft, "num_accepted_tokens": n_acc, "num_verify_steps": n_verify,
             "num_steps": n_steps}
+
+
+def replay(num_prompt: int, out: list[int], max_tokens: int, policy: str, propose,
+           draft_cost: float = DRAFT_COST, prior: float = 0.5) -> dict:
+    """`step_through` with k from `policy`: "fixed" (K) or "adaptive" (the engine's own
+    per-request rule, `luceio.spec.length.DraftLength`, at `draft_cost` a draft token and
+    `prior` acceptance before the first verify)."""
+    rule = FixedK() if policy == "fixed" else DraftLength(prior, spec_decoding._PROBE_EVERY)
+    return step_through(out, max_tokens, propose, rule, draft_cost)
 
 
 def ngram_propose_fn(prompt: list[int], out: list[int]):

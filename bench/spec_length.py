@@ -31,7 +31,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info, write_json  # noqa: E402
+from spec_acceptance import FixedK as FixedRule  # noqa: E402
 from spec_acceptance import build_prompts, draft_propose_fn, ngram_propose_fn  # noqa: E402
+from spec_acceptance import step_through as replay_steps  # noqa: E402
 
 from luceio import LLM, SamplingParams  # noqa: E402
 from luceio.spec.length import DraftLength  # noqa: E402
@@ -58,32 +60,11 @@ class EmaRule:
         self.ema = a if self.ema is None else 0.5 * a + 0.5 * self.ema
 
 
-class FixedRule:
-    def k(self, cap: int, _cost: float) -> int:
-        return cap
-
-    def record(self, _n: int, _a: int) -> None:
-        pass
-
-
 def step_through(out: list[int], propose, rule, d: float) -> dict:
-    """One output at batch 1: prefill emits token 0, then a step per plain token or verify."""
-    o, steps, drafts, verifies, accepted = 1, 0, 0, 0, 0
-    while o < len(out):
-        k = max(0, min(rule.k(K, d), K, len(out) - o - 1))
-        draft = propose(o, k) if k else []
-        steps += 1
-        if not draft:
-            o += 1
-            continue
-        a = 0
-        while a < len(draft) and o + a < len(out) and draft[a] == out[o + a]:
-            a += 1
-        rule.record(len(draft), a)
-        drafts, verifies, accepted = drafts + len(draft), verifies + 1, accepted + a
-        o += a + 1
-    return {"tokens": len(out) - 1, "steps": steps, "drafts": drafts, "verifies": verifies,
-            "accepted": accepted}
+    """One output at batch 1 (spec_acceptance.step_through), counts under this bench's names."""
+    c = replay_steps(out, len(out), propose, rule, d)
+    return {"tokens": len(out) - 1, "steps": c["num_steps"], "drafts": c["num_draft_tokens"],
+            "verifies": c["num_verify_steps"], "accepted": c["num_accepted_tokens"]}
 
 
 def generate(a, max_tokens: dict) -> tuple[dict, dict, dict]:
