@@ -5,8 +5,9 @@ Qwen2.5-Coder-1.5B Q4_K_M on the CPU, spec_tree.py's prompt sets one prompt at a
   adaptive     the engine as it is: the cost model picks drafting steps, `spec.length` picks k
   ema rule     the same engine with session 35's k rule (bench/spec_length.py's EmaRule)
   pinned k4    every eligible step drafts 4 (`SpecDecoder.mode` -> chain, k = the cap)
-Steps and draft counts do not depend on the machine's speed; wall times on a 2-core machine move
-by 10-20% from process to process, so only rows of one run compare.
+Steps and draft counts move far less than wall times (only the cost model's choices follow measured
+times); wall times on a 2-core machine move by 10-20% from process to process, so only rows of one
+run compare.
 
     python bench/spec_k_rule.py [--sets edit,codegen] [--tokens 96] [--repeats 3]
 Writes bench/results/cpu/spec_k_rule.json.

@@ -123,7 +123,7 @@ class CostModel:
         """Whether a plain probe can be skipped: a way of drafting is measured worth at least
         `_SURE_WORTH` and plain decoding was measured within `_PLAIN_STALE` probe cycles. At
         batch 1 on code edits a plain probe every 16 steps cost ~7% of the steps against
-        drafting every step (n-gram, 88 steps against 80 for 288 tokens, bench/spec_k_rule.py)."""
+        drafting every step (n-gram, 86-88 steps against 80 for 288 tokens, bench/spec_k_rule.py)."""
         at = self._plain_at.get(bucket)
         if at is None or step - at >= _PLAIN_STALE * 2 * _PROBE_EVERY:
             return False
