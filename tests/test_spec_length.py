@@ -2,6 +2,7 @@
 request's own conditional acceptance and the measured cost of a draft token
 (`CostModel.draft_token_cost`)."""
 import pytest
+import torch
 
 from luceio import SamplingParams
 from luceio.request import Request
@@ -105,3 +106,37 @@ def test_plan_drafts_fewer_where_drafts_cost_more():
         assert reqs == [r]
         ks[label] = k[0]
     assert ks == {"cheap": 4, "dear": 2}
+
+
+def _tree_verify(spec: SpecDecoder, r: Request, tree, argmax: list[int]) -> list[int]:
+    """`spec.verify` of one greedy request's draft tree against target rows whose argmax is
+    `argmax[row]`; returns the emitted tokens."""
+    from luceio.sampler import Sampler
+    from luceio.scheduler.scheduler import ScheduledRequest
+
+    spec.sampler = Sampler()
+    logits = torch.full((tree.num_nodes + 1, 16), -10.0)
+    logits[torch.arange(tree.num_nodes + 1), torch.tensor(argmax)] = 10.0
+    s = ScheduledRequest(r, tree.num_nodes + 1, spec_tree=tree)
+    tokens, _, _ = spec.verify(logits, {r.request_id: slice(0, tree.num_nodes + 1)}, [s])
+    return tokens[r.request_id]
+
+
+def test_a_tree_walk_ending_on_a_leaf_counts_no_rejection():
+    """A tree of two levels (two children of the root, one grandchild under the first): when
+    the walk takes the first child and then its child, it reached a leaf and nothing was
+    rejected, though a sibling went unused; the request's acceptance reads as a chain's whose
+    every draft was accepted, not 2 of 3 tried."""
+    from luceio.spec.tree import DraftTree
+
+    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0])  # rows: 1 = 5, 2 = 6, 3 = 7 under 1
+    full, cut = SpecDecoder("ngram", 4, proposer=None, sampler=None), \
+        SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    a, b = _req("a"), _req("b")
+    for _ in range(6):
+        # rows' argmax: root -> 5 (row 1), row 1 -> 7 (row 3), row 3 -> 9 (the bonus token)
+        assert _tree_verify(full, a, tree, [5, 7, 0, 9]) == [5, 7, 9]
+        # the second level rejected: root -> 5, row 1 -> 8 (not its child 7)
+        assert _tree_verify(cut, b, tree, [5, 8, 0, 0]) == [5, 8]
+    assert full._length["a"].acceptance > 0.9  # 12 of 12 tried (and the prior's 0.5 of 1)
+    assert cut._length["b"].acceptance == pytest.approx(0.5, abs=0.05)  # 1 of 2 a verify

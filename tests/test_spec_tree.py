@@ -405,6 +405,6 @@ def test_adaptive_budget_picks_what_pays():
     assert spec.mode(16, 8) is None and spec.mode(16, 24) is None
     assert spec.mode(16, 40) == "tree" and spec.mode(16, 56) == "chain"
     assert spec.mode(16, 16) is None  # the plain probe
-    # at batch 1 the tree is worth ~2.5 plain steps: plain decoding, measured at step 3, is
-    # probed again only once 64 steps old
-    assert spec.mode(1, 32) == "tree" and spec.mode(1, 64) == "tree" and spec.mode(1, 80) is None
+    # at batch 1 the tree is worth ~2.5 plain steps: plain decoding, measured at step 3 (the
+    # cycle of steps 0-15), is probed again only in the fourth cycle after (step 64)
+    assert spec.mode(1, 32) == "tree" and spec.mode(1, 48) == "tree" and spec.mode(1, 64) is None

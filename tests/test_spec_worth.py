@@ -119,15 +119,30 @@ def _chain_worth(spec: SpecDecoder, accepted: int, chain_ms: float) -> None:
 
 def test_a_way_well_ahead_of_plain_probes_plain_every_fourth_cycle():
     """A chain worth ~3.5 plain steps: the plain probe (phase 0 of each 16-step cycle) is
-    skipped while plain decoding was measured within 4 cycles (64 steps)."""
+    skipped in the 3 cycles after the one plain decoding was measured in (every 64 steps)."""
     spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
-    _chain_worth(spec, accepted=4, chain_ms=14.0)
+    _chain_worth(spec, accepted=4, chain_ms=14.0)  # plain measured at step 5: cycle 0
     assert spec._worth(1, "chain", 4) > 1.25
-    assert [spec.mode(1, step=s) for s in (16, 32, 48, 64)] == ["chain"] * 4
-    assert spec.mode(1, step=80) is None  # 75 steps after plain's measurement: probe it
-    spec._step = 80
+    assert [spec.mode(1, step=s) for s in (16, 32, 48)] == ["chain"] * 3
+    assert spec.mode(1, step=64) is None  # the fourth cycle after: probe it
+    spec._step = 64
     spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)  # measured again
-    assert spec.mode(1, step=96) == "chain"
+    assert [spec.mode(1, step=s) for s in (80, 96, 112)] == ["chain"] * 3
+    assert spec.mode(1, step=128) is None
+
+
+def test_both_plain_probe_steps_of_a_cycle_decide_alike():
+    """With overlapped scheduling a plain probe is two steps and only the second is measured
+    (the first follows a drafting step). Four cycles on, both steps probe again; deciding by
+    steps since the measurement let the first draft (63 steps) and the second run plain
+    (64) after a drafting step, measuring nothing, so plain was re-measured every 80 steps."""
+    spec = SpecDecoder("ngram", 4, proposer=None, sampler=None)
+    spec.plain_probe_steps = 2
+    _chain_worth(spec, accepted=4, chain_ms=14.0)
+    spec._step = 65  # the second plain step of the cycle at 64, measured
+    spec.observe(1, drafted=False, num_tokens=1, seconds=0.010)
+    assert [spec.mode(1, step=s) for s in (80, 81, 96, 97, 112, 113)] == ["chain"] * 6
+    assert [spec.mode(1, step=s) for s in (128, 129)] == [None, None]
 
 
 def test_a_way_barely_ahead_probes_plain_every_cycle():

@@ -125,7 +125,10 @@ class CostModel:
         batch 1 on code edits a plain probe every 16 steps cost ~7% of the steps against
         drafting every step (n-gram, 86-88 steps against 80 for 288 tokens, bench/spec_k_rule.py)."""
         at = self._plain_at.get(bucket)
-        if at is None or step - at >= _PLAIN_STALE * 2 * _PROBE_EVERY:
+        # by cycle, not by step: every plain step of a cycle's probe decides alike (with
+        # overlapped scheduling only the second is measured, and a step count would let the
+        # first draft and the second run unmeasured after a drafting step)
+        if at is None or step // (2 * _PROBE_EVERY) - at // (2 * _PROBE_EVERY) >= _PLAIN_STALE:
             return False
         return any((self._worth(bucket, m, k) or 0.0) >= _SURE_WORTH for m in modes)
 

@@ -208,10 +208,13 @@ class SpecDecoder(CostModel):
                 logprobs[r.request_id] = self.sampler.logprobs(
                     raw[seq], torch.tensor(toks, device=raw.device),
                     [r.params.logprobs] * len(toks))
-            self._record(r, s.spec_tree.num_nodes, len(toks) - 1, tree=True)
+            # a walk that ended on a leaf rejected nothing: its depth was all there was
+            rejected = bool(s.spec_tree.children()[path[-1] if path else 0])
+            self._record(r, s.spec_tree.num_nodes, len(toks) - 1, tree=True, rejected=rejected)
         return tokens, logprobs, paths
 
-    def _record(self, r: Request, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
+    def _record(self, r: Request, num_drafts: int, num_accepted: int, tree: bool = False,
+                rejected: bool | None = None) -> None:
         st = self.stats
         if r.is_finished:  # aborted during the step: its state is already released
             return
@@ -224,7 +227,7 @@ class SpecDecoder(CostModel):
         length = self._length.get(r.request_id)
         if length is None:
             length = self._length[r.request_id] = DraftLength(self.acceptance_rate(), _PROBE_EVERY)
-        length.record(num_drafts, num_accepted)
+        length.record(num_drafts, num_accepted, rejected)
 
     def release(self, request_id: str) -> None:
         self._length.pop(request_id, None)

@@ -49,9 +49,13 @@ class DraftLength:
         self.idle = 0
         return best_k(a, cap, draft_cost)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """A verify of `num_drafts` that accepted `num_accepted`."""
-        tried = num_accepted + (num_accepted < num_drafts)
+    def record(self, num_drafts: int, num_accepted: int, rejected: bool | None = None) -> None:
+        """A verify of `num_drafts` that accepted `num_accepted`; `rejected`: whether a draft
+        was rejected (default: fewer accepted than drafted, as in a chain; a tree whose walk
+        reached a leaf rejected nothing, whatever its other branches held)."""
+        if rejected is None:
+            rejected = num_accepted < num_drafts
+        tried = num_accepted + bool(rejected)
         self.accepted = _DECAY * self.accepted + num_accepted
         self.tried = _DECAY * self.tried + tried
         self.verified = True
