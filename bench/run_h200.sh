@@ -33,6 +33,7 @@
 #   check           what changed since the last full pass: the warm-up, speculation, overlap,
 #                   engine and kernel GPU tests, bench/triton_compiles.py with an empty Triton
 #                   cache ($OUT/triton_compiles.log), forced acceptance (bf16, --quick)
+#   tests FILE...   those GPU test files ($OUT/gpu_tests.log)
 #   stages          (nvidia-h200-x2) the two-GPU stage tests ($OUT/gpu_stages_tests.log), then
 #                   bench/stages_bench.py --quick ($OUT/stages_bench.json, $OUT/stages_bench.log);
 #                   TYPES=bf16,int4 adds the 4-bit rows (about twice the time)
@@ -43,9 +44,10 @@ export PYTHONPATH=$PWD:$PWD/.llamacpp/src/gguf-py:$PWD/.whl/gg${PYTHONPATH:+:$PY
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # packages the GPU image lacks (xgrammar, starlette, jsonschema, gguf, ...) travel as wheels in
 # .whl (carry it): pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl
+# (.whl/opt: xgrammar's pydantic and its dependencies, which the GPU image lacks)
 if ls .whl/*.whl > /dev/null 2>&1; then
   [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl || exit 1
+    --upgrade --target /tmp/site .whl/*.whl $(ls .whl/opt/*.whl 2> /dev/null) || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 export GGUF_DIR=$PWD/.llamacpp/gguf
@@ -55,18 +57,18 @@ case $1 in
     (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
     mkdir -p "$GGUF_DIR"
     for s in $SHAPES; do python3 .llamacpp/make_gguf.py "$s" "$GGUF_DIR/$s-F16.gguf" || exit 1; done
-    timeout 200 python -m pytest tests/gpu/test_quant_gpu.py -q -p no:cacheprovider > "$OUT/gpu_quant_tests.log" 2>&1
+    timeout 200 python -m pytest tests/gpu/test_quant_gpu.py -p no:cacheprovider > "$OUT/gpu_quant_tests.log" 2>&1
     echo "quant gpu tests rc=$?"; tail -2 "$OUT/gpu_quant_tests.log"
     wait; tail -2 "$OUT/llamacpp_build.log" ;;
   prep-test)  # the build and the F16 files in the background while all the GPU tests run
     (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
     (mkdir -p "$GGUF_DIR"; for s in $SHAPES; do python3 .llamacpp/make_gguf.py "$s" "$GGUF_DIR/$s-F16.gguf"; done > "$OUT/make_gguf.log" 2>&1) &
-    timeout ${TEST_S:-420} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    timeout ${TEST_S:-420} python -m pytest -m gpu tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
     wait; tail -2 "$OUT/llamacpp_build.log"; ls -la "$GGUF_DIR" ;;
   pipeline)  # the kernel GPU tests; kernels per decode step with graphs sized for the context
     # in use and for 32K; the editor-assistant bench at the 1.5B shape (carry .models/qwen2.5-coder-tok)
-    timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider > "$OUT/gpu_kernel_tests.log" 2>&1
+    timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider > "$OUT/gpu_kernel_tests.log" 2>&1
     echo "kernel gpu tests rc=$?"; tail -2 "$OUT/gpu_kernel_tests.log"
     for L in ${MAX_LENS:-1024 32768}; do
       timeout ${PROFILE_S:-130} python bench/step_profile.py --no-eager --max-model-len $L \
@@ -76,7 +78,7 @@ case $1 in
       --tokenizer .models/qwen2.5-coder-tok --turns 10 --agent-context 16000 \
       --out "$OUT/assist_1.5b_random.json" 2>&1 | grep -v -i warn | cut -c1-300 | tail -20 ;;
   final-a)  # all the GPU tests; batch-1 decode from random Q4_K_M / Q8_0 weights; draft cost
-    timeout ${TEST_S:-300} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    timeout ${TEST_S:-300} python -m pytest -m gpu tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
     timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
       --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8
@@ -91,7 +93,7 @@ case $1 in
     timeout ${PROFILE_S:-200} python bench/step_profile.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
   build-and-test)
     (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
-    timeout 500 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
+    timeout 500 python -m pytest -m gpu tests/gpu -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
     wait; tail -2 "$OUT/llamacpp_build.log" ;;
   llamacpp)
@@ -105,7 +107,7 @@ case $1 in
     python bench/decode_gguf.py --gguf-dir "$GGUF_DIR" --llamacpp "${LLAMACPP_JSON:-$GGUF_DIR/llamacpp_cuda.json,$GGUF_DIR/llamacpp_cuda_d8192.json}" \
       --shapes "$shapes" --types Q4_K_M,Q8_0 --contexts ${CONTEXTS:-512,8192} --out "$OUT" ;;
   final)  # the GPU tests, decode from random-weight Q4_K_M / Q8_0 at real shapes, one-row kernels
-    timeout ${TEST_S:-240} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    timeout ${TEST_S:-240} python -m pytest -m gpu tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
     timeout ${DECODE_S:-150} python bench/decode_gguf.py --random --types Q4_K_M,Q8_0 --contexts 512 \
       --out "$OUT" --json-name decode_quant.json 2>&1 | grep -v -i warn | tail -8
@@ -117,7 +119,7 @@ case $1 in
     timeout ${PROFILE_S:-250} python bench/step_profile.py --shapes ${PROFILE_SHAPES:-qwen2.5-7b,qwen2.5-0.5b} \
       --no-eager "${sets[@]}" --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-400 ;;
   rows)
-    timeout ${TEST_S:-330} python -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    timeout ${TEST_S:-330} python -m pytest -m gpu tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
     timeout ${QGEMM_S:-150} python bench/qgemm.py --repeats 10 --out "$OUT" 2>&1 | grep -v -i warn | tail -60
     timeout ${QGEMM_AB_S:-80} python bench/qgemm.py --repeats 10 --rows 12,16 --set gemv_max_m=16 \
@@ -131,24 +133,28 @@ case $1 in
   tests-a)
     timeout ${TEST_S:-530} python -m pytest -m gpu tests/gpu/test_warmup_gpu.py tests/gpu/test_dense_gemv_gpu.py \
       tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_kernels_gpu.py \
-      tests/gpu/test_overlap_gpu.py -q -p no:cacheprovider -rs > "$OUT/gpu_tests_a.log" 2>&1
+      tests/gpu/test_overlap_gpu.py -p no:cacheprovider -rs > "$OUT/gpu_tests_a.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_a.log" ;;
   tests-b)
     timeout ${TEST_S:-530} python -m pytest -m gpu tests/gpu/test_quant_gpu.py tests/gpu/test_quant_engine_gpu.py \
       tests/gpu/test_quant_format_gpu.py tests/gpu/test_spec_gpu.py tests/gpu/test_stages_gpu.py \
-      tests/gpu/test_structured_gpu.py -q -p no:cacheprovider -rs > "$OUT/gpu_tests_b.log" 2>&1
+      tests/gpu/test_structured_gpu.py -p no:cacheprovider -rs > "$OUT/gpu_tests_b.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_b.log" ;;
   check)
     timeout ${TEST_S:-250} python -m pytest -m gpu tests/gpu/test_warmup_gpu.py tests/gpu/test_spec_gpu.py \
       tests/gpu/test_overlap_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py \
-      -q -p no:cacheprovider -rs > "$OUT/gpu_tests_check.log" 2>&1
+      -p no:cacheprovider -rs > "$OUT/gpu_tests_check.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_check.log"
     TRITON_CACHE_DIR=$(mktemp -d) timeout ${COMPILES_S:-110} python bench/triton_compiles.py > "$OUT/triton_compiles.log" 2>&1
     echo "compiles rc=$?"; grep -E "COMPILE-MISS|SLOW STEP|PHASE" "$OUT/triton_compiles.log" | grep -A1000 "PHASE n=1 new=4" | cut -c1-160
     timeout ${FORCED_S:-190} python bench/gpu_bench.py --sections forced --quick --out "$OUT" \
       --json-name gpu_bench_forced_check.json 2>&1 | grep "^{" | cut -c1-420 ;;
+  tests)  # the GPU test files named after the stage, in order ($OUT/gpu_tests.log)
+    shift
+    timeout ${TEST_S:-530} python -m pytest -m gpu "$@" -p no:cacheprovider -rs > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log" ;;
   stages)  # pipeline stages on two GPUs: NCCL and host-staged vs one GPU, then the bench
-    timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_stages_gpu.py -q -p no:cacheprovider > "$OUT/gpu_stages_tests.log" 2>&1
+    timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_stages_gpu.py -p no:cacheprovider > "$OUT/gpu_stages_tests.log" 2>&1
     echo "stage gpu tests rc=$?"; tail -3 "$OUT/gpu_stages_tests.log"
     timeout ${STAGES_S:-430} python bench/stages_bench.py --quick --types ${TYPES:-bf16} \
       --budget-s ${STAGES_BUDGET_S:-400} --out "$OUT" > "$OUT/stages_bench.log" 2>&1
