@@ -95,10 +95,14 @@ class SpecDecoder(CostModel):
         room = min(r.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens) - 1
         if min(cap, room) <= 0:
             return 0
+        return max(0, min(self._length_of(r).k(cap, self._draft_cost), room))
+
+    def _length_of(self, r: Request) -> DraftLength:
+        """`r`'s draft length, made with the batch's recent acceptance as its prior at first use."""
         length = self._length.get(r.request_id)
         if length is None:
             length = self._length[r.request_id] = DraftLength(self.acceptance_rate(), _PROBE_EVERY)
-        return max(0, min(length.k(cap, self._draft_cost), room))
+        return length
 
     def plan(self, running: list[Request]) -> tuple[list[Request], list[int], bool]:
         """Loop thread: which requests draft this step, how many tokens each, and whether as
@@ -208,8 +212,8 @@ class SpecDecoder(CostModel):
                 logprobs[r.request_id] = self.sampler.logprobs(
                     raw[seq], torch.tensor(toks, device=raw.device),
                     [r.params.logprobs] * len(toks))
-            # a walk that ended on a leaf rejected nothing: its depth was all there was
-            rejected = bool(s.spec_tree.children()[path[-1] if path else 0])
+            # a walk that ended on a leaf (a node no other names as parent) rejected nothing
+            rejected = (path[-1] - 1 if path else -1) in s.spec_tree.parents
             self._record(r, s.spec_tree.num_nodes, len(toks) - 1, tree=True, rejected=rejected)
         return tokens, logprobs, paths
 
@@ -224,10 +228,7 @@ class SpecDecoder(CostModel):
         st.num_accepted_tokens += num_accepted
         st.accepted_histogram[num_accepted] = st.accepted_histogram.get(num_accepted, 0) + 1
         self._count_acceptance(num_drafts, num_accepted, tree)
-        length = self._length.get(r.request_id)
-        if length is None:
-            length = self._length[r.request_id] = DraftLength(self.acceptance_rate(), _PROBE_EVERY)
-        length.record(num_drafts, num_accepted, rejected)
+        self._length_of(r).record(num_drafts, num_accepted, rejected)
 
     def release(self, request_id: str) -> None:
         self._length.pop(request_id, None)
