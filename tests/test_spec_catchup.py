@@ -53,6 +53,24 @@ def test_measured_catch_up_joins_where_it_pays():
     assert picked == []
 
 
+def test_a_probe_catches_up_as_an_unmeasured_way_does():
+    """Plain steps leave a draft model's cache behind, so once drafting is measured not to pay
+    every request is cold by the next probe: judged by that stale measurement, no probe would
+    ever draft again and the way would stay off for good."""
+    spec = SpecDecoder("draft", 4, Cold({"short": 500, "long": 500}), sampler=None)
+    spec._feed_cost = 0.001
+    spec.observe(16, drafted=False, num_tokens=16, seconds=0.3)
+    spec.observe(16, drafted=True, num_tokens=16, seconds=0.6)  # drafting lost: worth 0.5
+    reqs = requests({"short": 33, "long": 1001})
+    probe = next(s for s in range(1, 64) if spec.mode(16, s) == "chain")
+    assert probe % 16 == 8 and spec.mode(16, probe - 1) is None  # the probe, between plain steps
+    spec._step = probe - 1
+    assert spec._catch_up([(r, 4) for r in reqs], 16, "chain", 2) == []  # not a probe step
+    spec._step = probe
+    picked = spec._catch_up([(r, 4) for r in reqs], 16, "chain", 2)
+    assert [r.request_id for r, _ in picked] == ["long"]  # as unmeasured: 0.5 s > 0.3 s fed
+
+
 def test_worth_counts_only_the_requests_that_drafted():
     spec = SpecDecoder("draft", 4, None, sampler=None)
     spec.observe(16, drafted=False, num_tokens=16, seconds=0.30)

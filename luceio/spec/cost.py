@@ -55,9 +55,12 @@ class CostModel:
         the prompt) where catching up would not pay: tokens to feed x the measured seconds a
         fed token, against what drafting saves over the tokens the request has left (each a
         plain step's share per request x (1 - 1 / worth), `_PRIOR_GAIN` while unmeasured).
-        Until the feed cost is measured, cold requests catch up only until `_FEED_MEASURE`
-        tokens are due in a step (one at least). At batch 16 on the CPU a draft model's
-        catch-up of 16 prompts took 10.5 s against 0.27 s a plain step."""
+        A probe step counts at least `_PRIOR_GAIN`: plain steps leave the draft's cache behind,
+        so a probe judged by the measurement it is there to renew would find every request
+        cold, draft nothing, and leave a losing way off for good. Until the feed cost is
+        measured, cold requests catch up only until `_FEED_MEASURE` tokens are due in a step
+        (one at least). At batch 16 on the CPU a draft model's catch-up of 16 prompts took
+        10.5 s against 0.27 s a plain step."""
         uncached = getattr(self.proposer, "uncached", None)
         if uncached is None or not picked:
             return picked
@@ -66,6 +69,8 @@ class CostModel:
         if self._feed_cost is not None and plain is not None:
             worth = self._worth(_bucket(batch_size), mode, cap)
             gain = _PRIOR_GAIN if worth is None else max(0.0, 1 - 1 / worth)
+            if self._step % (2 * _PROBE_EVERY) == _PROBE_EVERY:
+                gain = max(gain, _PRIOR_GAIN)
             saved = plain / batch_size * gain  # seconds drafting saves a token of a request
         for r, k in picked:
             cold = uncached(r.request_id, r.num_tokens)
