@@ -89,13 +89,16 @@ def tree_table(d: dict) -> list[str]:
 
 
 def profile_table(d: dict) -> list[str]:
-    out = [_row("shape", "weights", "tok/s unprofiled", "kernels a step", "GPU busy µs a step",
-                "step µs unprofiled", "GPU idle, unprofiled step"), _row(*["---"] * 7)]
+    out = [_row("shape", "weights", "CUDA graphs", "tok/s unprofiled", "kernels a step",
+                "GPU busy µs a step", "step µs unprofiled", "GPU idle, unprofiled step"),
+           _row(*["---"] * 8)]
     for r in d["rows"]:
         step = 1e6 / r["tok_s_unprofiled"]
         idle = max(0.0, 1 - r["gpu_busy_us_per_step"] / step)
-        out.append(_row(r["shape"], r["type"], r["tok_s_unprofiled"], int(r["kernels_per_step"]),
-                        r["gpu_busy_us_per_step"], f"{step:.1f}", f"{100 * idle:.1f}%"))
+        graphs = {True: "yes", False: "no"}.get(r.get("cuda_graphs"), "-")
+        out.append(_row(r["shape"], r["type"], graphs, r["tok_s_unprofiled"],
+                        int(r["kernels_per_step"]), r["gpu_busy_us_per_step"], f"{step:.1f}",
+                        f"{100 * idle:.1f}%"))
     return out
 
 
