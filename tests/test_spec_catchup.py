@@ -114,3 +114,41 @@ def test_a_drafting_step_that_caught_up_is_not_drafting_cost():
     result.seconds = 0.05
     spec.observe_step(batch, result, overlap=False)  # a drafting step that fed nothing
     assert spec._cost[(2, "chain")] == 0.05
+
+
+def test_draft_model_drafting_resumes_after_a_losing_stretch(tiny_llama):
+    """End to end: step costs are set (drafting steps 10x a plain step while `slow`, 1x after),
+    so the cost model switches a draft model off and its cache falls behind during the plain
+    steps; once drafting pays again, the next probe catches the cache up and drafting resumes."""
+    llm = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama,
+                                          num_speculative_tokens=3))
+    eng, spec = llm.engine, llm.engine.spec
+    slow = {"on": True}
+    observe, note_feed = spec.observe, spec._note_feed
+
+    def set_cost(batch_size, drafted, num_tokens, seconds, **kw):
+        observe(batch_size, drafted, num_tokens, 0.01 if drafted and slow["on"] else 0.001, **kw)
+
+    def set_feed(fed, seconds, num_drafts):
+        note_feed(fed, seconds, num_drafts)
+        if spec._feed_cost is not None:
+            spec._feed_cost = 1e-5  # s a fed token: the catch-up is cheap here
+
+    spec.observe, spec._note_feed = set_cost, set_feed
+    prompt = [(7 * i) % 300 + 3 for i in range(100)]  # fed at once: the feed cost is measured
+    eng.add_request("r", prompt, SamplingParams(max_tokens=380, temperature=0.0, ignore_eos=True))
+    for _ in range(60):
+        eng.step()
+        if spec._losses.get((1, "chain")):
+            break
+    assert spec._losses.get((1, "chain")) == 1  # a drafting step measured a loss: drafting off
+    assert spec._feed_cost == 1e-5
+    slow["on"] = False
+    drafts = spec.stats.num_drafts
+    for _ in range(16):
+        eng.step()
+    assert spec.stats.num_drafts == drafts  # backed off: plain steps, the draft's cache behind
+    assert spec.proposer.uncached("r", eng.scheduler.running[0].num_tokens) > spec.k_max + 2
+    for _ in range(64):
+        eng.step()
+    assert spec.stats.num_drafts > drafts + 8  # a probe caught up, then drafting every step
