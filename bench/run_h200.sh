@@ -34,6 +34,12 @@
 #                   engine and kernel GPU tests, bench/triton_compiles.py with an empty Triton
 #                   cache ($OUT/triton_compiles.log), forced acceptance (bf16, --quick)
 #   tests FILE...   those GPU test files ($OUT/gpu_tests.log)
+#   round1/2/3      a whole GPU round in three calls of under 600 s on one warm machine (the
+#                   machine goes back 30 s after a call): round1 tests-a, then the decode
+#                   (with transformers) and concurrency bench with the real tokenizer;
+#                   round2 tests-b, then bench/tree_verify_cost.py; round3 forced acceptance
+#                   (bf16, then Q4_K_M), bench/step_profile.py, bench/draft_cost.py. Each
+#                   call's steps share one deadline (DEADLINE, 575 s)
 #   stages          (nvidia-h200-x2) the two-GPU stage tests ($OUT/gpu_stages_tests.log), then
 #                   bench/stages_bench.py --quick ($OUT/stages_bench.json, $OUT/stages_bench.log);
 #                   TYPES=bf16,int4 adds the 4-bit rows (about twice the time)
@@ -153,6 +159,24 @@ case $1 in
     shift
     timeout ${TEST_S:-530} python -m pytest -m gpu "$@" -p no:cacheprovider -rs > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log" ;;
+  round1)
+    START=$(date +%s); left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
+    TEST_S=${TA:-340} bash "$0" tests-a
+    timeout $(( $(left) - 5 )) python bench/gpu_bench.py --quick --sections decode,hf,concurrency \
+      --tokenizer .models/qwen2.5-coder-tok --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-300 | tail -20 ;;
+  round2)
+    START=$(date +%s); left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
+    TEST_S=${TB:-430} bash "$0" tests-b
+    timeout $(( $(left) - 5 )) python bench/tree_verify_cost.py --out "$OUT" 2>&1 | grep -v -i warn | tail -24 ;;
+  round3)
+    START=$(date +%s); left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
+    timeout 120 python bench/gpu_bench.py --sections forced --quick --out "$OUT" \
+      --json-name gpu_bench_forced.json 2>&1 | grep "^{" | cut -c1-300
+    timeout 100 python bench/gpu_bench.py --sections forced --forced-type Q4_K_M --quick --out "$OUT" \
+      --json-name gpu_bench_forced_q4km.json 2>&1 | grep "^{" | cut -c1-300
+    timeout 100 python bench/step_profile.py --no-eager --out "$OUT" 2>&1 | grep -v -i warn | tail -4 | cut -c1-300
+    timeout $(( $(left) - 5 )) python bench/draft_cost.py --repeats 10 --ks 4,6,8 --out "$OUT" 2>&1 \
+      | grep -v -i warn | cut -c1-260 | tail -8 ;;
   stages)  # pipeline stages on two GPUs: NCCL and host-staged vs one GPU, then the bench
     timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_stages_gpu.py -p no:cacheprovider > "$OUT/gpu_stages_tests.log" 2>&1
     echo "stage gpu tests rc=$?"; tail -3 "$OUT/gpu_stages_tests.log"
