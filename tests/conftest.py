@@ -442,6 +442,15 @@ def engine_kwargs(**over) -> dict:
     return kw
 
 
+def plain_and_self_draft(path: str, prompt: list[int], params, k: int = 3):
+    """Plain decoding's output for `prompt`, and an LLM on `path` drafting k tokens with
+    `path` itself as the draft model."""
+    from luceio import LLM
+    plain = LLM(path, **engine_kwargs()).generate([{"prompt_token_ids": prompt}], params)
+    return plain, LLM(path, **engine_kwargs(speculative_method="draft", draft_model=path,
+                                            num_speculative_tokens=k))
+
+
 @pytest.fixture(scope="session")
 def qwen_coder_tokenizer():
     """The real Qwen2.5-Coder-0.5B tokenizer, read from its GGUF (fetched into the cache once;

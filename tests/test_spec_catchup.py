@@ -3,7 +3,7 @@ cache is cold drafts only where the catch-up's measured cost is below what draft
 the tokens it has left; and a drafting way's worth counts only the requests that drafted."""
 import pytest
 
-from conftest import engine_kwargs
+from conftest import engine_kwargs, plain_and_self_draft
 from luceio import LLM, SamplingParams
 from luceio.request import Request
 from luceio.spec import SpecDecoder
@@ -88,9 +88,7 @@ def test_worth_counts_only_the_requests_that_drafted():
 def test_draft_model_reports_its_catch_up_and_output_stays_plain(tiny_llama):
     prompt = [(5 * i) % 300 + 3 for i in range(120)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    plain = LLM(tiny_llama, **engine_kwargs()).generate([{"prompt_token_ids": prompt}], params)
-    llm = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama,
-                                          num_speculative_tokens=3))
+    plain, llm = plain_and_self_draft(tiny_llama, prompt, params)
     spec = llm.engine.spec
     assert spec.proposer.uncached("new", 120) == 119  # nothing read yet
     assert spec._feed_cost is None

@@ -7,7 +7,7 @@ blocks part-way (tiny random models, fp32, CPU)."""
 import pytest
 import torch
 
-from conftest import engine_kwargs
+from conftest import engine_kwargs, plain_and_self_draft
 from luceio import LLM, SamplingParams
 from luceio.request import Request
 from luceio.scheduler import ScheduledRequest, SchedulerOutput
@@ -219,9 +219,7 @@ def test_cpu_catch_up_feeds_take_the_decode_path(tiny_llama):
     took 130 ms against 19 ms a draft step); greedy output stays plain decoding's."""
     prompt = [(5 * i) % 300 + 3 for i in range(30)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = LLM(tiny_llama, **engine_kwargs()).generate([{"prompt_token_ids": prompt}], params)
-    llm = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama,
-                                          num_speculative_tokens=3))
+    plain, llm = plain_and_self_draft(tiny_llama, prompt, params)
     spec = llm.engine.spec
     runner = spec.proposer.runner
     spec.mode = lambda batch_size, step=None: "chain"  # every step drafts
