@@ -24,6 +24,11 @@ def _bucket(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
+def _way_probe(step: int) -> bool:
+    """Whether plan step `step` is a probe cycle's drafting probe (`CostModel.mode`)."""
+    return step % (2 * _PROBE_EVERY) == _PROBE_EVERY
+
+
 class CostModel:
     """The host class provides `proposer`, `k_max`, `tree_budget`, `batch_cap(n)`, `_step` (the
     plan step) and `plain_probe_steps`, and calls `_init_cost_model` from its constructor."""
@@ -69,7 +74,7 @@ class CostModel:
         if self._feed_cost is not None and plain is not None:
             worth = self._worth(_bucket(batch_size), mode, cap)
             gain = _PRIOR_GAIN if worth is None else max(0.0, 1 - 1 / worth)
-            if self._step % (2 * _PROBE_EVERY) == _PROBE_EVERY:
+            if _way_probe(self._step):
                 gain = max(gain, _PRIOR_GAIN)
             saved = plain / batch_size * gain  # seconds drafting saves a token of a request
         for r, k in picked:
@@ -111,7 +116,7 @@ class CostModel:
         if phase < self.plain_probe_steps and not self._plain_fresh(
                 b, step, modes, self.batch_cap(batch_size)):
             return None  # measure plain decoding
-        if phase == _PROBE_EVERY:  # measure a way of drafting, unless it lost lately
+        if _way_probe(step):  # measure a way of drafting, unless it lost lately
             way = modes[step // (2 * _PROBE_EVERY) % len(modes)]
             if step >= self._resume.get((b, way), 0):
                 return way
