@@ -58,6 +58,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export GGUF_DIR=$PWD/.llamacpp/gguf
 SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
+START=$(date +%s)  # the round stages' steps share one deadline (DEADLINE, 575 s)
+left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
 case $1 in
   prep)  # the build and the F16 files at once (the machine is released 30 s after a call)
     (bash .llamacpp/build.sh cuda > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log") &
@@ -160,16 +162,13 @@ case $1 in
     timeout ${TEST_S:-530} python -m pytest -m gpu "$@" -p no:cacheprovider -rs > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log" ;;
   round1)
-    START=$(date +%s); left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
     TEST_S=${TA:-340} bash "$0" tests-a
     timeout $(( $(left) - 5 )) python bench/gpu_bench.py --quick --sections decode,hf,concurrency \
       --tokenizer .models/qwen2.5-coder-tok --out "$OUT" 2>&1 | grep -v -i warn | cut -c1-300 | tail -20 ;;
   round2)
-    START=$(date +%s); left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
     TEST_S=${TB:-430} bash "$0" tests-b
     timeout $(( $(left) - 5 )) python bench/tree_verify_cost.py --out "$OUT" 2>&1 | grep -v -i warn | tail -24 ;;
   round3)
-    START=$(date +%s); left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - START) )); }
     timeout 120 python bench/gpu_bench.py --sections forced --quick --out "$OUT" \
       --json-name gpu_bench_forced.json 2>&1 | grep "^{" | cut -c1-300
     timeout 100 python bench/gpu_bench.py --sections forced --forced-type Q4_K_M --quick --out "$OUT" \
