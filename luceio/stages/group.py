@@ -112,8 +112,8 @@ class StageGroup:
             raise RuntimeError("pipeline stages refused the plan: " + "; ".join(errors))
         keep_layers(model, self.layer_range, 0)
         logger.info("pipeline stages: %s", ", ".join(
-            f"layers {s}-{e - 1} on {d}" for d, (s, e) in zip(self.plan.devices,
-                                                            self.plan.layer_ranges)))
+            f"layers {s}-{e - 1} on {d}"
+            for d, (s, e) in zip(self.plan.devices, self.plan.layer_ranges)))
 
     def forward(self, model, input_ids, positions, kv_caches, meta, prefill: bool,
                 first=None, decoder=None) -> torch.Tensor:
@@ -125,8 +125,7 @@ class StageGroup:
         if self.broken:
             raise StageError(self.broken)
         if any(p.exitcode is not None for p in self.procs):
-            # a stage that died since the last step: sending to it may block in Gloo rather
-            # than fail (seen once in the CPU suite), so it is not tried
+            # a stage that died since the last step: said at once, with its exit code
             self.broken = self._failure(RuntimeError("a stage process exited"))
             raise StageError(self.broken)
         # the ints go out before this stage's layers run or are waited for (host path), so the
@@ -160,9 +159,11 @@ class StageGroup:
                 self.link.send_hidden(1, hidden)
                 timer.mark("send")
             out = waits[0]() if len(waits) == 1 else torch.cat([wait() for wait in waits])
+            self.link.finish_sends()  # done: the last stage had them all
             timer.step("final", step_kind(len(meta.seq_lens), meta.max_query_len))
             return out
         except RuntimeError as e:
+            self.link.drop_sends()
             self.broken = self._failure(e)
             raise StageError(self.broken) from e
 

@@ -33,7 +33,14 @@ NCCL transfer with a dead peer waits until the group's timeout. Every NCCL trans
 by a Gloo message from the same sender, so a stage that dies is seen on Gloo by whoever waits
 for it; only a death between the two messages of one step is left to the NCCL timeout. So
 on NCCL the ints are not sent ahead of a stage's layers (`Link.ints_ahead`): a stage that died
-during them would leave the next one waiting on NCCL, and with it the engine."""
+during them would leave the next one waiting on NCCL, and with it the engine.
+
+Why stage 0 waits for its sends only after the step's last receive: a send to a stage killed
+just before a step once waited out the group's 30-minute timeout in the CPU suite, where a
+receive fails at once. In Gloo's source (`transport/tcp/pair.cc`), a connection's error fails
+the receives posted on it and the sends still waiting for the receiver, but not a send queued
+after its write failed (the peer had reset the connection before Gloo's thread saw it close).
+The final hidden states' receive fails instead, and once it is in, the step's sends are done."""
 from __future__ import annotations
 
 import torch
@@ -137,15 +144,17 @@ class Link:
     step needs is posted ahead where its size is known: a stage posts the next step's receive
     (CAPACITY bytes, which takes any smaller message) as soon as it has sent the last one on,
     the hidden states' receive as soon as the step's ints are in, and stage 0 posts the final
-    hidden states' receive before it sends the step. On a GPU the
-    host buffers are pinned and reused (each copy in or out is synchronous, so a buffer is free
-    once its message is sent or copied out); on the CPU every message gets its own."""
+    hidden states' receive before it sends the step. Gloo sends are posted without waiting
+    (`finish_sends` waits for a step's). On a GPU the host buffers are pinned and reused: each
+    copy in or out is synchronous, and each send not yet finished has a buffer of its own; on
+    the CPU every message gets its own."""
 
     def __init__(self, device: torch.device, nccl: dist.ProcessGroup | None = None):
         self.device, self.nccl = device, nccl
         self._buffers: dict[str, torch.Tensor] = {}  # use -> grow-only pinned buffer
         self._posted: tuple | None = None  # (work, buffer) of the next step's receive
         self._hidden: tuple | None = None  # (work, tensor) of this step's hidden states
+        self._sends: list[tuple] = []  # (work, buffer) of the Gloo sends not yet waited for
 
     @property
     def transport(self) -> str:
@@ -168,11 +177,11 @@ class Link:
         head, ib = HEADER_LEN * 8, ints.numel() * 8
         inline = head + ib <= CAPACITY
         if not inline:
-            dist.send(header, dst)
-        buf = self._buffer("send", head + ib)
+            self._send(header, dst)
+        buf = self._send_buffer(head + ib)
         buf[:head].view(torch.int64).copy_(header)
         buf[head:].view(torch.int64).copy_(ints)
-        dist.send(buf if inline else buf[head:], dst)
+        self._send(buf if inline else buf[head:], dst)
 
     def send_hidden(self, dst: int, hidden: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Message 3 of a step: (x, residual), each [num_tokens, hidden_size]."""
@@ -180,14 +189,34 @@ class Link:
         if self.nccl is not None:
             dist.send(torch.stack(hidden), dst, group=self.nccl)
             return
-        buf = self._buffer("send", self._hidden_bytes(2 * x.numel(), x.dtype))
+        buf = self._send_buffer(self._hidden_bytes(2 * x.numel(), x.dtype))
         out = buf.view(x.dtype).view(2, *x.shape)
         if x.device.type == "cpu":
             out[0].copy_(x)
             out[1].copy_(hidden[1])
         else:  # one copy out of the device: it waits for this stage's layers
             out.copy_(torch.stack(hidden))
-        dist.send(buf, dst)
+        self._send(buf, dst)
+
+    def _send(self, buf: torch.Tensor, dst: int) -> None:
+        """Sends `buf` to `dst` on Gloo without waiting for it (`finish_sends` waits)."""
+        self._sends.append((dist.isend(buf, dst), buf))
+
+    def _send_buffer(self, nbytes: int) -> torch.Tensor:
+        """The host buffer of the step's next send: one per send not yet finished."""
+        return self._buffer(f"send{len(self._sends)}", nbytes)
+
+    def finish_sends(self) -> None:
+        """Waits for this step's Gloo sends. Stage 0 calls it once the step's last receive
+        is in, when they are done (the receiver had them all): see the module's docstring."""
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            work.wait()
+
+    def drop_sends(self) -> None:
+        """Forgets this step's sends without waiting: the pipeline failed, and a send to a
+        stage that died may never complete."""
+        self._sends = []
 
     def post_step(self, src: int) -> None:
         """Posts the receive of the next step from `src` (`recv_ints` posts it if not)."""
@@ -241,11 +270,11 @@ class Link:
     def send_final(self, hidden: torch.Tensor) -> None:
         """The last stage's output to rank 0: its row count, then the rows."""
         hb = self._hidden_bytes(hidden.numel(), hidden.dtype)
-        buf = self._buffer("send", 8 + hb)
+        buf = self._send_buffer(8 + hb)
         buf[:8].view(torch.int64)[0] = hidden.shape[0]
         if hb:
             buf[8:8 + hb].view(hidden.dtype).view(hidden.shape).copy_(hidden)
-        dist.send(buf[:8 + hb], 0)
+        self._send(buf[:8 + hb], 0)
         if self.nccl is not None:
             dist.send(hidden.contiguous(), 0, group=self.nccl)
 

@@ -279,6 +279,7 @@ def _serve(model, kv_caches, plan: StagePlan, rank: int, link: Link, dtype: torc
                     link.send_ints(rank + 1, header_t, ints)
                 link.send_hidden(rank + 1, out)
             link.post_step(rank - 1)  # the next step may come as soon as it is ready
+            link.finish_sends()
             timer.step("send", step_kind(header[2], header[4]))
     finally:
         timer.write()
