@@ -15,9 +15,9 @@ from .decode_cpu import _dots, _exp, _head_scratch, _njit, _rope_write, _store
 
 @_njit
 def _attend_keys(q, kv, table, h, keys, n, scale, top, total, acc):
-    """`decode_cpu._attend_range` over the cache indices keys[:n] (n > 0) instead of a range:
-    per query the scores' max (`top`), the sum of their exponentials (`total`) and the
-    unnormalised output (`acc` [group, D])."""
+    """`decode_cpu._attend_range` for KV head h's query group q [group, D] over the cache
+    indices keys[:n] (n > 0) instead of a range: per query the scores' max (`top`), the sum
+    of their exponentials (`total`) and the unnormalised output (`acc` [group, D])."""
     block_size = kv.shape[2]
     group = q.shape[0]
     scores = np.empty((group, n), np.float32)

@@ -15,7 +15,7 @@ and the step took ~10.5 ms: matmuls 4.8 + LM head 2.2, attention 1.1, norms and 
 the matmuls' wrappers 0.6, this file's own Python 0.7, the engine 0.7. With every quantized
 type in its own bits (qdot_cpu.py), Qwen2.5-Coder-0.5B Q4_K_M's step (60 cached tokens, two
 threads) took 32.4 ms: gate_up 11.2, LM head 6.6, down 6.5 (q6_k 3.9, q4_k 2.6), q/k/v 2.5,
-o 1.4, attention 1.2 (on numba's threads, one (request, KV head) pair per task), SiLU 0.6,
+o 1.4, attention 1.2 (numba), SiLU 0.6,
 norms 0.25, the rest Python and the engine. Projections whose parts
 are in their own bits (qdot_cpu.py) write them side by side into an fp32 buffer kept per batch
 size, from the fp32 buffer the kernel before wrote, numpy views passed along; other projections
