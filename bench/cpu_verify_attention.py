@@ -1,0 +1,94 @@
+"""The attention of a CPU verify step at long contexts: a request's k + 1 verify rows reach the
+CPU decode path's attention as k + 1 one-token requests (`models/cpu_decode.CpuDecoder._batch`)
+over the same context, so the step reads the context k + 1 times. This prints one step's
+attention (every layer, each layer's KV cache its own, so the cache comes from memory as in
+the engine) for 1 row (a decode step) and for chains of 4 and 8 drafts (5 and 9 rows), at the
+Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers, fp32 cache), with
+`decode_cpu.decode_attention_split` (or the one-thread kernel where the split is not taken),
+medians of `--repeats` steps.
+
+    python bench/cpu_verify_attention.py [--contexts 512,2048,8192] [--threads 2]
+Writes bench/results/cpu/cpu_verify_attention.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import env_info, write_json  # noqa: E402
+
+from luceio.kernels import decode_cpu  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "cpu_verify_attention.json")
+HEADS, KV_HEADS, DIM, LAYERS, BLOCK = 14, 2, 64, 24, 16
+
+
+def step_ms(ctx: int, rows: int, repeats: int) -> tuple[float, int]:
+    """(median ms of one step's attention over every layer, splits) for `rows` verify rows of
+    one request whose last row sees `ctx` keys."""
+    from luceio.kernels.rotary import build_cos_sin_cache
+    rng = np.random.default_rng(0)
+    blocks = ctx // BLOCK + 1
+    caches = [rng.standard_normal((2, blocks, BLOCK, KV_HEADS, DIM), dtype=np.float32)
+              for _ in range(LAYERS)]
+    qkv = rng.standard_normal((rows, (HEADS + 2 * KV_HEADS) * DIM), dtype=np.float32)
+    cos_sin = build_cos_sin_cache(DIM, ctx + 1, 10000.0).numpy()
+    pos = np.arange(ctx - rows, ctx, dtype=np.int64)
+    tables = np.repeat(np.arange(blocks, dtype=np.int32)[None], rows, 0)
+    lens = (pos + 1).astype(np.int32)
+    none = np.zeros(0, np.float32)
+    out = np.empty((rows, HEADS * DIM), np.float32)
+    splits = decode_cpu.attention_splits(lens, KV_HEADS, 0)
+
+    def step():
+        for kv in caches:
+            args = (qkv, cos_sin, pos, kv, pos, tables, lens, HEADS, none, none, 1e-6, out,
+                    DIM ** -0.5, 0)
+            if splits:
+                decode_cpu.decode_attention_split(*args, splits)
+            else:
+                decode_cpu.decode_attention(*args)
+    step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times), splits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--rows", default="1,5,9")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=OUT)
+    a = ap.parse_args()
+    import numba
+    torch.set_num_threads(a.threads)
+    numba.set_num_threads(a.threads)
+    rows_out = []
+    for ctx in [int(c) for c in a.contexts.split(",")]:
+        base = None
+        for rows in [int(r) for r in a.rows.split(",")]:
+            ms, splits = step_ms(ctx, rows, a.repeats)
+            base = base or ms
+            row = {"context": ctx, "rows": rows, "threads": a.threads, "splits": splits,
+                   "attention_ms": round(ms, 3), "vs_one_row": round(ms / base, 2)}
+            print(row, flush=True)
+            rows_out.append(row)
+    write_json(a.out, {"env": env_info(), "shape": {"heads": HEADS, "kv_heads": KV_HEADS,
+                                                    "head_dim": DIM, "layers": LAYERS},
+                       "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()
