@@ -117,6 +117,17 @@ def cuda_median_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def cpu_median_ms(fn, repeats: int = 20) -> float:
+    """The median of `repeats` wall-clock timings of fn() in ms, after one call to warm up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

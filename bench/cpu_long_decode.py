@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, write_json  # noqa: E402
+from common import cpu_median_ms, env_info, write_json  # noqa: E402
 
 from luceio.kernels import decode_cpu  # noqa: E402
 
@@ -50,18 +49,9 @@ def kernel_rows(contexts, threads: int, repeats: int) -> list[dict]:
         out = np.empty((1, heads * dim), np.float32)
         args = (qkv, cos_sin, pos[0], kv, pos[1], tables, lens, heads, none, none, 1e-6, out,
                 dim ** -0.5, 0)
-        splits = max(decode_cpu.attention_splits(lens, kv_heads, 0), 2)
-
-        def timed(fn):
-            fn()
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return 1000 * statistics.median(times)
-        one = timed(lambda: decode_cpu.decode_attention(*args))
-        split = timed(lambda: decode_cpu.decode_attention_split(*args, splits))
+        splits = max(decode_cpu.attention_splits(lens, 0), 2)
+        one = cpu_median_ms(lambda: decode_cpu.decode_attention(*args), repeats)
+        split = cpu_median_ms(lambda: decode_cpu.decode_attention_split(*args, splits), repeats)
         row = {"context": ctx, "threads": threads, "splits": splits,
                "one_thread_ms": round(one, 3), "split_ms": round(split, 3),
                "speedup": round(one / split, 2)}

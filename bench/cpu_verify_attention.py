@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, write_json  # noqa: E402
+from common import cpu_median_ms, env_info, write_json  # noqa: E402
 
 from luceio.kernels import decode_cpu  # noqa: E402
 
@@ -45,7 +43,7 @@ def step_ms(ctx: int, rows: int, repeats: int) -> tuple[float, int]:
     lens = (pos + 1).astype(np.int32)
     none = np.zeros(0, np.float32)
     out = np.empty((rows, HEADS * DIM), np.float32)
-    splits = decode_cpu.attention_splits(lens, KV_HEADS, 0)
+    splits = decode_cpu.attention_splits(lens, 0)
 
     def step():
         for kv in caches:
@@ -55,13 +53,7 @@ def step_ms(ctx: int, rows: int, repeats: int) -> tuple[float, int]:
                 decode_cpu.decode_attention_split(*args, splits)
             else:
                 decode_cpu.decode_attention(*args)
-    step()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times), splits
+    return cpu_median_ms(step, repeats), splits
 
 
 def main() -> None:

@@ -351,11 +351,11 @@ _MIN_KEYS = 256
 15 -> 19 us)."""
 
 
-def attention_splits(seq_lens: np.ndarray, num_kv_heads: int, window: int) -> int:
-    """How many key ranges `decode_attention_split` cuts each request into on numba's threads,
-    or 0: `decode_attention` on one. The caller sets numba's threads (the CPU decoder: as many
-    as torch's, `qdot_cpu.use_torch_threads`, once a step). `num_kv_heads` is not used: a
-    range covers every head (`_attend_range`)."""
+def attention_splits(seq_lens: np.ndarray, window: int) -> int:
+    """How many key ranges `decode_attention_split` cuts each request into on numba's threads
+    (a range covers every head, `_attend_range`), or 0: `decode_attention` on one. The caller
+    sets numba's threads (the CPU decoder: as many as torch's, `qdot_cpu.use_torch_threads`,
+    once a step)."""
     threads = numba.get_num_threads()
     longest = int(seq_lens.max())
     if window:

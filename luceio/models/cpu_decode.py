@@ -212,7 +212,7 @@ class CpuDecoder:
             return layer.o(*o)
         args = (qkv[1], cos_sin, positions, self.kv[i], slots, tables, seq_lens, self.num_heads,
                 *layer.qk_norm, self.eps, o[1], scale, window)
-        splits = decode_cpu.attention_splits(seq_lens, self.kv[i].shape[3], window)
+        splits = decode_cpu.attention_splits(seq_lens, window)
         if splits:  # long contexts on several threads
             decode_cpu.decode_attention_split(*args, splits)
         else:
