@@ -90,11 +90,13 @@ def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
     (`Linear.int8_input`) give the same logits, bit for bit, as the GEMV quantizing it in its
     own launch: the decode steps of a mixed-type GGUF (a q4_0 + q8_0 fused QKV, so both int8
     layouts), two requests decoding together (two-row steps) and then one alone, produce
-    identical greedy tokens and log-probabilities."""
+    identical greedy tokens and log-probabilities. The fused run also takes the GEMVs' tails
+    (`quant_gemv_tail`: the SiLU after gate/up, the residual add and norm after o and down),
+    which the plain run, with no int8 buffers asked for, does not."""
     from dataclasses import replace
 
     import luceio.kernels as K
-    from luceio.kernels import configs, triton_ops
+    from luceio.kernels import configs, quant_gemv, triton_ops
     from test_gguf import _write_gguf
     path = tmp_path / "q.gguf"
     _write_gguf(path, "qwen2", MIXED, heads=heads)
@@ -114,6 +116,14 @@ def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
             made_rows.add(a[1])
         return made[-1]
     monkeypatch.setattr(K, "gemv_input_buffers", recorded)
+    tails, launch = [], quant_gemv.tail_launch
+
+    def recorded_tail(t, *a):
+        got = launch(t, *a)
+        if t is not None:
+            tails.append((type(t).__name__, got is not None))
+        return got
+    monkeypatch.setattr(quant_gemv, "tail_launch", recorded_tail)
     monkeypatch.setattr(triton_ops, "paged_attention",
                         lambda *a, **kw: attention_xqs.append(bool(kw.get("xqs"))) or
                         attention(*a, **kw))
@@ -124,9 +134,12 @@ def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
     assert any(len(m) == 2 for m in made)  # the q4_0 + q8_0 QKV asked for both layouts
     assert made_rows == {1, 2}, made_rows  # two-row decode steps, then one-row ones
     assert any(attention_xqs) == (heads == 2)  # head_dim 16 is no whole 32-group
+    assert {t for t in tails if t[1]} == {("GluTail", True), ("NormTail", True)}, set(tails)
+    tails.clear()
     monkeypatch.setattr(K, "gemv_input_buffers", lambda *a: {})
     llm = LLM(str(path), quantization="auto", **engine_kwargs(max_model_len=128))
     plain = [o.outputs[0] for o in llm.generate(prompts, both)]
+    assert not tails  # no int8 buffers, no tails
     for f, p in zip(fused, plain):
         assert f.token_ids == p.token_ids
         assert [{t: lp.logprob for t, lp in d.items()} for d in f.logprobs] == \

@@ -83,10 +83,12 @@ def prepare_weight(w, act_dtype: torch.dtype):
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
-           xqs: dict | None = None) -> torch.Tensor:
+           xqs: dict | None = None, tail=None) -> torch.Tensor:
     """y = x @ W^T + bias for a dense weight, a QuantWeight, a CPU-packed weight or a 16-bit
     one kept for an fp32 CPU model (half_cpu.py). `xqs`: x
-    already quantized for the quantized GEMV (`gemv_input_buffers`), filled by x's producer."""
+    already quantized for the quantized GEMV (`gemv_input_buffers`), filled by x's producer.
+    `tail` (`quant_gemv_tail`): the op after this projection, done by its quantized GEMV where
+    that runs (`tail.done` is then set; otherwise the caller does it)."""
     if isinstance(w, torch.Tensor):
         if use_triton(x):
             from .dense_gemv import applies, dense_gemv
@@ -97,7 +99,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     if isinstance(w, QuantWeight):
         if use_triton(x):
             from .quant_triton import quant_matmul
-            return quant_matmul(x, w, bias, xqs=xqs)
+            return quant_matmul(x, w, bias, xqs=xqs, tail=tail)
         return quant_linear_ref(x, w, bias)
     from .half_cpu import CpuHalf
     if isinstance(w, CpuHalf):
@@ -116,6 +118,33 @@ def silu_and_mul_linear(gate_up: torch.Tensor, w, bias: torch.Tensor | None = No
         if applies(gate_up, w):
             return dense_gemv(gate_up, w, bias, glu=True)
     return linear(silu_and_mul(gate_up), w, bias)
+
+
+def glu_tail(x: torch.Tensor, half: int, xqs: dict):
+    """A `quant_gemv_tail.GluTail` for the gate/up GEMV of x's rows (act [rows, half] in x's
+    dtype, into the down GEMV's int8 forms `xqs`), or None without them."""
+    if not xqs:
+        return None
+    from .quant_gemv_tail import GluTail
+    return GluTail(torch.empty((x.numel() // x.shape[-1], half), dtype=x.dtype,
+                               device=x.device), xqs)
+
+
+def norm_tail(residual: torch.Tensor, weight: torch.Tensor, eps: float, xqs: dict):
+    """A `quant_gemv_tail.NormTail` (the residual add and RMSNorm after a projection, into
+    the next GEMV's int8 forms `xqs`), or None where it cannot run."""
+    if not xqs:
+        return None
+    from .quant_gemv_tail import norm_tail as make
+    return make(residual, weight, eps, xqs)
+
+
+class Normed(NamedTuple):
+    """A layer input whose residual add and RMSNorm the projection before it did
+    (`norm_tail`): `out` normed, `residual` the new residual, `xqs` out's int8 forms."""
+    out: torch.Tensor
+    residual: torch.Tensor
+    xqs: dict
 
 
 class Summed(NamedTuple):

@@ -52,6 +52,7 @@ from .configs import skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_gemv_tiles import (_block_acc, _block_dots, _row_tile, _shared_tile, _spread1,
                                _spread2, _x_block)
+from .quant_gemv_tail import gemv_tail, tail_launch
 from .quant_x import quantize_x
 
 
@@ -83,14 +84,19 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                ASM: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                PAIRED: tl.constexpr, PDL: tl.constexpr = False,
                PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False,
-               BLOCK_M2: tl.constexpr = 0, M0=0):
+               BLOCK_M2: tl.constexpr = 0, M0=0, t_a=0, t_b=0, t_c=0, t_d=0, s_a=0, t_cnt=0,
+               t_arrivals=0, t_eps=0.0, t_kg=0, txq0=0, txs0=0, txsum0=0, txq1=0, txs1=0,
+               txsum1=0, TAIL: tl.constexpr = 0, TAIL_CHUNK: tl.constexpr = 32,
+               TAIL_ONE: tl.constexpr = True, TAIL_XQ_PLANES: tl.constexpr = False,
+               TAIL_XQ_GROUPS: tl.constexpr = False):
     """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... . `PDL`:
     waits for the kernel before (`pdl_enter`) itself, after loading its first code words
     with PREFETCH and EARLY_LOAD (no kernel of a step writes weights). x's rows are one block
     of BLOCK_M (0 .. BLOCK_M - 1) or, with BLOCK_M2 > 0, two: BLOCK_M rows and the next
     BLOCK_M2 (5 rows as 4 + 1 instead of 8 with 3 masked; every weight tile is decoded once for
     both). M0: the first row of x (and of out) this program computes (`moe_quant_triton`:
-    one row of many per program)."""
+    one row of many per program). TAIL (`quant_gemv_tail.gemv_tail`, its t_* arguments):
+    after its output is stored, the work of the launch that would follow (M0 = 0, all rows)."""
     # q8_0's 8 words per group are handled as two half-groups of 4 words (H = 2 per group),
     # so every type's tile is [BN, G * H, 4] with one thread per (half-)group; the M rows of x
     # are a leading axis that every weight tile is broadcast over (loaded and decoded once)
@@ -215,10 +221,18 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                 y2 = _sum_parts(part_ptr, nsplit, mi2, M, N, cols, nmask, BM2, BLOCK_N)
                 _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            if TAIL > 0:
+                gemv_tail(out_ptr, s_om, M, N, pid_n, t_a, t_b, t_c, t_d, s_a, t_cnt,
+                          t_arrivals, t_eps, t_kg, txq0, txs0, txsum0, txq1, txs1, txsum1,
+                          BLOCK_N, TAIL, TAIL_CHUNK, TAIL_ONE, TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
     else:
         _store_rows(y, mi, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
         if TWO:
             _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
+        if TAIL > 0:
+            gemv_tail(out_ptr, s_om, M, N, pid_n, t_a, t_b, t_c, t_d, s_a, t_cnt, t_arrivals,
+                      t_eps, t_kg, txq0, txs0, txsum0, txq1, txs1, txsum1, BLOCK_N, TAIL,
+                      TAIL_CHUNK, TAIL_ONE, TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
 
 
 @triton.jit
@@ -230,12 +244,18 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  PAIRED: tl.constexpr,
                  EARLY_LOAD: tl.constexpr = False,
                  PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
-                 BLOCK_M2: tl.constexpr = 0):
+                 BLOCK_M2: tl.constexpr = 0, t_a=0, t_b=0, t_c=0, t_d=0, s_a=0, t_cnt=0,
+                 t_arrivals=0, t_eps=0.0, t_kg=0, txq0=0, txs0=0, txsum0=0, txq1=0, txs1=0,
+                 txsum1=0, TAIL: tl.constexpr = 0, TAIL_CHUNK: tl.constexpr = 32,
+                 TAIL_ONE: tl.constexpr = True, TAIL_XQ_PLANES: tl.constexpr = False,
+                 TAIL_XQ_GROUPS: tl.constexpr = False):
     gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
                QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED, PDL,
-               PDL_EARLY, EARLY_LOAD, BLOCK_M2)
+               PDL_EARLY, EARLY_LOAD, BLOCK_M2, 0, t_a, t_b, t_c, t_d, s_a, t_cnt, t_arrivals,
+               t_eps, t_kg, txq0, txs0, txsum0, txq1, txs1, txsum1, TAIL, TAIL_CHUNK, TAIL_ONE,
+               TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
 
 
 _COUNTERS: dict = {}
@@ -316,7 +336,7 @@ def row_blocks(rows: int, blocks: int) -> tuple[int, int]:
 
 
 def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, out2, cfg,
-         use_asm: bool, xqs: dict | None = None) -> None:
+         use_asm: bool, xqs: dict | None = None, tail=None) -> None:
     """out2 [M, N] = x2 [M, K] @ W^T (+ bias), x quantized to int8 per group on the way, for
     M up to `gemv_max_m`: the rows go `gemv_rows_per_launch` at a time, each launch reading
     the weight once for all its rows (a row's result does not depend on the other rows), in
@@ -326,11 +346,21 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     quantization and the GEMV (split-K partials are summed by the GEMV's last split). `xqs`:
     quantized forms of this x already made (layout, or (layout, first row, rows) past one row
     -> `quantize_x`'s triple), shared by the parts of a fused projection, which then quantize
-    x once."""
+    x once. `tail` (`quant_gemv_tail`: GluTail, NormTail): done in the launch where all the
+    rows go in one and it fits (then `tail.done` is set)."""
     num_m = x2.shape[0]
     weights, strides, pair, split, gps, programs, block_n = prepare_launch(
         weights, strides, qtype, n, k, num_m, cfg)
     step = max(1, cfg.gemv_rows_per_launch)
+    fused = tail_launch(tail, out2, n, num_m, block_n, programs) \
+        if num_m <= step and cfg.gemv_tails else None
+    tail_kw = {}
+    if fused is not None:
+        targs, tconsts = fused
+        tail_kw = dict(zip(("t_a", "t_b", "t_c", "t_d", "s_a", "t_cnt", "t_arrivals", "t_eps",
+                            "t_kg", "txq0", "txs0", "txsum0", "txq1", "txs1", "txsum1"), targs))
+        tail_kw.update(tconsts)
+        tail.done = True
     for r0 in range(0, num_m, step):
         rows = min(step, num_m - r0)
         x_r, out_r = x2[r0:r0 + rows], out2[r0:r0 + rows]
@@ -344,5 +374,5 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
             G=max(1, cfg.gemv_block_k // 32),
             PREFETCH=cfg.gemv_prefetch if rows == 1 else cfg.gemv_rows_prefetch, ASM=use_asm,
             SPLIT=split > 1, HAS_BIAS=bias is not None, PAIRED=pair,
-            EARLY_LOAD=cfg.gemv_early_load, num_warps=cfg.gemv_num_warps,
+            EARLY_LOAD=cfg.gemv_early_load, num_warps=cfg.gemv_num_warps, **tail_kw,
             **pdl_kwargs(x2.device, cfg, programs * split))

@@ -258,7 +258,7 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, s_om,
 
 def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int, k: int,
             bias: torch.Tensor | None, out: torch.Tensor | None,
-            xqs: dict | None = None) -> torch.Tensor:
+            xqs: dict | None = None, tail=None) -> torch.Tensor:
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight [N, K] = [{n}, {k}]")
     lead = x.shape[:-1]
@@ -293,7 +293,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         qs, *rest = weights
         gemv(x2, (_words(qs), *rest), (strides[0] // 4, *strides[1:]), qtype, n, k,
              bias.contiguous() if bias is not None else None, out2, cfg,
-             use_asm=use_asm(x), xqs=xqs)
+             use_asm=use_asm(x), xqs=xqs, tail=tail)
         return out
     n_programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))
@@ -318,14 +318,15 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
 
 
 def quant_matmul_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None, xqs: dict | None = None
-                        ) -> torch.Tensor:
+                        out: torch.Tensor | None = None, xqs: dict | None = None,
+                        tail=None) -> torch.Tensor:
     """x [..., K] (at most 32 rows; fp16, bf16 or fp32) @ w^T + bias -> [..., N] in x's dtype,
     into `out` when given (a [..., N] tensor with a contiguous last dim). `xqs`: x's int8 forms
-    when its producer made them (see `kernels.gemv_input_buffers`)."""
+    when its producer made them (see `kernels.gemv_input_buffers`). `tail`: see
+    `quant_gemv.gemv` (`tail.done` tells whether it ran)."""
     n, k = w.shape
     weights, strides = _weight_args(w)
-    return _skinny(x, weights, strides, w.qtype, n, k, bias, out, xqs)
+    return _skinny(x, weights, strides, w.qtype, n, k, bias, out, xqs, tail)
 
 
 def dense_matmul_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -375,12 +376,13 @@ def skinny_rows(cfg: KernelConfig, qtype: str) -> int:
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, xqs: dict | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, xqs: dict | None = None,
+                 tail=None) -> torch.Tensor:
     """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_rows` rows,
-    else a dequantized scratch copy of w and torch's GEMM."""
+    else a dequantized scratch copy of w and torch's GEMM. `tail`: see `quant_gemv.gemv`."""
     num_m = x.numel() // max(x.shape[-1], 1)
     if num_m <= skinny_rows(get_config(x.device), w.qtype):
-        return quant_matmul_skinny(x, w, bias, out, xqs)
+        return quant_matmul_skinny(x, w, bias, out, xqs, tail)
     y = F.linear(x, dequantize_triton(w, x.dtype), bias)
     return y if out is None else out.copy_(y)
 

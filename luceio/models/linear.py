@@ -101,12 +101,14 @@ class Linear(nn.Module):
             self.parts = []
 
     # forward -----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, xqs: dict | None = None) -> torch.Tensor:
-        """`xqs`: x's int8 forms for the quantized GEMV, made by x's producer (`int8_input`)."""
+    def forward(self, x: torch.Tensor, xqs: dict | None = None, tail=None) -> torch.Tensor:
+        """`xqs`: x's int8 forms for the quantized GEMV, made by x's producer (`int8_input`).
+        `tail`: the op after this projection (`kernels.glu_tail`, `norm_tail`), done by one
+        quantized part's GEMV where it can (`tail.done`)."""
         if not self.parts:
             return kernels.linear(x, self.weight, self.bias)
         if len(self.parts) == 1:
-            return kernels.linear(x, self.parts[0], self.bias, xqs=xqs)
+            return kernels.linear(x, self.parts[0], self.bias, xqs=xqs, tail=tail)
         return kernels.linear_parts(x, self.parts, self.bias, xqs=xqs)
 
     def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:

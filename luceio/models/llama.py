@@ -111,11 +111,13 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta: AttnMetadata, cos_sin, probe=None,
                 xqs: dict | None = None, qkv: torch.Tensor | None = None,
-                q: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+                q: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                tail=None):
         """`qkv`: x's projection, made already (`kernels.rms_norm_linear`); `q`: made already
         with k and v in the cache (`kernels.rms_norm_qkv_rope_cache`). x is then None.
         `residual`: returns (output, residual) from `Linear.add_forward` (the residual add
-        done in the o projection where it can be)."""
+        done in the o projection where it can be). `tail`: the norm after the o projection
+        (`kernels.norm_tail`), done by its quantized GEMV where it can."""
         k_cache, v_cache = kv_cache
         if q is None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
@@ -137,7 +139,7 @@ class Attention(nn.Module):
                                     **({"tree_span": meta.tree_span} if meta.tree_span else {}))
         if residual is not None and not o_xqs:
             return self.o_proj.add_forward(o.reshape(n, self.q_size), residual)
-        o = self.o_proj(o.reshape(n, self.q_size), o_xqs)
+        o = self.o_proj(o.reshape(n, self.q_size), o_xqs, tail)
         return o if residual is None else (o, residual)
 
 
@@ -153,13 +155,24 @@ class MLP(nn.Module):
         return self.gate_up_proj.int8_input(rows, device)
 
     def forward(self, x, xqs: dict | None = None, gate_up: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None):
+                residual: torch.Tensor | None = None, tail=None):
         """`gate_up`: x's projection, already made (the norm fused into it); x is then None.
-        `residual`: returns (output, residual) from `Linear.add_forward`."""
-        gate_up = self.gate_up_proj(x, xqs) if gate_up is None else gate_up
-        down_xqs = self.down_proj.int8_input(gate_up.shape[0], gate_up.device)
+        `residual`: returns (output, residual) from `Linear.add_forward`. `tail`: the next
+        layer's input norm (`kernels.norm_tail`), done by the quantized down GEMV where it can.
+        On quantized weights the SiLU is done by the gate/up GEMV where it can
+        (`kernels.glu_tail`), else by a launch of its own that also quantizes for the down GEMV."""
+        down_xqs = None
+        if gate_up is None:
+            down_xqs = self.down_proj.int8_input(x.shape[0], x.device)
+            glu = kernels.glu_tail(x, self.down_proj.in_features, down_xqs)
+            gate_up = self.gate_up_proj(x, xqs, glu)
+            if glu is not None and glu.done:
+                y = self.down_proj(glu.out, down_xqs, tail)
+                return y if residual is None else (y, residual)
+        if down_xqs is None:
+            down_xqs = self.down_proj.int8_input(gate_up.shape[0], gate_up.device)
         if down_xqs:  # the activation also written in int8 for the down GEMV
-            y = self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs)
+            y = self.down_proj(kernels.silu_and_mul(gate_up, xqs=down_xqs), down_xqs, tail)
             return y if residual is None else (y, residual)
         if residual is not None:
             return self.down_proj.add_forward(gate_up, residual, glu=True)
@@ -174,7 +187,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None):
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin, probe=None,
+                next_layer: "DecoderLayer | None" = None):
         # at a few rows on quantized weights the norms also write their output in int8 for the
         # GEMV after them (Linear.int8_input; {} otherwise), sparing it a launch; on dense
         # weights each norm is done in the loads of the projection after it, and RoPE and
@@ -182,7 +196,11 @@ class DecoderLayer(nn.Module):
         # rms_norm_qkv_rope_cache: separate launches where the dense GEMV does not run), and
         # the residual add and the norm's sums of squares in the epilogue of the projection
         # before each norm (o, down), whose output is then a kernels.Summed (residual None)
-        rows = (x.h if isinstance(x, kernels.Summed) else x).shape[0]
+        # On quantized weights the o and down GEMVs also add the residual and do the norm after
+        # them where they can (kernels.norm_tail; the down GEMV for `next_layer`'s input norm):
+        # the layer then gets and hands on a kernels.Normed
+        rows = (x.h if isinstance(x, kernels.Summed) else
+                x.out if isinstance(x, kernels.Normed) else x).shape[0]
         attn, mlp = self.self_attn, self.mlp
         if not attn.qkv_proj.quantized and attn.q_norm is None:  # + RoPE, KV write
             q, residual = kernels.rms_norm_qkv_rope_cache(
@@ -198,29 +216,48 @@ class DecoderLayer(nn.Module):
             x, residual = attn(positions, None, kv_cache, meta, cos_sin, probe, qkv=qkv,
                                residual=residual)
         else:
-            if isinstance(x, kernels.Summed):  # the sum made already: a norm without residual
-                x, residual = x.h, None
-            device = x.device
-            xqs = attn.qkv_proj.int8_input(rows, device)
-            if residual is None:
-                residual = x
-                x = self.input_layernorm(x, xqs=xqs)
+            if isinstance(x, kernels.Normed):  # the previous layer's down GEMV did the norm
+                x, residual, xqs = x
             else:
-                x, residual = self.input_layernorm(x, residual, xqs=xqs)
-            x = attn(positions, x, kv_cache, meta, cos_sin, probe, xqs)
+                if isinstance(x, kernels.Summed):  # the sum made already: a norm, no residual
+                    x, residual = x.h, None
+                xqs = attn.qkv_proj.int8_input(rows, x.device)
+                if residual is None:
+                    residual = x
+                    x = self.input_layernorm(x, xqs=xqs)
+                else:
+                    x, residual = self.input_layernorm(x, residual, xqs=xqs)
+            post = self.post_attention_layernorm
+            mlp_xqs = mlp.int8_input(rows, x.device)
+            tail = kernels.norm_tail(residual, post.weight, post.eps, mlp_xqs)
+            x = attn(positions, x, kv_cache, meta, cos_sin, probe, xqs, tail=tail)
+            if tail is not None and tail.done:
+                x = kernels.Normed(tail.out, tail.res_out, mlp_xqs)
         if isinstance(mlp, MLP) and not mlp.gate_up_proj.quantized:
             gate_up, residual = kernels.rms_norm_linear(
                 x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                 residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
             return mlp(None, gate_up=gate_up, residual=residual)
-        if isinstance(x, kernels.Summed):
-            x, residual = x.h, None
-        xqs = mlp.int8_input(rows, x.device)
-        if residual is None:
-            residual, x = x, self.post_attention_layernorm(x, xqs=xqs)
+        if isinstance(x, kernels.Normed):
+            x, residual, xqs = x
         else:
-            x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
-        return mlp(x, xqs), residual
+            if isinstance(x, kernels.Summed):
+                x, residual = x.h, None
+            xqs = mlp.int8_input(rows, x.device)
+            if residual is None:
+                residual, x = x, self.post_attention_layernorm(x, xqs=xqs)
+            else:
+                x, residual = self.post_attention_layernorm(x, residual, xqs=xqs)
+        if not isinstance(mlp, MLP) or next_layer is None or \
+                not next_layer.self_attn.qkv_proj.quantized:
+            return mlp(x, xqs), residual
+        nxt = next_layer.input_layernorm
+        tail = kernels.norm_tail(residual, nxt.weight, nxt.eps,
+                                 next_layer.self_attn.qkv_proj.int8_input(rows, x.device))
+        y = mlp(x, xqs, tail=tail)
+        if tail is not None and tail.done:
+            return kernels.Normed(tail.out, tail.res_out, tail.xqs), None
+        return y, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -253,8 +290,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = hidden
         for i in range(start, end):
-            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, self.cos_sin,
-                                         probe)
+            layer = self.layers[i]
+            # a Llama layer may do the next one's input norm (DecoderLayer.forward)
+            nxt = self.layers[i + 1] if i + 1 < end and isinstance(layer, DecoderLayer) and \
+                isinstance(self.layers[i + 1], DecoderLayer) else None
+            x, residual = layer(positions, x, residual, kv_caches[i], meta, self.cos_sin, probe,
+                                **({"next_layer": nxt} if nxt is not None else {}))
         if isinstance(x, kernels.Summed):  # the last layer added the residual already
             if end < len(self.layers):  # a stage hands on (x, residual): (h, 0) adds exactly
                 return x.h, torch.zeros_like(x.h)
