@@ -61,7 +61,10 @@ class KernelConfig:
     gemv_prefetch: bool = True           # load the next tile's code words before computing this one
     gemv_early_load: bool = True         # ... the first tile's before the PDL wait (one row)
     gemv_tails: bool = True              # the SiLU after a gate/up GEMV and the residual add +
-    # RMSNorm after an o / down GEMV done by its last programs, no launch (quant_gemv_tail.py)
+    # RMSNorm after an o / down GEMV done by its last programs, no launch (quant_gemv_tail.py),
+    gemv_glu_tail_max_n: int = 1 << 30   # ... the SiLU up to this gate/up output width,
+    gemv_norm_tail_max_n: int = 1 << 30  # ... the norm up to this hidden size,
+    gemv_norm_tail_groups: int = 4       # ... by programs of this many 32-groups each
     # split K while the rows alone give fewer programs (one warp each) than this, into splits of
     # >= gemv_min_tiles_per_split tiles: a short, long-K matrix is too few warps for the loads
     gemv_split_min_programs: int = 256
