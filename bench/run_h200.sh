@@ -41,8 +41,9 @@
 #                   (bf16, then Q4_K_M), bench/step_profile.py, bench/draft_cost.py. Each
 #                   call's steps share one deadline (DEADLINE, 575 s)
 #   tails           the quantized GEMV tails (kernels/quant_gemv_tail.py): tests/test_gemv_tail.py
-#                   natively and the quantized GPU tests ($OUT/gpu_tests_tails.log), then
-#                   bench/step_profile.py with the tails off / on / the table's (an A/B)
+#                   natively, the quantized-engine and speculation GPU tests
+#                   ($OUT/gpu_tests_tails.log), then bench/step_profile.py with the tails as the
+#                   table has them, off and on again (an A/B; PROFILE_SETS, PROFILE_SHAPES)
 #   stages          (nvidia-h200-x2) the two-GPU stage tests ($OUT/gpu_stages_tests.log), then
 #                   bench/stages_bench.py --quick ($OUT/stages_bench.json, $OUT/stages_bench.log);
 #                   TYPES=bf16,int4 adds the 4-bit rows (about twice the time)
@@ -180,14 +181,14 @@ case $1 in
     timeout $(( $(left) - 5 )) python bench/draft_cost.py --repeats 10 --ks 4,6,8 --out "$OUT" 2>&1 \
       | grep -v -i warn | cut -c1-260 | tail -8 ;;
   tails)
-    timeout ${TEST_S:-240} bash -c "python -m pytest tests/test_gemv_tail.py -p no:cacheprovider -rs; \
-      python -m pytest -m gpu tests/gpu/test_quant_gpu.py tests/gpu/test_quant_engine_gpu.py \
+    timeout ${TEST_S:-330} bash -c "python -m pytest tests/test_gemv_tail.py -p no:cacheprovider -q; \
+      python -m pytest -m gpu tests/gpu/test_quant_engine_gpu.py tests/gpu/test_spec_gpu.py \
       -p no:cacheprovider -rs" > "$OUT/gpu_tests_tails.log" 2>&1
     echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests_tails.log" | tail -4
+    sets=(); for s in ${PROFILE_SETS:-gemv_tails=False gemv_tails=True}; do sets+=(--set "$s"); done
     timeout $(( $(left) - 5 )) python bench/step_profile.py --no-eager \
-      --shapes ${PROFILE_SHAPES:-qwen2.5-0.5b,qwen2.5-7b,qwen2.5-1.5b} --set gemv_tails=False \
-      --set gemv_tails=True --out "$OUT" --json-name step_profile_tails.json 2>&1 \
-      | grep -v -i warn | cut -c1-330 ;;
+      --shapes ${PROFILE_SHAPES:-qwen2.5-0.5b,qwen2.5-1.5b} "${sets[@]}" --out "$OUT" \
+      --json-name step_profile_tails.json 2>&1 | grep -v -i warn | cut -c1-330 ;;
   stages)  # pipeline stages on two GPUs: NCCL and host-staged vs one GPU, then the bench
     timeout ${TEST_S:-150} python -m pytest -m gpu tests/gpu/test_stages_gpu.py -p no:cacheprovider > "$OUT/gpu_stages_tests.log" 2>&1
     echo "stage gpu tests rc=$?"; tail -3 "$OUT/gpu_stages_tests.log"

@@ -29,7 +29,8 @@ if not INTERPRETED and not torch.cuda.is_available():
                 allow_module_level=True)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 BASE = dict(gemv_block_k=64, gemv_split_min_programs=0, gemv_min_tiles_per_split=1,
-            gemv_rows_per_launch=8, source="test")
+            gemv_rows_per_launch=8, gemv_glu_tail_max_n=1 << 20, gemv_norm_tail_max_n=1 << 20,
+            source="test")
 
 
 def _cfg(block_n: int, split: bool) -> KernelConfig:
@@ -84,34 +85,32 @@ def test_glu_tail_equals_silu_and_mul(request, qtype, block_n, split, rows):
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("groups", [1, 4])
-def test_norm_tail_equals_rms_norm(request, qtype, split, rows, groups):
-    """`groups`: 32-groups a finishing program normalises (on a GPU 1: 5 or 8 finishers, 4:
-    2; interpreted the last program does all)."""
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_norm_tail_equals_rms_norm(request, monkeypatch, qtype, split, rows, one_pass):
     g = _gen(request)
     k = 256
     n = 160 if not qtype.endswith("_k") else 256
+    if not one_pass:  # chunks of 64: 160 = 64 + 64 + 32, 256 = 4 x 64
+        monkeypatch.setattr(qt_tail, "_ONE_PASS_MAX", 32)
+        monkeypatch.setattr(qt_tail, "_CHUNK", 64)
     w = quant.random_quant_weight(qtype, n, k, generator=g).to(DEVICE)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
     residual = torch.randn(rows, n, generator=g).to(torch.bfloat16).to(DEVICE)
     norm_w = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
-    cfg = KernelConfig(**{**_cfg(16, split).__dict__, "gemv_norm_tail_groups": groups})
-    with configs.use_config(cfg):
+    with configs.use_config(_cfg(16, split)):
         plain = qt.quant_matmul_skinny(x, w)
+        tail = qt_tail.norm_tail(residual, norm_w, 1e-6, _xqs(rows, n))
+        out = qt.quant_matmul_skinny(x, w, tail=tail)
+        assert tail.done
+        assert torch.equal(out, plain)
         want, want_res = rms_norm(plain, norm_w, 1e-6, residual)
-        for _ in range(2):  # the second launch finds the counters zero
-            tail = qt_tail.norm_tail(residual, norm_w, 1e-6, _xqs(rows, n))
-            out = qt.quant_matmul_skinny(x, w, tail=tail)
-            assert tail.done
-            assert torch.equal(out, plain)
-            assert torch.equal(tail.res_out, want_res)  # the add rounds as rms_norm's does
-            # the sum of squares runs in another order: a bf16 step at most, rarely
-            diff = (tail.out.float() - want.float()).abs()
-            assert float(diff.max()) <= float(want.float().abs().max()) * 2 ** -7, \
-                float(diff.max())
-            assert float((diff > 0).float().mean()) < 0.02
-            _same_xqs(tail.xqs, tail.out, f"{qtype} norm")
-            assert _counters_zero()
+        assert torch.equal(tail.res_out, want_res)  # the add rounds as rms_norm's does
+        # the sum of squares may run in another order: a bf16 step at most, rarely
+        diff = (tail.out.float() - want.float()).abs()
+        assert float(diff.max()) <= float(want.float().abs().max()) * 2 ** -7, float(diff.max())
+        assert float((diff > 0).float().mean()) < 0.02
+        _same_xqs(tail.xqs, tail.out, f"{qtype} norm")
+        assert _counters_zero()
 
 
 def test_a_tail_that_does_not_fit_is_left_to_the_caller(request):
@@ -129,8 +128,15 @@ def test_a_tail_that_does_not_fit_is_left_to_the_caller(request):
         tail = qt_tail.GluTail(torch.empty(3, 64, device=DEVICE), _xqs(3, 64))
         qt.quant_matmul_skinny(x, w, tail=tail)
         assert not tail.done
-    with configs.use_config(KernelConfig(**{**BASE, "gemv_block_n": 16, "gemv_tails": False})):
-        tail = qt_tail.GluTail(torch.empty(3, 64, device=DEVICE), _xqs(3, 64))
+    for off in ({"gemv_tails": False}, {"gemv_glu_tail_max_n": 64}):  # 128 columns
+        with configs.use_config(KernelConfig(**{**BASE, "gemv_block_n": 16, **off})):
+            tail = qt_tail.GluTail(torch.empty(3, 64, device=DEVICE), _xqs(3, 64))
+            qt.quant_matmul_skinny(x, w, tail=tail)
+            assert not tail.done
+    with configs.use_config(KernelConfig(**{**BASE, "gemv_block_n": 16,
+                                            "gemv_norm_tail_max_n": 64})):
+        tail = qt_tail.norm_tail(torch.zeros(3, 128, device=DEVICE), torch.ones(128), 1e-6,
+                                 _xqs(3, 128))
         qt.quant_matmul_skinny(x, w, tail=tail)
         assert not tail.done
     assert qt_tail.norm_tail(torch.zeros(3, 96, device=DEVICE), torch.ones(96), 1e-6, {}) is None

@@ -152,3 +152,37 @@ def test_fused_gemv_inputs_change_nothing(tmp_path, monkeypatch, heads):
         for dt, dp in zip(tl_.logprobs, p.logprobs):
             assert dt.keys() == dp.keys()
             assert all(abs(dt[k].logprob - dp[k].logprob) < 2e-2 for k in dt), (dt, dp)
+
+
+def test_gemv_tails_in_verify_rows_equal_decode(tiny_llama, monkeypatch):
+    """On the Triton kernels (interpreted here), the quantized GEMVs' tails (`quant_gemv_tail`)
+    run in a decode step's one row and in a 5-row chain verify step alike, so greedy draft
+    speculation equals plain decoding token for token (int4 weights, bf16)."""
+    from dataclasses import replace
+
+    from luceio.kernels import configs, quant_gemv
+    from luceio.spec import decoding
+    monkeypatch.setenv("LUCEIO_KERNELS", "triton")
+    cfg = replace(configs.get_config(torch.device("cpu")), gemv_block_n=32)
+    monkeypatch.setattr(configs, "_override", cfg)
+    tails, launch = [], quant_gemv.tail_launch
+
+    def recorded(t, *a):
+        got = launch(t, *a)
+        if got is not None:
+            tails.append((type(t).__name__, a[2]))  # (kind, rows)
+        return got
+    monkeypatch.setattr(quant_gemv, "tail_launch", recorded)
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "chain")
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
+    kw = dict(quantization="int4", dtype="bfloat16", max_model_len=128)
+    prompt = [{"prompt_token_ids": PROMPT[:12]}]
+    plain = LLM(tiny_llama, **engine_kwargs(**kw)).generate(prompt, greedy)[0].outputs[0]
+    spec_llm = LLM(tiny_llama, **engine_kwargs(speculative_method="draft",
+                                               draft_model=tiny_llama, num_speculative_tokens=4,
+                                               **kw))
+    spec = spec_llm.generate(prompt, greedy)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > 0
+    kinds = {kind for kind, rows in tails if rows > 1}  # verify steps took both tails
+    assert kinds == {"GluTail", "NormTail"}, set(tails)

@@ -48,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_tile_triton import _interpreting
 from .configs import skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant_gemv_tiles import (_block_acc, _block_dots, _row_tile, _shared_tile, _spread1,
@@ -86,9 +85,9 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
                PAIRED: tl.constexpr, PDL: tl.constexpr = False,
                PDL_EARLY: tl.constexpr = False, EARLY_LOAD: tl.constexpr = False,
                BLOCK_M2: tl.constexpr = 0, M0=0, t_a=0, t_b=0, t_c=0, t_d=0, s_a=0, t_cnt=0,
-               t_arrivals=0, t_eps=0.0, t_kg=0, t_w=0, t_ss=0, txq0=0, txs0=0, txsum0=0,
-               txq1=0, txs1=0, txsum1=0, TAIL: tl.constexpr = 0, TAIL_GROUPS: tl.constexpr = 1,
-               TAIL_PB: tl.constexpr = 2, TAIL_XQ_PLANES: tl.constexpr = False,
+               t_arrivals=0, t_eps=0.0, t_kg=0, txq0=0, txs0=0, txsum0=0, txq1=0, txs1=0,
+               txsum1=0, TAIL: tl.constexpr = 0, TAIL_CHUNK: tl.constexpr = 32,
+               TAIL_ONE: tl.constexpr = True, TAIL_XQ_PLANES: tl.constexpr = False,
                TAIL_XQ_GROUPS: tl.constexpr = False):
     """Program (pid_n, split) of `nsplit` K-splits: output rows pid_n * BLOCK_N ... . `PDL`:
     waits for the kernel before (`pdl_enter`) itself, after loading its first code words
@@ -224,17 +223,16 @@ def gemv_body(pid_n, split, nsplit, xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             if TAIL > 0:
                 gemv_tail(out_ptr, s_om, M, N, pid_n, t_a, t_b, t_c, t_d, s_a, t_cnt,
-                          t_arrivals, t_eps, t_kg, t_w, t_ss, txq0, txs0, txsum0, txq1, txs1,
-                          txsum1, BLOCK_N, TAIL, TAIL_GROUPS, TAIL_PB, TAIL_XQ_PLANES,
-                          TAIL_XQ_GROUPS)
+                          t_arrivals, t_eps, t_kg, txq0, txs0, txsum0, txq1, txs1, txsum1,
+                          BLOCK_N, TAIL, TAIL_CHUNK, TAIL_ONE, TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
     else:
         _store_rows(y, mi, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
         if TWO:
             _store_rows(y2, mi2, M, N, cols, nmask, bias_ptr, out_ptr, s_om, HAS_BIAS)
         if TAIL > 0:
             gemv_tail(out_ptr, s_om, M, N, pid_n, t_a, t_b, t_c, t_d, s_a, t_cnt, t_arrivals,
-                      t_eps, t_kg, t_w, t_ss, txq0, txs0, txsum0, txq1, txs1, txsum1, BLOCK_N,
-                      TAIL, TAIL_GROUPS, TAIL_PB, TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
+                      t_eps, t_kg, txq0, txs0, txsum0, txq1, txs1, txsum1, BLOCK_N, TAIL,
+                      TAIL_CHUNK, TAIL_ONE, TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
 
 
 @triton.jit
@@ -247,17 +245,17 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr,
                  EARLY_LOAD: tl.constexpr = False,
                  PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
                  BLOCK_M2: tl.constexpr = 0, t_a=0, t_b=0, t_c=0, t_d=0, s_a=0, t_cnt=0,
-                 t_arrivals=0, t_eps=0.0, t_kg=0, t_w=0, t_ss=0, txq0=0, txs0=0, txsum0=0,
-                 txq1=0, txs1=0, txsum1=0, TAIL: tl.constexpr = 0,
-                 TAIL_GROUPS: tl.constexpr = 1, TAIL_PB: tl.constexpr = 2,
-                 TAIL_XQ_PLANES: tl.constexpr = False, TAIL_XQ_GROUPS: tl.constexpr = False):
+                 t_arrivals=0, t_eps=0.0, t_kg=0, txq0=0, txs0=0, txsum0=0, txq1=0, txs1=0,
+                 txsum1=0, TAIL: tl.constexpr = 0, TAIL_CHUNK: tl.constexpr = 32,
+                 TAIL_ONE: tl.constexpr = True, TAIL_XQ_PLANES: tl.constexpr = False,
+                 TAIL_XQ_GROUPS: tl.constexpr = False):
     gemv_body(tl.program_id(0), tl.program_id(1), tl.num_programs(1), xq_ptr, xs_ptr,
                xsum_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                part_ptr, cnt_ptr, M, N, KG, groups_per_split, s_om, s_qs, s_qh, s_d, s_sc,
                QTYPE, BLOCK_M, BLOCK_N, G, PREFETCH, ASM, SPLIT, HAS_BIAS, PAIRED, PDL,
                PDL_EARLY, EARLY_LOAD, BLOCK_M2, 0, t_a, t_b, t_c, t_d, s_a, t_cnt, t_arrivals,
-               t_eps, t_kg, t_w, t_ss, txq0, txs0, txsum0, txq1, txs1, txsum1, TAIL,
-               TAIL_GROUPS, TAIL_PB, TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
+               t_eps, t_kg, txq0, txs0, txsum0, txq1, txs1, txsum1, TAIL, TAIL_CHUNK, TAIL_ONE,
+               TAIL_XQ_PLANES, TAIL_XQ_GROUPS)
 
 
 _COUNTERS: dict = {}
@@ -354,14 +352,13 @@ def gemv(x2, weights: tuple, strides: tuple, qtype: str, n: int, k: int, bias, o
     weights, strides, pair, split, gps, programs, block_n = prepare_launch(
         weights, strides, qtype, n, k, num_m, cfg)
     step = max(1, cfg.gemv_rows_per_launch)
-    fused = tail_launch(tail, out2, n, num_m, block_n, programs, cfg, _interpreting()) \
+    fused = tail_launch(tail, out2, n, num_m, block_n, programs, cfg) \
         if num_m <= step and cfg.gemv_tails else None
     tail_kw = {}
     if fused is not None:
         targs, tconsts = fused
         tail_kw = dict(zip(("t_a", "t_b", "t_c", "t_d", "s_a", "t_cnt", "t_arrivals", "t_eps",
-                            "t_kg", "t_w", "t_ss", "txq0", "txs0", "txsum0", "txq1", "txs1",
-                            "txsum1"), targs))
+                            "t_kg", "txq0", "txs0", "txsum0", "txq1", "txs1", "txsum1"), targs))
         tail_kw.update(tconsts)
         tail.done = True
     for r0 in range(0, num_m, step):

@@ -64,3 +64,31 @@ def test_programmatic_dependent_launch_changes_no_output(tiny_llama, dtype):
                                   for o in outs]
     assert results[True, False] == results[False, False]
     assert results[True, True] == results[False, True]
+
+
+def test_speculation_with_gemv_tails_equals_plain(tiny_llama, monkeypatch):
+    """The quantized GEMVs' tails (`quant_gemv_tail`: the SiLU after gate/up, the residual add
+    and norm after o and down) run in a decode step's one row and a verify step's few rows
+    alike, so greedy chain speculation (one request at a time: 5-row verify steps, inside the
+    GEMV's rows) equals plain decoding token for token, CUDA graphs on."""
+    from luceio.kernels import quant_gemv
+    from luceio.spec import decoding
+    tails, launch = [], quant_gemv.tail_launch
+
+    def recorded(t, *a):
+        got = launch(t, *a)
+        if got is not None:
+            tails.append(type(t).__name__)
+        return got
+    monkeypatch.setattr(quant_gemv, "tail_launch", recorded)
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "chain")
+    kw = dict(device="cuda", quantization="int4", dtype="bfloat16")
+    plain_llm = LLM(tiny_llama, **engine_kwargs(**kw))
+    spec_llm = LLM(tiny_llama, **engine_kwargs(speculative_method="draft", draft_model=tiny_llama,
+                                               num_speculative_tokens=4, **kw))
+    for p in prompts(3):
+        plain = plain_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        spec = spec_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert spec == plain
+    assert {"GluTail", "NormTail"} <= set(tails), set(tails)
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > 0  # verify steps of several rows
