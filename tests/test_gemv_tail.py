@@ -59,9 +59,10 @@ def _counters_zero() -> bool:
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q8_0"])
-@pytest.mark.parametrize("block_n,split", [(16, False), (4, True), (32, False)])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("block_n,split,rows", [(16, False, 1), (4, True, 3), (32, False, 3)])
 def test_glu_tail_equals_silu_and_mul(request, qtype, block_n, split, rows):
+    """block_n 16: 4 programs a 32-column group (2 gate, 2 up), 4 with split-K (the last
+    split of each counts), 32: 2."""
     g = _gen(request)
     k, half = 256, 64
     w = quant.random_quant_weight(qtype, 2 * half, k, generator=g).to(DEVICE)
@@ -82,10 +83,9 @@ def test_glu_tail_equals_silu_and_mul(request, qtype, block_n, split, rows):
         assert torch.equal(again.out, want)
 
 
-@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0"])
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("qtype,split,rows,one_pass", [
+    ("q4_k", False, 1, True), ("q6_k", True, 2, False), ("q5_0", True, 1, True),
+    ("q5_0", False, 2, False)])
 def test_norm_tail_equals_rms_norm(request, monkeypatch, qtype, split, rows, one_pass):
     g = _gen(request)
     k = 256
