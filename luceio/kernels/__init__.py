@@ -122,8 +122,13 @@ def silu_and_mul_linear(gate_up: torch.Tensor, w, bias: torch.Tensor | None = No
 
 def glu_tail(x: torch.Tensor, half: int, xqs: dict):
     """A `quant_gemv_tail.GluTail` for the gate/up GEMV of x's rows (act [rows, half] in x's
-    dtype, into the down GEMV's int8 forms `xqs`), or None without them."""
+    dtype, into the down GEMV's int8 forms `xqs`), or None without them or where the config
+    table keeps the tail off at this size."""
     if not xqs:
+        return None
+    from .configs import get_config
+    cfg = get_config(x.device)
+    if not cfg.gemv_tails or 2 * half > cfg.gemv_glu_tail_max_n:
         return None
     from .quant_gemv_tail import GluTail
     return GluTail(torch.empty((x.numel() // x.shape[-1], half), dtype=x.dtype,
@@ -135,6 +140,10 @@ def norm_tail(residual: torch.Tensor, weight: torch.Tensor, eps: float, xqs: dic
     the next GEMV's int8 forms `xqs`), or None where it cannot run."""
     if not xqs:
         return None
+    from .configs import get_config
+    cfg = get_config(residual.device)
+    if not cfg.gemv_tails or residual.shape[-1] > cfg.gemv_norm_tail_max_n:
+        return None  # the GEMV would not take it (quant_gemv_tail.tail_launch)
     from .quant_gemv_tail import norm_tail as make
     return make(residual, weight, eps, xqs)
 

@@ -135,11 +135,6 @@ def tail_launch(tail, out2: torch.Tensor, n: int, rows: int, block_n: int, progr
     return args, consts
 
 
-def no_tail(dummy: torch.Tensor) -> tuple:
-    """`gemv_tail`'s runtime args where a launch has no tail."""
-    return (dummy,) * 4 + (0, dummy, 0, 0.0, 0) + (dummy,) * 6
-
-
 @triton.jit
 def gemv_tail(out_ptr, s_om, M, N, pid_n, t_a, t_b, t_c, t_d, s_a, t_cnt, t_arrivals, t_eps,
               t_kg, xq0, xs0, xsum0, xq1, xs1, xsum1, BLOCK_N: tl.constexpr,
