@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import threading
 import types
 
 import pytest
@@ -123,12 +124,27 @@ async def test_stale_consumer_leaves_reused_id_alone(tiny_llama, stale):
 
 
 async def test_reusing_a_running_id_is_refused(tiny_llama):
+    """The engine's second step waits until the second request is queued, so "x" is still
+    running when the engine takes it, however fast the machine generates (before, a fast
+    machine finished all 12 tokens of the first before the second arrived)."""
     engine = _async_engine(tiny_llama)
+    gate, steps, step = threading.Event(), [0], engine.engine.step
+
+    def gated_step():
+        steps[0] += 1
+        if steps[0] == 2:
+            gate.wait(60)
+        return step()
+    engine.engine.step = gated_step
     first = engine.generate({"prompt_token_ids": [5, 6, 7]},
                             SamplingParams(max_tokens=12, **GREEDY), "x")
     await first.__anext__()
+    second = asyncio.ensure_future(
+        engine.generate({"prompt_token_ids": [8]}, SamplingParams(**GREEDY), "x").__anext__())
+    await _until(lambda: engine._inbox, "the second request queued")
+    gate.set()
     with pytest.raises(ValueError, match="'x' is already in use"):
-        await engine.generate({"prompt_token_ids": [8]}, SamplingParams(**GREEDY), "x").__anext__()
+        await second
     outs = [o async for o in first]
     assert outs[-1].outputs[0].finish_reason == "length"
     assert len(outs[-1].outputs[0].token_ids) == 12
