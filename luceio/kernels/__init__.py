@@ -135,15 +135,19 @@ def glu_tail(x: torch.Tensor, half: int, xqs: dict):
                                device=x.device), xqs)
 
 
-def norm_tail(residual: torch.Tensor, weight: torch.Tensor, eps: float, xqs: dict):
+def norm_tail(residual: torch.Tensor, weight: torch.Tensor, eps: float, xqs):
     """A `quant_gemv_tail.NormTail` (the residual add and RMSNorm after a projection, into
-    the next GEMV's int8 forms `xqs`), or None where it cannot run."""
-    if not xqs:
+    the next GEMV's int8 forms `xqs`), or None where it cannot run. `xqs`: the buffers, or a
+    function making them, called only where the config table lets the tail run."""
+    if not xqs or not use_triton(residual):
         return None
     from .configs import get_config
     cfg = get_config(residual.device)
     if not cfg.gemv_tails or residual.shape[-1] > cfg.gemv_norm_tail_max_n:
         return None  # the GEMV would not take it (quant_gemv_tail.tail_launch)
+    xqs = xqs() if callable(xqs) else xqs
+    if not xqs:
+        return None
     from .quant_gemv_tail import norm_tail as make
     return make(residual, weight, eps, xqs)
 

@@ -202,6 +202,7 @@ class DecoderLayer(nn.Module):
         rows = (x.h if isinstance(x, kernels.Summed) else
                 x.out if isinstance(x, kernels.Normed) else x).shape[0]
         attn, mlp = self.self_attn, self.mlp
+        mlp_xqs = None  # the MLP's int8 input buffers, once asked for
         if not attn.qkv_proj.quantized and attn.q_norm is None:  # + RoPE, KV write
             q, residual = kernels.rms_norm_qkv_rope_cache(
                 x, self.input_layernorm.weight, self.input_layernorm.eps, residual,
@@ -243,7 +244,7 @@ class DecoderLayer(nn.Module):
         else:
             if isinstance(x, kernels.Summed):
                 x, residual = x.h, None
-            xqs = mlp.int8_input(rows, x.device)
+            xqs = mlp.int8_input(rows, x.device) if mlp_xqs is None else mlp_xqs
             if residual is None:
                 residual, x = x, self.post_attention_layernorm(x, xqs=xqs)
             else:
@@ -253,7 +254,7 @@ class DecoderLayer(nn.Module):
             return mlp(x, xqs), residual
         nxt = next_layer.input_layernorm
         tail = kernels.norm_tail(residual, nxt.weight, nxt.eps,
-                                 next_layer.self_attn.qkv_proj.int8_input(rows, x.device))
+                                 lambda: next_layer.self_attn.qkv_proj.int8_input(rows, x.device))
         y = mlp(x, xqs, tail=tail)
         if tail is not None and tail.done:
             return kernels.Normed(tail.out, tail.res_out, tail.xqs), None
