@@ -1,14 +1,17 @@
-"""CPU decode at long contexts: the split attention (`decode_cpu.decode_attention_split`, each
-request's keys in ranges on numba's threads, softmaxes merged) against one thread's
-`decode_attention`, in one run.
+"""CPU decode at long contexts: the decode path's attention (`rows_attention_cpu`: a request's
+rows, query heads as vector lanes, each key read once) against the kernel before it
+(`decode_cpu`: a row at a time, the split attention `decode_attention_split` on numba's threads
+from `_MIN_KEYS` keys, or one thread's `decode_attention`), in one run.
 
 1. Kernel: one layer's attention at the Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64,
-   fp32 cache), batch 1, contexts `--contexts`; median of `--repeats` calls.
+   fp32 cache), batch 1, contexts `--kernel-contexts`; median of `--repeats` calls.
 2. Engine: real Qwen2.5-Coder-0.5B (Q4_K_M GGUF, `--cpu-threads`), one request, decode tok/s
-   after prompts of the same lengths (`--new` tokens, greedy), with the split path on and off
-   (off: `_MIN_KEYS` raised past the context); the greedy tokens of both must agree.
+   after prompts of `--contexts` tokens (`--new` tokens, greedy), with each kernel (before:
+   the decoder's step plan dropped, so every layer takes `decode_cpu`); with `--ngram` also
+   with n-gram speculation (the prompt is a source file repeated, so drafts hit, as in an
+   edit). The greedy tokens of all runs of a context must agree.
 
-    python bench/cpu_long_decode.py [--contexts 512,4096,8192] [--threads 2] [--new 32]
+    python bench/cpu_long_decode.py [--contexts 512,4096,8192] [--threads 2] [--new 32] [--ngram]
 Writes bench/results/cpu/cpu_long_decode.json.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_median_ms, env_info, write_json  # noqa: E402
 
-from luceio.kernels import decode_cpu  # noqa: E402
+from luceio.kernels import decode_cpu, rows_attention_cpu  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "cpu_long_decode.json")
 
@@ -52,40 +55,47 @@ def kernel_rows(contexts, threads: int, repeats: int) -> list[dict]:
         splits = max(decode_cpu.attention_splits(lens, 0), 2)
         one = cpu_median_ms(lambda: decode_cpu.decode_attention(*args), repeats)
         split = cpu_median_ms(lambda: decode_cpu.decode_attention_split(*args, splits), repeats)
-        row = {"context": ctx, "threads": threads, "splits": splits,
-               "one_thread_ms": round(one, 3), "split_ms": round(split, 3),
-               "speedup": round(one / split, 2)}
+        plan = rows_attention_cpu.RowsAttention(np.array([0, 1]), lens, np.array([-1]), tables,
+                                                heads, kv_heads, dim)
+        rows_ms = cpu_median_ms(lambda: plan(qkv, cos_sin, pos[0], kv, pos[1], none, none,
+                                             1e-6, out, dim ** -0.5), repeats)
+        row = {"context": ctx, "threads": threads, "rows_kernel_ms": round(rows_ms, 3),
+               "splits": splits, "one_thread_ms": round(one, 3), "split_ms": round(split, 3),
+               "rows_vs_split": round(split / rows_ms, 2)}
         print(row, flush=True)
         rows.append(row)
     return rows
 
 
-def engine_rows(contexts, threads: int, new: int) -> list[dict]:
+def engine_rows(contexts, threads: int, new: int, ngram: bool) -> list[dict]:
     from luceio import LLM, SamplingParams
-    llm = LLM("qwen2.5-coder-0.5b", device="cpu", max_model_len=max(contexts) + new + 8,
-              cpu_threads=threads)
+    from luceio.models.cpu_decode import CpuDecoder
+    kw = dict(device="cpu", max_model_len=max(contexts) + new + 8, cpu_threads=threads)
+    llms = {"plain": LLM("qwen2.5-coder-0.5b", **kw)}
+    if ngram:
+        llms["ngram"] = LLM("qwen2.5-coder-0.5b", speculative_method="ngram", **kw)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     text = open(os.path.join(os.path.dirname(__file__), "..", "luceio", "engine.py")).read()
-    ids = llm.get_tokenizer().encode(text * 8)
+    ids = llms["plain"].get_tokenizer().encode(text * 8)
+    batch = CpuDecoder._batch
     rows = []
-    default = decode_cpu._MIN_KEYS
     for ctx in contexts:
         prompt = ids[:ctx]
-        got = {}
-        for mode in ("split", "one thread"):
-            decode_cpu._MIN_KEYS = default if mode == "split" else 1 << 30
-            llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1),
-                         use_tqdm=False)  # the prompt cached: the timed run decodes
-            t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-            wall = time.perf_counter() - t
-            got[mode] = (out.outputs[0].token_ids, new / wall)
-        decode_cpu._MIN_KEYS = default
-        row = {"context": ctx, "threads": threads,
-               "split_tok_s": round(got["split"][1], 2),
-               "one_thread_tok_s": round(got["one thread"][1], 2),
-               "speedup": round(got["split"][1] / got["one thread"][1], 2),
-               "same_tokens": got["split"][0] == got["one thread"][0]}
+        row = {"context": ctx, "threads": threads}
+        tokens = []
+        for name, llm in llms.items():
+            for kernel in ("rows", "before"):
+                CpuDecoder._batch = batch if kernel == "rows" else \
+                    (lambda self, p, m: batch(self, p, m)[:4] + (None,))
+                llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1),
+                             use_tqdm=False)  # the prompt cached: the timed run decodes
+                t = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+                row[f"{name}_{kernel}_tok_s"] = round(new / (time.perf_counter() - t), 2)
+                tokens.append(out.outputs[0].token_ids)
+            CpuDecoder._batch = batch
+            row[f"{name}_speedup"] = round(row[f"{name}_rows_tok_s"] / row[f"{name}_before_tok_s"], 2)
+        row["same_tokens"] = all(t == tokens[0] for t in tokens)
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -99,13 +109,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--ngram", action="store_true", help="also with n-gram speculation")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"env": env_info(), "kernel": kernel_rows(
         [int(c) for c in a.kernel_contexts.split(",")], a.threads, a.repeats)}
     if not a.skip_engine:
-        res["engine"] = engine_rows([int(c) for c in a.contexts.split(",")], a.threads, a.new)
+        res["engine"] = engine_rows([int(c) for c in a.contexts.split(",")], a.threads, a.new,
+                                    a.ngram)
     write_json(a.out, res)
 
 

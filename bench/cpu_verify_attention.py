@@ -3,9 +3,10 @@ CPU decode path's attention as k + 1 one-token requests (`models/cpu_decode.CpuD
 over the same context, so the step reads the context k + 1 times. This prints one step's
 attention (every layer, each layer's KV cache its own, so the cache comes from memory as in
 the engine) for 1 row (a decode step) and for chains of 4 and 8 drafts (5 and 9 rows), at the
-Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers, fp32 cache), with
-`decode_cpu.decode_attention_split` (or the one-thread kernel where the split is not taken),
-medians of `--repeats` steps.
+Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers, fp32 cache), with the
+decode path's kernel (`rows_attention_cpu`: a request's rows read each key once) and, in the
+same run, the one before it (`decode_cpu.decode_attention_split`, or its one-thread kernel
+where the split is not taken, a row at a time), medians of `--repeats` steps.
 
     python bench/cpu_verify_attention.py [--contexts 512,2048,8192] [--threads 2]
 Writes bench/results/cpu/cpu_verify_attention.json.
@@ -22,15 +23,16 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_median_ms, env_info, write_json  # noqa: E402
 
-from luceio.kernels import decode_cpu  # noqa: E402
+from luceio.kernels import decode_cpu, rows_attention_cpu  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "cpu_verify_attention.json")
 HEADS, KV_HEADS, DIM, LAYERS, BLOCK = 14, 2, 64, 24, 16
 
 
-def step_ms(ctx: int, rows: int, repeats: int) -> tuple[float, int]:
+def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows") -> tuple[float, int]:
     """(median ms of one step's attention over every layer, splits) for `rows` verify rows of
-    one request whose last row sees `ctx` keys."""
+    one request whose last row sees `ctx` keys; `kernel` "rows": `rows_attention_cpu` (the
+    decode path's), "per-row": each row as a one-token request (`decode_cpu`, before)."""
     from luceio.kernels.rotary import build_cos_sin_cache
     rng = np.random.default_rng(0)
     blocks = ctx // BLOCK + 1
@@ -44,6 +46,14 @@ def step_ms(ctx: int, rows: int, repeats: int) -> tuple[float, int]:
     none = np.zeros(0, np.float32)
     out = np.empty((rows, HEADS * DIM), np.float32)
     splits = decode_cpu.attention_splits(lens, 0)
+    if kernel == "rows":
+        plan = rows_attention_cpu.RowsAttention(np.array([0, rows]), lens, np.full(rows, -1),
+                                                tables, HEADS, KV_HEADS, DIM)
+
+        def step():
+            for kv in caches:
+                plan(qkv, cos_sin, pos, kv, pos, none, none, 1e-6, out, DIM ** -0.5)
+        return cpu_median_ms(step, repeats), plan.work_items
 
     def step():
         for kv in caches:
@@ -71,10 +81,14 @@ def main() -> None:
     for ctx in [int(c) for c in a.contexts.split(",")]:
         base = None
         for rows in [int(r) for r in a.rows.split(",")]:
-            ms, splits = step_ms(ctx, rows, a.repeats)
+            # the two kernels one after the other on the same shape
+            before, splits = step_ms(ctx, rows, a.repeats, "per-row")
+            ms, items = step_ms(ctx, rows, a.repeats, "rows")
             base = base or ms
-            row = {"context": ctx, "rows": rows, "threads": a.threads, "splits": splits,
-                   "attention_ms": round(ms, 3), "vs_one_row": round(ms / base, 2)}
+            row = {"context": ctx, "rows": rows, "threads": a.threads, "attention_ms": round(ms, 3),
+                   "vs_one_row": round(ms / base, 2), "work_items": items,
+                   "per_row_kernel_ms": round(before, 3), "per_row_splits": splits,
+                   "speedup": round(before / ms, 2)}
             print(row, flush=True)
             rows_out.append(row)
     write_json(a.out, {"env": env_info(), "shape": {"heads": HEADS, "kv_heads": KV_HEADS,

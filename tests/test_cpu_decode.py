@@ -216,23 +216,35 @@ def test_decoder_equals_module_forward(tiny_models, arch):
 
 
 def test_decoder_splits_long_attention_over_threads(tmp_path, monkeypatch):
-    """With two threads, a request of `_MIN_KEYS` keys or more takes the split attention (a
-    short one beside it too: the splits are per batch) and the step still equals the module
+    """A step's requests go to `rows_attention_cpu` (each key read once for a request's rows,
+    work items of (request, KV head, lanes) on the threads) unless every request decodes one
+    token, the longest over `_MIN_KEYS` keys or more, and the items would leave threads idle:
+    then the split attention cuts the keys into ranges. Either way the step equals the module
     forward."""
     from conftest import make_tiny_model
+    from luceio.kernels import rows_attention_cpu
+    from luceio.models import cpu_decode
     path = make_tiny_model(str(tmp_path / "long"), "qwen3", seed=5, context=4096)
     runner = LLM(path, **engine_kwargs(cpu_threads=2, max_model_len=4096,
                                        num_kv_blocks=300)).engine.runner
-    calls = []
-    real = decode_cpu.decode_attention_split
+    calls, rows = [], []
+    real, real_rows = decode_cpu.decode_attention_split, rows_attention_cpu.RowsAttention.__call__
     monkeypatch.setattr(decode_cpu, "decode_attention_split",
                         lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(rows_attention_cpu.RowsAttention, "__call__",
+                        lambda self, *a: rows.append(self.work_items) or real_rows(self, *a))
+    layers = runner.cfg.num_layers
+    hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])  # 2 x 2 KV heads
+    assert hidden_err < 1e-5 and kv_err < 1e-6
+    assert not calls and rows == [4] * layers
+    rows.clear()
+    monkeypatch.setattr(cpu_decode.numba, "get_num_threads", lambda: 8)  # items < threads
     hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])
     assert hidden_err < 1e-5 and kv_err < 1e-6
-    assert calls and calls[0] >= 1 and len(calls) == runner.cfg.num_layers
+    assert not rows and len(calls) == layers and calls[0] >= 1
     calls.clear()
-    _decoder_vs_module_forward(runner, [decode_cpu._MIN_KEYS - 56, 37])  # short: one thread's
-    assert not calls
+    _decoder_vs_module_forward(runner, [decode_cpu._MIN_KEYS - 56, 37])  # short: no split
+    assert not calls and rows == [4] * layers
 
 
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_odd_untied"])

@@ -1,6 +1,6 @@
 """The CPU decode path on verify steps (luceio/models/cpu_decode.py, `VERIFY_ROWS`): a
 request's rows of a chain attend causally, each as a one-token request ending at its own cache
-index; rows of a draft tree attend to their ancestors (kernels/tree_cpu.py). The step equals
+index; rows of a draft tree attend to their ancestors (kernels/rows_attention_cpu.py). The step equals
 the module forward (hidden states and KV cache), and the engine sends chain and tree verifies
 down this path, not prompt chunks (nor trees in pipeline stages or on Gemma's step)."""
 from __future__ import annotations

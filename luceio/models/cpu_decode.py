@@ -8,7 +8,8 @@ from the batch): of its 21.5 ms step, 8.8 ms were matmuls and the rest rms_norm 
 KV write 0.9, attention 4.0, SiLU 0.5 and module glue 2.6. Here a layer is four matmuls and
 four kernel calls (kernels/decode_cpu.py):
 
-  add_rms_norm -> qkv_proj -> decode_attention (q/k norm, rotary, KV write, attention)
+  add_rms_norm -> qkv_proj -> attention (q/k norm, rotary, KV write, attention:
+  kernels/rows_attention_cpu.py, Gemma's sliding windows decode_cpu.decode_attention)
   -> o_proj -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj
 
 and the step took ~10.5 ms: matmuls 4.8 + LM head 2.2, attention 1.1, norms and SiLU 0.4,
@@ -56,7 +57,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import decode_cpu, half_cpu, qdot_cpu, tree_cpu
+from ..kernels import decode_cpu, half_cpu, qdot_cpu, rows_attention_cpu
+from ..kernels.decode_cpu import numba
 from ..kernels.half_cpu import CpuHalf
 from ..kernels.qdot_cpu import CpuQuant
 from ..kernels.quant_cpu import dense_min_rows, in_prefill
@@ -69,9 +71,9 @@ _EMPTY = np.zeros(0, np.float32)
 VERIFY_ROWS = 64
 """The most query tokens a request may have in a step this path takes: a verify's drafts (a
 chain, or a tree's nodes) and the token before them. Each row attends as a one-token request
-whose keys end at its own cache index (a tree row: its ancestors among the step's rows,
-`kernels/tree_cpu.py`); the attention kernel writes a row's K and V before a later row reads
-them."""
+whose keys end at its own cache index (a tree row: its ancestors among the step's rows); the
+attention kernel (`kernels/rows_attention_cpu.py`) writes every row's K and V before it reads
+any, and reads each key once for all of a request's rows."""
 
 
 class CpuDecoder:
@@ -115,7 +117,7 @@ class CpuDecoder:
 
     @property
     def trees(self) -> bool:
-        """Whether this decoder takes verify steps of draft trees (`kernels/tree_cpu.py`): not
+        """Whether this decoder takes verify steps of draft trees (`rows_attention_cpu`): not
         Gemma's step (sliding windows) nor a module forward."""
         return not self.gemma and not self.module_forward
 
@@ -177,38 +179,48 @@ class CpuDecoder:
         out = torch.empty_like(residual)
         return self._norm(x, residual, True, self.final_norm, (out, out.numpy()))[0]
 
-    @staticmethod
-    def _batch(positions: torch.Tensor, meta: AttnMetadata) -> tuple[np.ndarray, ...]:
-        """(positions, slots, block tables, seq lens) as the attention kernel reads them, one
-        entry a query row, then for a tree step (firsts, words) as `tree_cpu.tree_attention`
-        reads them. A request's rows of a verify step become one-token requests, row i of q
-        attending to the cache up to its own index (seq_len - q + i + 1, causal)."""
+    def _batch(self, positions: torch.Tensor, meta: AttnMetadata) -> tuple:
+        """(positions, slots, block tables, seq lens) as `decode_cpu`'s kernels read them, one
+        entry a query row, then the step's `RowsAttention` plan, or None where every request
+        decodes one token over a long context and its work items would leave threads idle
+        (`decode_cpu.decode_attention_split` then cuts the keys into ranges). A request's rows
+        of a verify step attend as one-token requests would, row i of q up to its own cache
+        index (seq_len - q + i + 1, causal), a tree's rows to their ancestors."""
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
-        tree = ()
-        if len(positions) != len(seq_lens):  # a verify step's rows (query starts from 0)
-            q_lens = np.diff(meta.query_start_loc.numpy())
-            seq = np.repeat(np.arange(len(q_lens)), q_lens)
-            row = np.arange(len(seq)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        num_seqs = len(seq_lens)
+        row_starts = np.arange(num_seqs + 1)
+        words = None
+        if len(positions) != num_seqs:  # a verify step's rows (query starts from 0)
+            row_starts = meta.query_start_loc.numpy()
+            q_lens = np.diff(row_starts)
+            seq = np.repeat(np.arange(num_seqs), q_lens)
+            row = np.arange(len(seq)) - np.repeat(row_starts[:-1], q_lens)
             tables = tables[seq]
-            firsts = (seq_lens[seq] - q_lens[seq]).astype(np.int64)
-            seq_lens = (firsts + row + 1).astype(np.int32)
+            seq_lens = (seq_lens[seq] - q_lens[seq] + row + 1).astype(np.int32)
             if meta.tree_mask is not None:
                 if meta.tree_span:
                     raise ValueError("the CPU decode path takes no tree span")
-                tree = (firsts, meta.tree_mask.numpy())
-        return (positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens) + tree
+                words = meta.tree_mask.numpy()
+        kv = next(c for c in self.kv if c is not None)
+        plan = rows_attention_cpu.RowsAttention(
+            row_starts, seq_lens, np.full(len(seq_lens), -1) if words is None else words,
+            tables, self.num_heads, kv.shape[3], kv.shape[4])
+        if words is None and len(seq_lens) == num_seqs and \
+                plan.work_items < numba.get_num_threads() and \
+                decode_cpu.attention_splits(seq_lens, 0):
+            plan = None
+        return positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens, plan
 
     def _attend(self, layer, h, i: int, batch: tuple, cos_sin: np.ndarray, scale: float,
                 window: int) -> tuple[torch.Tensor, np.ndarray]:
         """Layer i's QKV projection of h, the attention kernel (q/k norm, RoPE, KV write,
         attention), then its o projection."""
-        positions, slots, tables, seq_lens = batch[:4]
+        positions, slots, tables, seq_lens, plan = batch
         qkv = layer.qkv(*h)
         o = self._scratch(h[0].shape[0], layer.o.lin.in_features)
-        if len(batch) > 4:  # draft trees (no window: `trees`)
-            tree_cpu.tree_attention(qkv[1], cos_sin, positions, self.kv[i], slots, tables,
-                                    seq_lens, *batch[4:], self.num_heads, *layer.qk_norm,
-                                    self.eps, o[1], scale)
+        if plan is not None and not window:  # a request's rows read each key once
+            plan(qkv[1], cos_sin, positions, self.kv[i], slots, *layer.qk_norm, self.eps, o[1],
+                 scale)
             return layer.o(*o)
         args = (qkv[1], cos_sin, positions, self.kv[i], slots, tables, seq_lens, self.num_heads,
                 *layer.qk_norm, self.eps, o[1], scale, window)
