@@ -35,13 +35,16 @@ KV head (a decode token: the 0.5B's 7 fill 7 of 8), else 16. Measured with
 `bench/cpu_verify_attention.py` (0.5B shape, 2,048 keys, 2 threads): 1 row 2.60 ms at 8 lanes,
 3.36 at 16; 5 rows 9.37 / 8.36; 9 rows 14.08 / 10.96. The lanes' bits do not depend on it."""
 
+PREFETCH_BLOCKS = 2
+"""How far ahead (cache blocks) the keys' and values' rows are asked for."""
+
 if numba is not None:
     from llvmlite import ir
     from numba import prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from .qdot_ir_cpu import _F32, _call, _load, _splat, _vec
+    from .qdot_ir_cpu import _F32, _I32, _call, _load, _splat, _vec
 
     def _scores_intrinsic(keys: int, W: int):
         """s[t0 + i, :] = scale * (qT^T . key i) for `keys` keys at kv[base + i * stride ..
@@ -193,6 +196,23 @@ if numba is not None:
             return types.void(acc, kv, base, stride, s, t0), codegen
         return values
 
+    @intrinsic
+    def _prefetch_rows(typingctx, kv, base, stride, rows, width):
+        """Prefetch hints for `rows` rows of `width` floats at kv[base + i * stride] (never
+        faults)."""
+        def codegen(context, b, sig, args):
+            flat = context.make_array(sig.args[0])(context, b, args[0])
+            at, step, n, w = args[1], args[2], args[3], args[4]
+            lines = b.udiv(b.add(w, ir.Constant(_I64, 15)), ir.Constant(_I64, 16))
+            with cgutils.for_range(b, n) as rloop:
+                row = b.add(at, b.mul(rloop.index, step))
+                with cgutils.for_range(b, lines) as lloop:
+                    ptr = b.gep(flat.data, [b.add(row, b.mul(lloop.index, ir.Constant(_I64, 16)))])
+                    _call(b, "llvm.prefetch.p0", ir.VoidType(), ptr, ir.Constant(_I32, 0),
+                          ir.Constant(_I32, 3), ir.Constant(_I32, 1))
+            return context.get_dummy_value()
+        return types.void(kv, base, stride, rows, width), codegen
+
     _scores8_8, _scores1_8, _scores8_16, _scores1_16 = (
         _scores_intrinsic(k, w) for w in WIDTHS for k in (8, 1))
     _values8_8, _values1_8, _values8_16, _values1_16 = (
@@ -223,6 +243,10 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, nmax, scale, s, top, to
             blk, off = table[t // bs], t % bs
             n = min(bs - off, nmax - t)
             base = ((np.int64(part) * kv.shape[1] + blk) * bs + off) * step + h * d
+            ahead = t + PREFETCH_BLOCKS * bs
+            if PREFETCH_BLOCKS and ahead < nmax:
+                nxt = ((np.int64(part) * kv.shape[1] + table[ahead // bs]) * bs) * step + h * d
+                _prefetch_rows(flat, nxt, np.int64(step), np.int64(bs), np.int64(d))
             i = 0
             while i < n:
                 at, row = base + i * step, np.int64(t + i)
