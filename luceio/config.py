@@ -40,6 +40,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     resident_tokens: int | None = None  # bounded residency: a request's device KV cap
     resident_policy: str = "keys"
+    kv_dtype: str = "auto"  # --kv-cache-dtype
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,12 @@ class EngineArgs(CliArgs):
                                 f"for {CPU_KV_TOKENS} tokens (or one --max-model-len sequence, "
                                 f"if longer), at most {CPU_KV_MAX_FRACTION:g} of the memory "
                                 "available after loading the weights")
+    kv_cache_dtype: str = _opt("auto", "dtype of the KV cache: auto (the model's: fp32 on the "
+                               "CPU) or bfloat16 (on the CPU half the bytes a decode step reads "
+                               "at long contexts and half the memory, keys and values rounded to "
+                               "bf16 as a bf16 model's GPU cache holds them; on GPUs only for "
+                               "bf16 models, where it is the default)",
+                               choices=["auto", "bfloat16"])
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     max_num_seqs: int = _opt(128, "most requests running at once")
@@ -238,7 +245,8 @@ class EngineArgs(CliArgs):
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory,
                            self.gpu_memory_utilization, self.enable_prefix_caching,
-                           self.kv_resident_tokens, self.kv_resident_policy)
+                           self.kv_resident_tokens, self.kv_resident_policy,
+                           self.kv_cache_dtype)
 
     def residency_config(self):
         if not self.kv_resident_tokens:

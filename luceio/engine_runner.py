@@ -3,7 +3,7 @@ model's share of the KV pool and the experts' offload."""
 from __future__ import annotations
 
 from .config import EngineArgs
-from .memory import kv_bytes_per_block
+from .memory import kv_bytes_per_block, kv_dtype
 from .models import context_limit
 from .runner import ModelRunner
 
@@ -21,7 +21,7 @@ def build_runner(args: EngineArgs, ckpt, model, dtype, device, draft, stages) ->
                        tree_rows=args.spec_tree_budget + 1
                        if args.speculative_method and args.spec_tree_budget else 0,
                        extra_bytes_per_block=kv_bytes_per_block(
-                           draft.cfg, args.block_size, dtype)
+                           draft.cfg, args.block_size, kv_dtype(args.kv_cache_dtype, dtype, device))
                        if draft is not None and args.speculative_method == "draft" and
                        args.resolved_draft_device() == device else 0,
                        stages=stages,

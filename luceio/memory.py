@@ -56,6 +56,20 @@ def zeros_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
+def kv_dtype(name: str, dtype: torch.dtype, device) -> torch.dtype:
+    """The KV cache's dtype for --kv-cache-dtype `name` and a model computing in `dtype` on
+    `device`. Raises ValueError where it is not supported: a bf16 cache beside another dtype
+    on a GPU (the kernels read the cache in the model's dtype)."""
+    if name == "auto":
+        return dtype
+    if name != "bfloat16":
+        raise ValueError(f"--kv-cache-dtype {name!r}: auto or bfloat16")
+    if torch.device(device).type != "cpu" and dtype != torch.bfloat16:
+        raise ValueError(f"--kv-cache-dtype bfloat16 on {device} needs a bfloat16 model "
+                         f"(this one computes in {dtype}); on the CPU any")
+    return torch.bfloat16
+
+
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     elt = torch.tensor([], dtype=dtype).element_size()
     shapes = cfg.kv_layer_shapes

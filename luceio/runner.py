@@ -26,8 +26,8 @@ from .models.expert_offload import ExpertOffload
 from .models.hybrid_verify import KeptStates
 from .models.moe import routes_on_host
 from .cache.host_store import HostKVStore, QueryProbe
-from .memory import (Staging, StateSlots, keep_freed_heap, kv_bytes_per_block, return_freed_heap,
-                     zeros_pool)
+from .memory import (Staging, StateSlots, keep_freed_heap, kv_bytes_per_block, kv_dtype,
+                     return_freed_heap, zeros_pool)
 from .scheduler import SchedulerOutput
 from .step_inputs import DeviceTokenIds, HostBatch, StepInputs, in_inference_mode  # noqa: F401
 
@@ -52,6 +52,9 @@ class ModelRunner:
         on GPUs the steps read them in place and replay CUDA graphs, `expert_tables.py`; on
         the CPU it runs in rounds); its counters are `self.expert_offload.stats()`."""
         self.device, self.dtype = device, dtype
+        self.kv_dtype = kv_dtype(cache_config.kv_dtype, dtype, device)
+        if stages is not None and self.kv_dtype != dtype:
+            raise ValueError("--kv-cache-dtype applies without --devices (pipeline stages) yet")
         if expert_offload is not None and model is not None:
             raise ValueError("--expert-memory applies when the engine loads the model itself")
         self.expert_offload = ExpertOffload(expert_offload) if expert_offload else None
@@ -77,12 +80,12 @@ class ModelRunner:
         end = stages.layer_range[1] if stages is not None else self.cfg.num_kv_layers
         per_layer = self.cfg.kv_layer_shapes if stages is None else None
         if per_layer is None:
-            self.kv_pool = zeros_pool((end, 2, *shape), dtype, device)
+            self.kv_pool = zeros_pool((end, 2, *shape), self.kv_dtype, device)
             # indexed by layer: the layers of later stages have no cache here
             self.kv_caches = list(self.kv_pool) + [None] * (self.cfg.num_layers - end)
         else:  # layers of different shapes (Gemma 4): a tensor each, the same block ids
             self.kv_pool = None
-            self.kv_caches = [zeros_pool((2, *shape[:2], heads, dim), dtype, device)
+            self.kv_caches = [zeros_pool((2, *shape[:2], heads, dim), self.kv_dtype, device)
                               for heads, dim in per_layer]
         self.staging = Staging(device)
         self.stage_graphs = None  # pipeline stages: CUDA graphs of stage 0's layers
@@ -132,7 +135,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
 
     @property
     def pool_bytes_per_block(self) -> int:

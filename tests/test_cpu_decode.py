@@ -99,14 +99,18 @@ def test_gelu_tanh_and_mul(dtype):
     (9, 3, 64, False, 0), (4, 4, 32, False, 0), (8, 2, 32, True, 0), (4, 2, 16, True, 7),
     (3, 3, 20, True, 30)])
 @pytest.mark.parametrize("seq_lens", [[100], [5, 37, 20, 16]])
-@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("io_dtype,kv_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
 def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, window, seq_lens,
-                          io_dtype):
+                          io_dtype, kv_dtype):
     """[q/k norm,] rotary, KV write and attention in one call == the references in sequence;
-    with a sliding window (Gemma's local layers) and another scale where given."""
+    with a sliding window (Gemma's local layers) and another scale where given; an fp32 or a
+    bf16 cache (--kv-cache-dtype: written rounded, the reference reads the kernel's cache)."""
     scale = head_dim ** -0.5 if not window else 24 ** -0.5
     g = torch.Generator().manual_seed(2)
     kv, tables, lens, pos, slots = _random_cache(seq_lens, num_kv_heads, head_dim, g)
+    kv = kv.to(kv_dtype)
     qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim,
                       generator=g).to(io_dtype)
     norms = (torch.rand(2, head_dim, generator=g) + 0.5) if qk_norm else torch.zeros(2, 0)
@@ -121,15 +125,17 @@ def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, window, se
     q, k = q.contiguous(), k.contiguous()
     rotary_ref(pos, q, k, cos_sin)
     write_kv_ref(k, v.reshape(-1, num_kv_heads, head_dim), want_kv[0], want_kv[1], slots)
-    want = paged_attention_ref(q, want_kv[0], want_kv[1], tables, lens,
-                               torch.arange(len(seq_lens) + 1, dtype=torch.int32), 1,
-                               max(seq_lens), scale, window=window).reshape(len(seq_lens), -1)
-
-    out = torch.empty(want.shape, dtype=io_dtype)
-    decode_cpu.decode_attention(as_numpy(qkv), cos_sin.numpy(), pos.numpy(), kv.numpy(),
+    out = torch.empty(len(seq_lens), num_heads * head_dim, dtype=io_dtype)
+    decode_cpu.decode_attention(as_numpy(qkv), cos_sin.numpy(), pos.numpy(), as_numpy(kv),
                                 slots.numpy(), tables.numpy(), lens.numpy(), num_heads,
                                 norms[0].numpy(), norms[1].numpy(), 1e-6, as_numpy(out), scale,
                                 window)
+    if kv_dtype == torch.bfloat16:  # fp32 k / v rounded: one bf16 rounding flip at most
+        torch.testing.assert_close(kv.float(), want_kv.float(), rtol=2 ** -8, atol=0)
+        want_kv = kv  # the attention is compared over the kernel's own cache
+    want = paged_attention_ref(q, want_kv[0], want_kv[1], tables, lens,
+                               torch.arange(len(seq_lens) + 1, dtype=torch.int32), 1,
+                               max(seq_lens), scale, window=window).reshape(len(seq_lens), -1)
     torch.testing.assert_close(kv, want_kv, rtol=1e-6, atol=1e-6)
     if io_dtype == torch.float32:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -137,24 +143,28 @@ def test_decode_attention(num_heads, num_kv_heads, head_dim, qk_norm, window, se
         _assert_bf16_close(out, want)
 
 
-@pytest.mark.parametrize("splits,window", [(1, 0), (3, 0), (4, 9), (8, 0)])
+@pytest.mark.parametrize("splits,window,kv_dtype", [
+    (1, 0, torch.float32), (3, 0, torch.float32), (4, 9, torch.float32), (8, 0, torch.float32),
+    (3, 0, torch.bfloat16), (4, 9, torch.bfloat16)])
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
-def test_split_attention_equals_one_thread(splits, window, io_dtype):
+def test_split_attention_equals_one_thread(splits, window, kv_dtype, io_dtype):
     """`decode_attention_split` (each request's keys in `splits` ranges on numba's threads,
     merged) == `decode_attention`: the same KV writes, outputs to fp32 rounding, including
-    ranges left empty (8 splits of a 5-token request) and a sliding window."""
+    ranges left empty (8 splits of a 5-token request), a sliding window and a bf16 cache
+    (--kv-cache-dtype)."""
     import numba
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     g = torch.Generator().manual_seed(4)
     num_heads, num_kv_heads, head_dim, seq_lens = 6, 2, 32, [70, 5, 33]
     kv, tables, lens, pos, slots = _random_cache(seq_lens, num_kv_heads, head_dim, g)
+    kv = kv.to(kv_dtype)
     qkv = torch.randn(3, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(io_dtype)
     norms = torch.rand(2, head_dim, generator=g) + 0.5
     cos_sin = build_cos_sin_cache(head_dim, 256, 10000.0)
     outs, caches = [], []
     for split in (False, True):
         cache, out = kv.clone(), torch.empty(3, num_heads * head_dim, dtype=io_dtype)
-        args = (as_numpy(qkv), cos_sin.numpy(), pos.numpy(), cache.numpy(), slots.numpy(),
+        args = (as_numpy(qkv), cos_sin.numpy(), pos.numpy(), as_numpy(cache), slots.numpy(),
                 tables.numpy(), lens.numpy(), num_heads, norms[0].numpy(), norms[1].numpy(),
                 1e-6, as_numpy(out), 0.2, window)
         if split:
@@ -167,7 +177,10 @@ def test_split_attention_equals_one_thread(splits, window, io_dtype):
     # fastmath (the norm's sum may be reassociated differently): one full-suite run in session
     # 17 saw fp32 writes differ in the last bits, so written KV is compared to fp32 rounding
     assert not torch.equal(caches[0], kv)
-    torch.testing.assert_close(caches[1], caches[0], rtol=1e-6, atol=1e-6)
+    if kv_dtype == torch.bfloat16:  # (one bf16 rounding flip at most)
+        torch.testing.assert_close(caches[1].float(), caches[0].float(), rtol=2 ** -8, atol=0)
+    else:
+        torch.testing.assert_close(caches[1], caches[0], rtol=1e-6, atol=1e-6)
     if io_dtype == torch.float32:
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     else:
@@ -202,7 +215,8 @@ def decoder_vs_module_forward(runner, ids, pos, meta):
         kv.copy_(b)
     got = runner.cpu_decoder(ids, pos, meta)
     assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
-    kv_err = max(float((a - b).norm() / b.norm()) for a, b in zip(runner.kv_caches, want_kv))
+    kv_err = max(float((a.float() - b.float()).norm() / b.float().norm())
+                 for a, b in zip(runner.kv_caches, want_kv))
     assert not all(torch.equal(a, b) for a, b in zip(runner.kv_caches, before))  # it wrote KV
     return float((got - want).norm() / want.norm()), kv_err
 
@@ -213,6 +227,24 @@ def test_decoder_equals_module_forward(tiny_models, arch):
     for seq_lens in ([37], [5, 37, 20, 16]):
         hidden_err, kv_err = _decoder_vs_module_forward(runner, seq_lens)
         assert hidden_err < 1e-5 and kv_err < 1e-6  # measured: 6e-7, 1e-8
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoder_with_bf16_kv_cache(tiny_models, arch):
+    """--kv-cache-dtype bfloat16: the cache is bf16 (half the bytes a block), the CPU decoder
+    writes and reads it as the module forward does (keys and values rounded to nearest even:
+    where the two paths' fp32 keys differ in the last bits a bf16 rounding may flip)."""
+    from luceio.memory import kv_dtype
+    fp32 = LLM(tiny_models[arch], **engine_kwargs()).engine.runner
+    runner = LLM(tiny_models[arch], **engine_kwargs(kv_cache_dtype="bfloat16")).engine.runner
+    assert all(kv.dtype == torch.bfloat16 for kv in runner.kv_caches)
+    assert runner.bytes_per_block * 2 == fp32.bytes_per_block
+    for seq_lens in ([37], [5, 37, 20, 16]):
+        hidden_err, kv_err = _decoder_vs_module_forward(runner, seq_lens)
+        assert hidden_err < 1e-3 and kv_err < 2 ** -8
+    assert kv_dtype("auto", torch.float16, "cuda") == torch.float16
+    with pytest.raises(ValueError, match="needs a bfloat16 model"):
+        kv_dtype("bfloat16", torch.float16, "cuda")
 
 
 def test_decoder_splits_long_attention_over_threads(tmp_path, monkeypatch):

@@ -21,11 +21,12 @@ as_numpy = decode_cpu.as_numpy
 
 
 def _setup(heads, kv_heads, dim, block_size, firsts, q_lens, seed, num_blocks=64, qk_norm=False,
-           io_dtype=torch.float32):
-    """A random cache; request r's rows are q_lens[r] tokens at cache indices firsts[r] ..
-    (positions the same), its blocks drawn at random. Returns a dict of the kernel's inputs."""
+           io_dtype=torch.float32, kv_dtype=torch.float32):
+    """A random cache (fp32, or bf16: --kv-cache-dtype); request r's rows are q_lens[r] tokens
+    at cache indices firsts[r] .. (positions the same), its blocks drawn at random. Returns a
+    dict of the kernel's inputs."""
     g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
     counts = [-(-(f + q) // block_size) for f, q in zip(firsts, q_lens)]
     blocks = torch.randperm(num_blocks, generator=g)[:sum(counts)].split(counts)
     tables = torch.zeros(len(firsts), max(counts), dtype=torch.int32)
@@ -61,7 +62,7 @@ def _run(c, kv=None, rows=None, threads=None):
         numba.set_num_threads(threads)
     try:
         plan(as_numpy(c["qkv"][sel].contiguous()), c["cos_sin"].numpy(), c["pos"][sel].numpy(),
-             kv.numpy(), c["slots"][sel].numpy(), c["norms"][0].numpy(), c["norms"][1].numpy(),
+             as_numpy(kv), c["slots"][sel].numpy(), c["norms"][0].numpy(), c["norms"][1].numpy(),
              1e-6, as_numpy(out), kv.shape[4] ** -0.5)
     finally:
         if threads is not None:
@@ -105,25 +106,35 @@ def _reference(c, mask=None):
     (16, 2, 24, 16, False),   # group 8; head dim 24: one vector of 16, then one by one
     (4, 4, 16, 16, False),    # multi-head: a lane a row
 ])
-@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
-def test_rows_equal_references(heads, kv_heads, dim, block_size, qk_norm, io_dtype):
+@pytest.mark.parametrize("io_dtype,kv_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+def test_rows_equal_references(heads, kv_heads, dim, block_size, qk_norm, io_dtype, kv_dtype):
+    """fp32 or bf16 activations; an fp32 or a bf16 cache (keys and values written rounded
+    to nearest even, read widened: the reference reads the same cache)."""
     c = _setup(heads, kv_heads, dim, block_size, [37, 3, 90], [5, 1, 9], seed=1,
-               qk_norm=qk_norm, io_dtype=io_dtype)
+               qk_norm=qk_norm, io_dtype=io_dtype, kv_dtype=kv_dtype)
     out, kv = _run(c)
     want, want_kv = _reference(c)
+    if kv_dtype == torch.bfloat16:  # fp32 k / v rounded to bf16: at most one rounding flip
+        assert (kv.float() - want_kv.float()).abs().max() <= \
+            2 ** -8 * want_kv.float().abs().max()
+        kv = want_kv  # attention over the reference's cache is compared below
+        out, _ = _run(c, kv=want_kv)
     torch.testing.assert_close(kv, want_kv, rtol=1e-6, atol=1e-6)
     rtol, atol = (1e-5, 1e-6) if io_dtype == torch.float32 else (2 ** -7, 1e-5)
     torch.testing.assert_close(out.float(), want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(14, 2, 64, 16), (9, 3, 32, 5),
-                                                           (24, 2, 16, 16)])
-def test_verify_row_equals_decode_step_bitwise(heads, kv_heads, dim, block_size):
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,kv_dtype", [
+    (14, 2, 64, 16, torch.float32), (9, 3, 32, 5, torch.float32),
+    (24, 2, 16, 16, torch.float32), (14, 2, 64, 16, torch.bfloat16)])
+def test_verify_row_equals_decode_step_bitwise(heads, kv_heads, dim, block_size, kv_dtype):
     """Every row of a verify step (chains of 1-17 rows over 0-300 cached keys, several
     requests, lanes across chunks) equals, bit for bit, the decode step of its position alone
-    on one thread, and a step of two threads."""
+    on one thread, and a step of two threads; an fp32 or a bf16 cache."""
     c = _setup(heads, kv_heads, dim, block_size, [300, 0, 41, 7], [9, 1, 17, 3], seed=3,
-               num_blocks=128)
+               num_blocks=128, kv_dtype=kv_dtype)
     out, kv = _run(c, threads=2)
     for r in range(len(c["idx"])):
         alone, _ = _run(c, kv=kv, rows=[r], threads=1)  # its K and V are in kv already

@@ -17,7 +17,9 @@ says what they save).
 Dtypes. Activations arrive as fp32 or as bf16 bits (uint16: the packed matmul's output, read
 without a conversion op) and leave in the dtype of the output array given: fp32, or bf16
 rounded to nearest even (the packed matmul's input, as `Tensor.to(torch.bfloat16)` rounds it).
-The residual stream, the KV cache and all arithmetic are fp32. Reductions (sums of squares,
+The residual stream and all arithmetic are fp32; the KV cache is fp32, or with
+`--kv-cache-dtype bfloat16` bf16 (its uint16 bits: keys and values rounded to nearest even as
+they are written, widened exactly as they are read). Reductions (sums of squares,
 dot products, softmax sums) run in another order than ATen's, so results match the
 references to fp32 rounding, not bit for bit.
 
@@ -69,6 +71,20 @@ if numba is not None:
         def store(out, i, j, v):
             out[i, j] = v
         return store
+
+    def _put(row, j, v):
+        """row[j] = v, rounded to bf16 bits if row holds them (a bf16 KV cache's row)."""
+
+    @overload(_put, inline="always")
+    def _put_impl(row, j, v):
+        if isinstance(row.dtype, types.Integer):
+            def put_bf16(row, j, v):
+                row[j] = to_bf16(v)
+            return put_bf16
+
+        def put(row, j, v):
+            row[j] = v
+        return put
 
     _njit = numba.njit(cache=True, nogil=True, fastmath=True)
     _njit_parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
@@ -153,13 +169,15 @@ def _rms_norm_row(x, weight, eps):
 @_njit
 def _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, q):
     """Request b's q (into q [H, D]) and k normalised per head (q_norm, k_norm of size head_dim,
-    else size 0) and rotated (rotate-half); k and v written to the cache at slots[b]."""
+    else size 0) and rotated (rotate-half); k and v written to the cache at slots[b] (an fp32
+    cache, or a bf16 one as its uint16 bits: rounded to nearest even)."""
     block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
     half = head_dim // 2
     blk, off = slots[b] // block_size, slots[b] % block_size
     cos, sin = cos_sin[positions[b], :half], cos_sin[positions[b], half:]
+    k = np.empty(head_dim, np.float32)
     for head in range(num_heads + num_kv_heads):
-        x = q[head] if head < num_heads else kv[0, blk, off, head - num_heads]
+        x = q[head] if head < num_heads else k
         for j in range(head_dim):
             x[j] = _load(qkv[b, head * head_dim + j])
         if q_norm.shape[0]:
@@ -167,10 +185,15 @@ def _rope_write(b, qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm
         for j in range(half):
             x1, x2 = x[j], x[half + j]
             x[j], x[half + j] = x1 * cos[j] - x2 * sin[j], x2 * cos[j] + x1 * sin[j]
+        if head >= num_heads:
+            row = kv[0, blk, off, head - num_heads]
+            for j in range(head_dim):
+                _put(row, j, k[j])
     v_at = (num_heads + num_kv_heads) * head_dim
     for h in range(num_kv_heads):
+        row = kv[1, blk, off, h]
         for j in range(head_dim):
-            kv[1, blk, off, h, j] = _load(qkv[b, v_at + h * head_dim + j])
+            _put(row, j, _load(qkv[b, v_at + h * head_dim + j]))
 
 
 @_njit_inline
@@ -179,7 +202,7 @@ def _dots(q, key, g, width, scale, scores, t):
     sums, sharing the key's loads)."""
     d0 = d1 = d2 = d3 = np.float32(0)
     for j in range(key.shape[0]):
-        k = key[j]
+        k = _load(key[j])
         d0 += q[g, j] * k
         if width > 1:
             d1 += q[g + 1, j] * k
@@ -245,7 +268,8 @@ def _attend_range(q, kv, table, t0, t1, scale, top, total, acc):
                     s0, s1, s2, s3 = scores[g, c], scores[g, c + 1], scores[g, c + 2], scores[g, c + 3]
                     row = acc[g]
                     for j in range(row.shape[0]):
-                        row[j] += s0 * v0[j] + s1 * v1[j] + s2 * v2[j] + s3 * v3[j]
+                        row[j] += s0 * _load(v0[j]) + s1 * _load(v1[j]) + s2 * _load(v2[j]) \
+                            + s3 * _load(v3[j])
             i += 4
         for i in range(i, n):
             for h in range(num_kv_heads):
@@ -254,7 +278,7 @@ def _attend_range(q, kv, table, t0, t1, scale, top, total, acc):
                     s0 = scores[g, t - t0 + i]
                     row = acc[g]
                     for j in range(row.shape[0]):
-                        row[j] += s0 * v[j]
+                        row[j] += s0 * _load(v[j])
         t += n
 
 

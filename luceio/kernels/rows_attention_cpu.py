@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode_cpu import _rope_write, _store, numba
+from .decode_cpu import _load as _load_value, _rope_write, _store, numba
 
 WIDTHS = (8, 16)
 """Lanes a chunk: 8 (a 256-bit vector) where each request's rows have at most 8 query heads a
@@ -45,6 +45,16 @@ if numba is not None:
     from numba.extending import intrinsic
 
     from .qdot_ir_cpu import _F32, _I32, _call, _load, _splat, _vec
+
+    def _cache_load(b, sig_arg, base, offset, n=None):
+        """n fp32 values (one if n is None) of a KV cache array at base + offset: fp32 as
+        stored, bf16 (uint16 bits) widened exactly."""
+        if sig_arg.dtype != types.uint16:
+            return _load(b, base, offset, _F32, n)
+        raw = _load(b, base, offset, ir.IntType(16), n)
+        wide = b.zext(raw, _I32 if n is None else _vec(_I32, n))
+        shift = ir.Constant(_I32, 16) if n is None else _splat(b, ir.Constant(_I32, 16), n)
+        return b.bitcast(b.shl(wide, shift), _F32 if n is None else _vec(_F32, n))
 
     def _scores_intrinsic(keys: int, W: int):
         """s[t0 + i, :] = scale * (qT^T . key i) for `keys` keys at kv[base + i * stride ..
@@ -68,7 +78,7 @@ if numba is not None:
                     qv = _load(b, q.data, b.mul(j, ir.Constant(j.type, W)), _F32, W)
                     for i, acc in enumerate(accs):
                         off = b.add(b.add(at, b.mul(step, ir.Constant(step.type, i))), j)
-                        k = _splat(b, _load(b, flat.data, off, _F32), W)
+                        k = _splat(b, _cache_load(b, sig.args[1], flat.data, off), W)
                         b.store(b.call(fma, [qv, k, b.load(acc)]), acc)
                 scale_v = _splat(b, sc, W)
                 for i, acc in enumerate(accs):
@@ -182,7 +192,7 @@ if numba is not None:
                         for i in range(keys):
                             off = b.add(b.add(at, b.mul(step, ir.Constant(_I64, i))), j)
                             r = _call(b, "llvm.fma.v%df32" % V, vt, ev[i],
-                                      _load(b, flat.data, off, _F32, V), r)
+                                      _cache_load(b, sig.args[1], flat.data, off, V), r)
                         ptr = b.gep(ac.data, [b.add(acc_row, j)])
                         b.store(r, b.bitcast(ptr, vt.as_pointer()), align=4)
                     with cgutils.for_range(b, d, start=b.mul(chunks, ir.Constant(_I64, V))) as loop:
@@ -190,7 +200,8 @@ if numba is not None:
                         r = _load(b, ac.data, b.add(acc_row, j), _F32)
                         for i in range(keys):
                             off = b.add(b.add(at, b.mul(step, ir.Constant(_I64, i))), j)
-                            r = _call(b, "llvm.fma.f32", _F32, es[i], _load(b, flat.data, off, _F32), r)
+                            r = _call(b, "llvm.fma.f32", _F32, es[i],
+                                      _cache_load(b, sig.args[1], flat.data, off), r)
                         b.store(r, b.gep(ac.data, [b.add(acc_row, j)]))
                 return context.get_dummy_value()
             return types.void(acc, kv, base, stride, s, t0), codegen
@@ -219,12 +230,27 @@ if numba is not None:
         _values_intrinsic(k, w) for w in WIDTHS for k in (8, 1))
     _softmax_8, _softmax_16 = (_softmax_intrinsic(w) for w in WIDTHS)
     _njit = numba.njit(cache=True, nogil=True, fastmath={"contract"})
+    _njit_inline = numba.njit(cache=True, nogil=True, fastmath={"contract"}, inline="always")
     _njit_parallel = numba.njit(cache=True, nogil=True, fastmath={"contract"}, parallel=True)
 else:  # no numba: the CPU decode path is off
     def _njit(fn):
         return fn
-    _njit_parallel = _njit
+    _njit_parallel = _njit_inline = _njit
     prange = range
+
+
+@_njit_inline
+def _scores_block(qT, keys, at, step, scale, s, row, eight, wide):
+    """`_scores_intrinsic` for eight keys or one, W = 16 (`wide`) or 8."""
+    if wide:
+        if eight:
+            _scores8_16(qT, keys, at, step, scale, s, row)
+        else:
+            _scores1_16(qT, keys, at, step, scale, s, row)
+    elif eight:
+        _scores8_8(qT, keys, at, step, scale, s, row)
+    else:
+        _scores1_8(qT, keys, at, step, scale, s, row)
 
 
 @_njit
@@ -236,6 +262,9 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, nmax, scale, s, top, to
     `tot` and the unnormalised output in `acc` [W, D]; `s` [>= nmax, W] is scratch."""
     bs, kvh, d = kv.shape[2], kv.shape[3], kv.shape[4]
     wide = qT.shape[1] == 16
+    bf16 = flat.itemsize == 2  # a bf16 cache: a block's keys widened to fp32 rows first
+    kb = np.empty((bs if bf16 else 0, d), np.float32)
+    kb_flat = kb.reshape(-1)
     step = kvh * d
     for part in range(2):  # the scores (K, kv[0]), then the values (V, kv[1])
         t = 0
@@ -247,21 +276,20 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, nmax, scale, s, top, to
             if PREFETCH_BLOCKS and ahead < nmax:
                 nxt = ((np.int64(part) * kv.shape[1] + table[ahead // bs]) * bs) * step + h * d
                 _prefetch_rows(flat, nxt, np.int64(step), np.int64(bs), np.int64(d))
+            if part == 0 and bf16:
+                for r in range(n):
+                    for j in range(d):
+                        kb[r, j] = _load_value(kv[0, blk, off + r, h, j])
             i = 0
             while i < n:
                 at, row = base + i * step, np.int64(t + i)
                 eight = i + 8 <= n  # eight keys a call: independent chains, each value
                 # pass over a lane's row adds eight (in key order)
-                if part == 0 and wide:
-                    if eight:
-                        _scores8_16(qT, flat, at, step, scale, s, row)
-                    else:
-                        _scores1_16(qT, flat, at, step, scale, s, row)
+                if part == 0 and bf16:
+                    _scores_block(qT, kb_flat, np.int64(i * d), np.int64(d), scale, s, row,
+                                  eight, wide)
                 elif part == 0:
-                    if eight:
-                        _scores8_8(qT, flat, at, step, scale, s, row)
-                    else:
-                        _scores1_8(qT, flat, at, step, scale, s, row)
+                    _scores_block(qT, flat, at, step, scale, s, row, eight, wide)
                 elif wide:
                     if eight:
                         _values8_16(acc, flat, at, step, s, row)

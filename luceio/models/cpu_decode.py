@@ -90,7 +90,7 @@ class CpuDecoder:
         if self.module_forward:
             self.kv_caches = kv_caches
             return
-        self.kv = [kv.numpy() if kv is not None else None for kv in kv_caches]
+        self.kv = [decode_cpu.as_numpy(kv) if kv is not None else None for kv in kv_caches]
         self.cos_sin = model.cos_sin.numpy()
         self.scale = cfg.head_dim ** -0.5
         self.layers = [_GemmaLayer(model.layers[i], model) if self.gemma

@@ -69,7 +69,8 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
         raise ValueError("--speculative-method draft needs --draft-model")
     check_draft_vocab(args, draft_model.cfg.vocab_size, target_runner.cfg.vocab_size)
     # as many blocks as the target: the target's cache was sized to leave room for them
-    cache = CacheConfig(args.block_size, target_runner.num_blocks, 0, 0.0, False)
+    cache = CacheConfig(args.block_size, target_runner.num_blocks, 0, 0.0, False,
+                        kv_dtype=args.kv_cache_dtype)
     runner = ModelRunner(None, target_runner.dtype, args.resolved_draft_device(), cache,
                          max_model_len,
                          model=draft_model, enforce_eager=args.enforce_eager,
