@@ -3,12 +3,14 @@ CPU decode path's attention as k + 1 one-token requests (`models/cpu_decode.CpuD
 over the same context, so the step reads the context k + 1 times. This prints one step's
 attention (every layer, each layer's KV cache its own, so the cache comes from memory as in
 the engine) for 1 row (a decode step) and for chains of 4 and 8 drafts (5 and 9 rows), at the
-Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers, fp32 cache), with the
+Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers, an fp32 cache or with
+`--kv-dtype bfloat16` a bf16 one), with the
 decode path's kernel (`rows_attention_cpu`: a request's rows read each key once) and, in the
 same run, the one before it (`decode_cpu.decode_attention_split`, or its one-thread kernel
 where the split is not taken, a row at a time), medians of `--repeats` steps.
 
     python bench/cpu_verify_attention.py [--contexts 512,2048,8192] [--threads 2]
+        [--kv-dtype bfloat16]
 Writes bench/results/cpu/cpu_verify_attention.json.
 """
 from __future__ import annotations
@@ -29,7 +31,8 @@ OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "cpu_verify_atte
 HEADS, KV_HEADS, DIM, LAYERS, BLOCK = 14, 2, 64, 24, 16
 
 
-def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows") -> tuple[float, int]:
+def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows",
+            kv_dtype: str = "float32") -> tuple[float, int]:
     """(median ms of one step's attention over every layer, splits) for `rows` verify rows of
     one request whose last row sees `ctx` keys; `kernel` "rows": `rows_attention_cpu` (the
     decode path's), "per-row": each row as a one-token request (`decode_cpu`, before)."""
@@ -38,6 +41,8 @@ def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows") -> tuple[fl
     blocks = ctx // BLOCK + 1
     caches = [rng.standard_normal((2, blocks, BLOCK, KV_HEADS, DIM), dtype=np.float32)
               for _ in range(LAYERS)]
+    if kv_dtype == "bfloat16":  # --kv-cache-dtype bfloat16: the caches' bf16 bits
+        caches = [decode_cpu.as_numpy(torch.from_numpy(c).to(torch.bfloat16)) for c in caches]
     qkv = rng.standard_normal((rows, (HEADS + 2 * KV_HEADS) * DIM), dtype=np.float32)
     cos_sin = build_cos_sin_cache(DIM, ctx + 1, 10000.0).numpy()
     pos = np.arange(ctx - rows, ctx, dtype=np.int64)
@@ -72,6 +77,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,5,9")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the caches' dtype (--kv-cache-dtype)")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     import numba
@@ -82,10 +89,11 @@ def main() -> None:
         base = None
         for rows in [int(r) for r in a.rows.split(",")]:
             # the two kernels one after the other on the same shape
-            before, splits = step_ms(ctx, rows, a.repeats, "per-row")
-            ms, items = step_ms(ctx, rows, a.repeats, "rows")
+            before, splits = step_ms(ctx, rows, a.repeats, "per-row", a.kv_dtype)
+            ms, items = step_ms(ctx, rows, a.repeats, "rows", a.kv_dtype)
             base = base or ms
-            row = {"context": ctx, "rows": rows, "threads": a.threads, "attention_ms": round(ms, 3),
+            row = {"context": ctx, "rows": rows, "threads": a.threads, "kv_dtype": a.kv_dtype,
+                   "attention_ms": round(ms, 3),
                    "vs_one_row": round(ms / base, 2), "work_items": items,
                    "per_row_kernel_ms": round(before, 3), "per_row_splits": splits,
                    "speedup": round(before / ms, 2)}

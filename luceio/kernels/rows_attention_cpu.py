@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode_cpu import _load as _load_value, _rope_write, _store, numba
+from .decode_cpu import _rope_write, _store, numba
 
 WIDTHS = (8, 16)
 """Lanes a chunk: 8 (a 256-bit vector) where each request's rows have at most 8 query heads a
@@ -224,6 +224,32 @@ if numba is not None:
             return context.get_dummy_value()
         return types.void(kv, base, stride, rows, width), codegen
 
+    @intrinsic
+    def _widen_rows(typingctx, kv, base, stride, rows, out):
+        """out[i, :] = the fp32 values of kv[base + i * stride .. + D] for i < rows (out fp32
+        [>= rows, D]; a bf16 cache's rows widened `V` at a time, then one by one)."""
+        def codegen(context, b, sig, args):
+            flat = context.make_array(sig.args[0])(context, b, args[0])
+            dst = context.make_array(sig.args[4])(context, b, args[4])
+            at, step, n = args[1], args[2], args[3]
+            d = cgutils.unpack_tuple(b, dst.shape, 2)[1]
+            chunks = b.udiv(d, ir.Constant(_I64, V))
+            vt = _vec(_F32, V)
+            with cgutils.for_range(b, n) as rloop:
+                src = b.add(at, b.mul(rloop.index, step))
+                row = b.mul(rloop.index, d)
+                with cgutils.for_range(b, chunks) as loop:
+                    j = b.mul(loop.index, ir.Constant(_I64, V))
+                    v = _cache_load(b, sig.args[0], flat.data, b.add(src, j), V)
+                    ptr = b.bitcast(b.gep(dst.data, [b.add(row, j)]), vt.as_pointer())
+                    b.store(v, ptr, align=4)
+                with cgutils.for_range(b, d, start=b.mul(chunks, ir.Constant(_I64, V))) as loop:
+                    j = loop.index
+                    b.store(_cache_load(b, sig.args[0], flat.data, b.add(src, j)),
+                            b.gep(dst.data, [b.add(row, j)]))
+            return context.get_dummy_value()
+        return types.void(kv, base, stride, rows, out), codegen
+
     _scores8_8, _scores1_8, _scores8_16, _scores1_16 = (
         _scores_intrinsic(k, w) for w in WIDTHS for k in (8, 1))
     _values8_8, _values1_8, _values8_16, _values1_16 = (
@@ -277,9 +303,7 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, nmax, scale, s, top, to
                 nxt = ((np.int64(part) * kv.shape[1] + table[ahead // bs]) * bs) * step + h * d
                 _prefetch_rows(flat, nxt, np.int64(step), np.int64(bs), np.int64(d))
             if part == 0 and bf16:
-                for r in range(n):
-                    for j in range(d):
-                        kb[r, j] = _load_value(kv[0, blk, off + r, h, j])
+                _widen_rows(flat, base, np.int64(step), np.int64(n), kb)
             i = 0
             while i < n:
                 at, row = base + i * step, np.int64(t + i)
