@@ -109,9 +109,10 @@ def engine_rows(model: str, contexts, threads: int, new: int, ngram: bool, round
         # greedy tokens against plain decoding with the rows kernel (they may part at a near
         # tie: a verify step's 5-row matmuls round differently from 1-row ones, and the
         # kernel before sums long contexts in other ranges)
-        base = tokens[next(iter(llms)), "rows"]
+        first = (next(iter(llms)), "rows")
         for (name, kernel), v in tokens.items():
-            row[f"{name}_{kernel}_same_tokens"] = v == base
+            if (name, kernel) != first:
+                row[f"{name}_{kernel}_same_tokens"] = v == tokens[first]
         print(row, flush=True)
         rows.append(row)
     return rows
