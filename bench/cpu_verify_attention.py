@@ -3,14 +3,14 @@ CPU decode path's attention as k + 1 one-token requests (`models/cpu_decode.CpuD
 over the same context, so the step reads the context k + 1 times. This prints one step's
 attention (every layer, each layer's KV cache its own, so the cache comes from memory as in
 the engine) for 1 row (a decode step) and for chains of 4 and 8 drafts (5 and 9 rows), at the
-Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers, an fp32 cache or with
-`--kv-dtype bfloat16` a bf16 one), with the
+Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers; `--shape 1.5b`: 12 / 2 of
+128, 28 layers), an fp32 cache or with `--kv-dtype bfloat16` a bf16 one, with the
 decode path's kernel (`rows_attention_cpu`: a request's rows read each key once) and, in the
 same run, the one before it (`decode_cpu.decode_attention_split`, or its one-thread kernel
 where the split is not taken, a row at a time), medians of `--repeats` steps.
 
     python bench/cpu_verify_attention.py [--contexts 512,2048,8192] [--threads 2]
-        [--kv-dtype bfloat16]
+        [--kv-dtype bfloat16] [--shape 1.5b]
 Writes bench/results/cpu/cpu_verify_attention.json.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from luceio.kernels import decode_cpu, rows_attention_cpu  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "cpu_verify_attention.json")
 HEADS, KV_HEADS, DIM, LAYERS, BLOCK = 14, 2, 64, 24, 16
+SHAPES = {"0.5b": (14, 2, 64, 24), "1.5b": (12, 2, 128, 28)}  # heads, KV heads, dim, layers
 
 
 def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows",
@@ -79,8 +80,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the caches' dtype (--kv-cache-dtype)")
+    ap.add_argument("--shape", default="0.5b", choices=list(SHAPES),
+                    help="Qwen2.5-Coder-0.5B's or -1.5B's attention shape")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
+    global HEADS, KV_HEADS, DIM, LAYERS
+    HEADS, KV_HEADS, DIM, LAYERS = SHAPES[a.shape]
     import numba
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)

@@ -9,7 +9,7 @@ request's rows, are lanes of a vector (`WIDTHS`: 8 or 16 of them a chunk): a key
 lanes are one chain of vector FMAs over the head's dimensions (the query transposed, the key's
 elements broadcast; LLVM IR in `_scores_intrinsic`, 8 keys a call as independent chains), then
 the softmax and the weighted sum of values run lane by lane, vectorised over the lanes or the
-head dimension.
+head dimension (a chunk's padding lanes skip the value sums).
 
 Each lane's arithmetic is a fixed sequence over its own keys in cache order: the scores are
 explicit `llvm.fma` chains over the dimensions in order, the softmax's max, exponentials and sum
@@ -168,43 +168,46 @@ if numba is not None:
 
     def _values_intrinsic(keys: int, W: int):
         """acc[w, :] += s[t0 + i, w] * value i for the `keys` values at kv[base + i * stride
-        .. + D], i in order, each an fma per element (vectors of `V`, then one by one)."""
+        .. + D], i in order, each an fma per element (vectors of `V`, then one by one), for
+        the lanes w < live (the rest are a chunk's padding)."""
         @intrinsic
-        def values(typingctx, acc, kv, base, stride, s, t0):
+        def values(typingctx, acc, kv, base, stride, s, t0, live):
             def codegen(context, b, sig, args):
                 ac = context.make_array(sig.args[0])(context, b, args[0])
                 flat = context.make_array(sig.args[1])(context, b, args[1])
                 sa = context.make_array(sig.args[4])(context, b, args[4])
-                at, step, row = args[2], args[3], args[5]
+                at, step, row, live = args[2], args[3], args[5], args[6]
                 d = cgutils.unpack_tuple(b, ac.shape, 2)[1]
                 vt = _vec(_F32, V)
                 chunks = b.udiv(d, ir.Constant(_I64, V))
                 for w in range(W):
-                    es = [_load(b, sa.data, b.add(b.mul(b.add(row, ir.Constant(_I64, i)),
-                                                        ir.Constant(_I64, W)),
-                                                  ir.Constant(_I64, w)), _F32)
-                          for i in range(keys)]
-                    ev = [_splat(b, e, V) for e in es]
-                    acc_row = b.mul(ir.Constant(_I64, w), d)
-                    with cgutils.for_range(b, chunks) as loop:
-                        j = b.mul(loop.index, ir.Constant(_I64, V))
-                        r = _load(b, ac.data, b.add(acc_row, j), _F32, V)
-                        for i in range(keys):
-                            off = b.add(b.add(at, b.mul(step, ir.Constant(_I64, i))), j)
-                            r = _call(b, "llvm.fma.v%df32" % V, vt, ev[i],
-                                      _cache_load(b, sig.args[1], flat.data, off, V), r)
-                        ptr = b.gep(ac.data, [b.add(acc_row, j)])
-                        b.store(r, b.bitcast(ptr, vt.as_pointer()), align=4)
-                    with cgutils.for_range(b, d, start=b.mul(chunks, ir.Constant(_I64, V))) as loop:
-                        j = loop.index
-                        r = _load(b, ac.data, b.add(acc_row, j), _F32)
-                        for i in range(keys):
-                            off = b.add(b.add(at, b.mul(step, ir.Constant(_I64, i))), j)
-                            r = _call(b, "llvm.fma.f32", _F32, es[i],
-                                      _cache_load(b, sig.args[1], flat.data, off), r)
-                        b.store(r, b.gep(ac.data, [b.add(acc_row, j)]))
+                    live_w = b.icmp_signed("<", ir.Constant(_I64, w), live)
+                    with b.if_then(live_w):
+                        es = [_load(b, sa.data, b.add(b.mul(b.add(row, ir.Constant(_I64, i)),
+                                                            ir.Constant(_I64, W)),
+                                                      ir.Constant(_I64, w)), _F32)
+                              for i in range(keys)]
+                        ev = [_splat(b, e, V) for e in es]
+                        acc_row = b.mul(ir.Constant(_I64, w), d)
+                        with cgutils.for_range(b, chunks) as loop:
+                            j = b.mul(loop.index, ir.Constant(_I64, V))
+                            r = _load(b, ac.data, b.add(acc_row, j), _F32, V)
+                            for i in range(keys):
+                                off = b.add(b.add(at, b.mul(step, ir.Constant(_I64, i))), j)
+                                r = _call(b, "llvm.fma.v%df32" % V, vt, ev[i],
+                                          _cache_load(b, sig.args[1], flat.data, off, V), r)
+                            ptr = b.gep(ac.data, [b.add(acc_row, j)])
+                            b.store(r, b.bitcast(ptr, vt.as_pointer()), align=4)
+                        with cgutils.for_range(b, d, start=b.mul(chunks, ir.Constant(_I64, V))) as loop:
+                            j = loop.index
+                            r = _load(b, ac.data, b.add(acc_row, j), _F32)
+                            for i in range(keys):
+                                off = b.add(b.add(at, b.mul(step, ir.Constant(_I64, i))), j)
+                                r = _call(b, "llvm.fma.f32", _F32, es[i],
+                                          _cache_load(b, sig.args[1], flat.data, off), r)
+                            b.store(r, b.gep(ac.data, [b.add(acc_row, j)]))
                 return context.get_dummy_value()
-            return types.void(acc, kv, base, stride, s, t0), codegen
+            return types.void(acc, kv, base, stride, s, t0, live), codegen
         return values
 
     @intrinsic
@@ -291,6 +294,10 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, nmax, scale, s, top, to
     bf16 = flat.itemsize == 2  # a bf16 cache: a block's keys widened to fp32 rows first
     kb = np.empty((bs if bf16 else 0, d), np.float32)
     kb_flat = kb.reshape(-1)
+    live = np.int64(0)  # lanes past the last real one are padding: no value sums
+    for w in range(qT.shape[1]):
+        if n_lane[w] > 0:
+            live = np.int64(w + 1)
     step = kvh * d
     for part in range(2):  # the scores (K, kv[0]), then the values (V, kv[1])
         t = 0
@@ -316,13 +323,13 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, nmax, scale, s, top, to
                     _scores_block(qT, flat, at, step, scale, s, row, eight, wide)
                 elif wide:
                     if eight:
-                        _values8_16(acc, flat, at, step, s, row)
+                        _values8_16(acc, flat, at, step, s, row, live)
                     else:
-                        _values1_16(acc, flat, at, step, s, row)
+                        _values1_16(acc, flat, at, step, s, row, live)
                 elif eight:
-                    _values8_8(acc, flat, at, step, s, row)
+                    _values8_8(acc, flat, at, step, s, row, live)
                 else:
-                    _values1_8(acc, flat, at, step, s, row)
+                    _values1_8(acc, flat, at, step, s, row, live)
                 i += 8 if eight else 1
             t += n
         if part == 0:
