@@ -1,6 +1,7 @@
-"""The attention of a CPU verify step at long contexts: a request's k + 1 verify rows reach the
-CPU decode path's attention as k + 1 one-token requests (`models/cpu_decode.CpuDecoder._batch`)
-over the same context, so the step reads the context k + 1 times. This prints one step's
+"""The attention of a CPU verify step at long contexts: until session 42 a request's k + 1
+verify rows reached the CPU decode path's attention as k + 1 one-token requests over the same
+context, so the step read the context k + 1 times; `rows_attention_cpu` reads each key once for
+all of them. This prints one step's
 attention (every layer, each layer's KV cache its own, so the cache comes from memory as in
 the engine) for 1 row (a decode step) and for chains of 4 and 8 drafts (5 and 9 rows), at the
 Qwen2.5-Coder-0.5B shape (14 query / 2 KV heads of 64, 24 layers; `--shape 1.5b`: 12 / 2 of
