@@ -250,9 +250,9 @@ def test_decoder_with_bf16_kv_cache(tiny_models, arch):
 def test_decoder_splits_long_attention_over_threads(tmp_path, monkeypatch):
     """A step's requests go to `rows_attention_cpu` (each key read once for a request's rows,
     work items of (request, KV head, lanes) on the threads) unless every request decodes one
-    token, the longest over `_MIN_KEYS` keys or more, and the items would leave threads idle:
-    then the split attention cuts the keys into ranges. Either way the step equals the module
-    forward."""
+    token, the longest over `_MIN_KEYS` keys or more, and the items would leave threads idle
+    or the heads are wider than `DECODE_MAX_HEAD_DIM`: then the split attention cuts the keys
+    into ranges. Either way the step equals the module forward."""
     from conftest import make_tiny_model
     from luceio.kernels import rows_attention_cpu
     from luceio.models import cpu_decode
@@ -277,6 +277,11 @@ def test_decoder_splits_long_attention_over_threads(tmp_path, monkeypatch):
     calls.clear()
     _decoder_vs_module_forward(runner, [decode_cpu._MIN_KEYS - 56, 37])  # short: no split
     assert not calls and rows == [4] * layers
+    rows.clear()
+    monkeypatch.setattr(cpu_decode.numba, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(rows_attention_cpu, "DECODE_MAX_HEAD_DIM", 16)  # heads of 32: wider
+    hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])
+    assert hidden_err < 1e-5 and not rows and len(calls) == layers
 
 
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_odd_untied"])

@@ -17,7 +17,8 @@ and the value sums are per-lane sequences with no reassociation (`fastmath` is `
 only), and keys a lane does not see (a later row's, a tree's other branches) add exact zeros.
 So a row's result depends only on the keys it sees: a verify row equals, bit for bit, the
 decode step of the same position (tests/test_rows_attention_cpu.py), whatever the number of rows,
-requests or threads. Work items (request, KV head, chunk of lanes) run on numba's threads.
+requests or threads, where that step takes this kernel too (`DECODE_MAX_HEAD_DIM`). Work items
+(request, KV head, chunk of lanes) run on numba's threads.
 
 No sliding windows (Gemma's step keeps `decode_cpu`), no tree span. numba's on-disk cache of
 these functions is invalidated by changes to this file only: after editing `decode_cpu.py`
@@ -34,6 +35,14 @@ WIDTHS = (8, 16)
 KV head (a decode token: the 0.5B's 7 fill 7 of 8), else 16. Measured with
 `bench/cpu_verify_attention.py` (0.5B shape, 2,048 keys, 2 threads): 1 row 2.60 ms at 8 lanes,
 3.36 at 16; 5 rows 9.37 / 8.36; 9 rows 14.08 / 10.96. The lanes' bits do not depend on it."""
+
+DECODE_MAX_HEAD_DIM = 64
+"""Steps that only decode (one row a request) over `decode_cpu._MIN_KEYS` keys or more with
+wider heads take `decode_cpu`'s split kernel (`models/cpu_decode.py`): at head dim 128 one
+decode row fills 6 of 8 lanes (the 1.5B) and the old kernel's horizontal sums cost relatively
+less. Measured, real Qwen2.5-Coder-1.5B, one request, 2 threads, this kernel against the split
+one (`bench/cpu_long_decode.py`): 0.98x / 0.96x at 8K keys, 0.99x at 2K; the 0.5B (heads of
+64) 1.11x / 1.16x at 8K."""
 
 PREFETCH_BLOCKS = 2
 """How far ahead (cache blocks) the keys' and values' rows are asked for."""

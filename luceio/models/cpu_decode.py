@@ -182,8 +182,9 @@ class CpuDecoder:
     def _batch(self, positions: torch.Tensor, meta: AttnMetadata) -> tuple:
         """(positions, slots, block tables, seq lens) as `decode_cpu`'s kernels read them, one
         entry a query row, then the step's `RowsAttention` plan, or None where every request
-        decodes one token over a long context and its work items would leave threads idle
-        (`decode_cpu.decode_attention_split` then cuts the keys into ranges). A request's rows
+        decodes one token over a long context and its work items would leave threads idle or
+        its heads are wider than `DECODE_MAX_HEAD_DIM` (`decode_cpu.decode_attention_split`
+        then cuts the keys into ranges). A request's rows
         of a verify step attend as one-token requests would, row i of q up to its own cache
         index (seq_len - q + i + 1, causal), a tree's rows to their ancestors."""
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
@@ -206,8 +207,9 @@ class CpuDecoder:
             row_starts, seq_lens, np.full(len(seq_lens), -1) if words is None else words,
             tables, self.num_heads, kv.shape[3], kv.shape[4])
         if words is None and len(seq_lens) == num_seqs and \
-                plan.work_items < numba.get_num_threads() and \
-                decode_cpu.attention_splits(seq_lens, 0):
+                decode_cpu.attention_splits(seq_lens, 0) and \
+                (plan.work_items < numba.get_num_threads() or
+                 kv.shape[4] > rows_attention_cpu.DECODE_MAX_HEAD_DIM):
             plan = None
         return positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens, plan
 
