@@ -283,17 +283,6 @@ def _attend_range(q, kv, table, t0, t1, scale, top, total, acc):
 
 
 @_njit
-def _head_scratch(num_heads, kv):
-    """(group, q [H, D], acc [group, D], top [group], total [group]): the buffers one query
-    row's attention reuses, for `kv`'s KV heads and head size."""
-    num_kv_heads, head_dim = kv.shape[3], kv.shape[4]
-    group = num_heads // num_kv_heads
-    return (group, np.empty((num_heads, head_dim), np.float32),
-            np.empty((group, head_dim), np.float32), np.empty(group, np.float32),
-            np.empty(group, np.float32))
-
-
-@_njit
 def decode_attention(qkv, cos_sin, positions, kv, slots, block_tables, seq_lens, num_heads,
                      q_norm, k_norm, eps, out, scale, window):
     """One decode token per request: q and k normalised per head (Qwen3: q_norm, k_norm of
