@@ -198,6 +198,17 @@ def _attend(qkv, cos_sin, positions, kv, slots, num_heads, q_norm, k_norm, eps, 
     _write_out(lane_row, lane_head, tot, acc, out)
 
 
+def lane_width(lanes: int) -> int:
+    """Lanes a chunk for requests of up to `lanes` query lanes a KV head (`WIDTHS`)."""
+    return WIDTHS[0] if lanes <= WIDTHS[0] else WIDTHS[1]
+
+
+def decode_items(num_seqs: int, num_heads: int, kvh: int) -> int:
+    """The work items of a step in which each of `num_seqs` requests decodes one token."""
+    group = num_heads // kvh
+    return num_seqs * kvh * -(-group // lane_width(group))
+
+
 class RowsAttention:
     """One step's plan: its requests' rows as work items (`_plan`) and the scratch buffers;
     called once per layer. `row_starts` [requests + 1]: each request's first row (its rows
@@ -211,8 +222,7 @@ class RowsAttention:
         seq_lens = seq_lens.astype(np.int64)
         self.num_heads = num_heads
         group = num_heads // kvh
-        lanes = int(np.diff(row_starts).max()) * group
-        W = WIDTHS[0] if lanes <= WIDTHS[0] else WIDTHS[1]
+        W = lane_width(int(np.diff(row_starts).max()) * group)
         self.items, self.lane_row, self.lane_head, self.n_lane, self.words, self.nmax = _plan(
             row_starts, seq_lens, words.astype(np.int64), group, kvh, W)
         firsts = row_starts[:-1]

@@ -203,14 +203,15 @@ class CpuDecoder:
                     raise ValueError("the CPU decode path takes no tree span")
                 words = meta.tree_mask.numpy()
         kv = next(c for c in self.kv if c is not None)
-        plan = rows_attention_cpu.RowsAttention(
-            row_starts, seq_lens, np.full(len(seq_lens), -1) if words is None else words,
-            tables, self.num_heads, kv.shape[3], kv.shape[4])
-        if words is None and len(seq_lens) == num_seqs and \
-                decode_cpu.attention_splits(seq_lens, 0) and \
-                (plan.work_items < numba.get_num_threads() or
-                 kv.shape[4] > rows_attention_cpu.DECODE_MAX_HEAD_DIM):
-            plan = None
+        kvh, dim = kv.shape[3], kv.shape[4]
+        plan = None  # decided before any plan is built: a step's plan allocates its scratch
+        if words is not None or len(seq_lens) != num_seqs or \
+                not decode_cpu.attention_splits(seq_lens, 0) or \
+                (rows_attention_cpu.decode_items(num_seqs, self.num_heads, kvh) >=
+                 numba.get_num_threads() and dim <= rows_attention_cpu.DECODE_MAX_HEAD_DIM):
+            plan = rows_attention_cpu.RowsAttention(
+                row_starts, seq_lens, np.full(len(seq_lens), -1) if words is None else words,
+                tables, self.num_heads, kvh, dim)
         return positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens, plan
 
     def _attend(self, layer, h, i: int, batch: tuple, cos_sin: np.ndarray, scale: float,
