@@ -19,6 +19,11 @@ row-major, shared with it.
   q5_k   qs nibbles | qh bit << 4                                          (d sc) q - dmin mn
   q6_k   qs nibbles | qh 2 bits << 4 (regrouped per block)                 (d sc) (q - 32), sc per 16
 
+Batch invariance: an activation row's outputs are the same bits whether `matvec` takes it
+alone or beside other rows (any number, any order), whichever intrinsic form runs it, so a
+speculative verify step's rows equal plain decode steps and a request's tokens do not depend
+on the requests beside it (tests/test_qdot_invariance.py).
+
 `dequantize_rows` writes w as fp32, equal bit for bit to `quant.dequantize` (the same fp32
 operations; every product is exact), or rounded to bf16 (the prefill path).
 

@@ -85,11 +85,17 @@ def _half(b, ptr, index):
 
 
 def _fmul(b, x, y):
-    return b.fmul(x, y, flags=("fast",))
+    return b.fmul(x, y)  # no fast-math flags: LLVM may not reassociate or contract, so a dot
 
 
-def _fadd(b, x, y):
-    return b.fadd(x, y, flags=("fast",))
+def _fadd(b, x, y):  # product rounds the same in every form of the intrinsics (batch invariance)
+    return b.fadd(x, y)
+
+
+def _fma(b, x, y, acc):
+    """x * y + acc, one rounding (`llvm.fma`), the accumulation of every form of the dot
+    intrinsics."""
+    return _call(b, f"llvm.fma.v{x.type.count}f32", x.type, x, y, acc)
 
 
 def _codes(qtype, b, p, g):
@@ -254,35 +260,39 @@ XN_MAX = 32
 """Activation rows one call of a dot intrinsic's any-rows form takes at most (`row_loop`)."""
 
 
-def row_loop(context, b, sig, args, rows, n_x, x_row, res_index):
+def row_loop(context, b, sig, args, rows, n_x, x_row, res_index, off_lanes):
     """The any-rows form of the dot intrinsics (qdot_kernels_cpu.dot_intrinsic and
-    qdot8_ir_cpu.dot8_intrinsic with xrows=None): one <16 x float> accumulator per (weight row,
-    activation row) on the stack (room for `XN_MAX` activation rows), zeroed. Returns
-    (each_x, finish): `each_x(body)` calls body(pairs, accumulators, accumulators) inside a loop
-    over the n_x activation rows (pairs: (weight row's pointers, x_row(i)); the offset terms go
-    into the same accumulators); `finish()` stores each pair's sum into the intrinsic's argument
-    `res_index`, fp32 [>= n_x, len(rows)] C-contiguous."""
-    zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+    qdot8_ir_cpu.dot8_intrinsic with xrows=None): per (weight row, activation row) one <16 x
+    float> accumulator and one <off_lanes x float> for its offset terms on the stack (room for
+    `XN_MAX` activation rows), zeroed, as the fixed-row forms keep them in registers. Returns
+    (each_x, finish): `each_x(body)` calls body(pairs, accumulators, offset accumulators) inside
+    a loop over the n_x activation rows (pairs: (weight row's pointers, x_row(i))); `finish()`
+    stores each pair's sum, as `_run_blocks` sums a fixed form's, into the intrinsic's argument
+    `res_index`, fp32 [>= n_x, len(rows)] C-contiguous. So a row's outputs are the same bits
+    whichever form computed them and beside whichever other rows."""
+    zeros = [ir.Constant(_vec(_F32, n), [0.0] * n) for n in (16, off_lanes)]
     count = ir.Constant(n_x.type, len(rows))
-    store = cgutils.alloca_once(b, zero.type, size=XN_MAX * len(rows))
+    stores = [cgutils.alloca_once(b, z.type, size=XN_MAX * len(rows)) for z in zeros]
     with cgutils.for_range(b, b.mul(n_x, count)) as loop:
-        b.store(zero, b.gep(store, [loop.index]))
+        for z, store in zip(zeros, stores):
+            b.store(z, b.gep(store, [loop.index]))
 
-    def at(i, r):
+    def at(store, i, r):
         return b.gep(store, [b.add(b.mul(i, count), ir.Constant(n_x.type, r))])
 
     def each_x(body):
         with cgutils.for_range(b, n_x) as loop:
-            acc = [at(loop.index, r) for r in range(len(rows))]
+            acc, off = ([at(s, loop.index, r) for r in range(len(rows))] for s in stores)
             xp = x_row(loop.index)
-            body([(p, xp) for p in rows], acc, acc)
+            body([(p, xp) for p in rows], acc, off)
 
     def finish():
         res = context.make_array(sig.args[res_index])(context, b, args[res_index])
         width = cgutils.unpack_tuple(b, res.shape, 2)[1]
         with cgutils.for_range(b, n_x) as loop:
             for r in range(len(rows)):
-                b.store(_hsum(b, b.load(at(loop.index, r))), b.gep(res.data, [
+                acc, off = (b.load(at(s, loop.index, r)) for s in stores)
+                b.store(_fadd(b, _hsum(b, acc), _hsum(b, off)), b.gep(res.data, [
                     b.add(b.mul(loop.index, width), ir.Constant(width.type, r))]))
     return each_x, finish
 
@@ -292,8 +302,8 @@ def _widen(b, v, n):
     if v.type.count == n:
         return v
     zero = ir.Constant(v.type, [0.0] * v.type.count)
-    return b.shuffle_vector(v, zero, _const(_I32, n, [j if j < v.type.count else v.type.count
-                                                       for j in range(n)]))
+    count = v.type.count
+    return b.shuffle_vector(v, zero, _const(_I32, n, [min(j, count) for j in range(n)]))
 
 
 def _to_bf16(b, v):
