@@ -81,7 +81,7 @@ def engine_rows(model: str, contexts, threads: int, new: int, ngram: bool, round
         llms["plain" + tag] = LLM(model, kv_cache_dtype=kv, **kw)
         if ngram:
             llms["ngram" + tag] = LLM(model, speculative_method="ngram", kv_cache_dtype=kv, **kw)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0)
     text = open(os.path.join(os.path.dirname(__file__), "..", "luceio", "engine.py")).read()
     ids = next(iter(llms.values())).get_tokenizer().encode(text * 8)
     batch = CpuDecoder._batch
@@ -101,18 +101,22 @@ def engine_rows(model: str, contexts, threads: int, new: int, ngram: bool, round
                     t = time.perf_counter()
                     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
                     times[kernel].append(new / (time.perf_counter() - t))
-                    tokens.setdefault((name, kernel), out.outputs[0].token_ids)
+                    o = out.outputs[0]
+                    tokens.setdefault((name, kernel), (o.token_ids, [
+                        lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]))
             CpuDecoder._batch = batch
             for kernel, v in times.items():
                 row[f"{name}_{kernel}_tok_s"] = round(float(np.median(v)), 2)
             row[f"{name}_speedup"] = round(row[f"{name}_rows_tok_s"] / row[f"{name}_before_tok_s"], 2)
-        # greedy tokens against plain decoding with the rows kernel (they may part at a near
-        # tie: a verify step's 5-row matmuls round differently from 1-row ones, and the
-        # kernel before sums long contexts in other ranges)
+        # greedy tokens, and their log-probabilities bit for bit, against plain decoding with
+        # the rows kernel (the CPU decode path is batch-invariant: a verify step's rows equal
+        # decode steps; the kernel before sums long contexts in other ranges and may part at a
+        # near tie)
         first = (next(iter(llms)), "rows")
-        for (name, kernel), v in tokens.items():
+        for (name, kernel), (ids_, lps) in tokens.items():
             if (name, kernel) != first:
-                row[f"{name}_{kernel}_same_tokens"] = v == tokens[first]
+                row[f"{name}_{kernel}_same_tokens"] = ids_ == tokens[first][0]
+                row[f"{name}_{kernel}_same_logprobs"] = lps == tokens[first][1]
         print(row, flush=True)
         rows.append(row)
     return rows

@@ -11,7 +11,7 @@ same run, the one before it (`decode_cpu.decode_attention_split`, or its one-thr
 where the split is not taken, a row at a time), medians of `--repeats` steps.
 
     python bench/cpu_verify_attention.py [--contexts 512,2048,8192] [--threads 2]
-        [--kv-dtype bfloat16] [--shape 1.5b]
+        [--kv-dtype bfloat16] [--shape 1.5b] [--spans 256,1024]
 Writes bench/results/cpu/cpu_verify_attention.json.
 """
 from __future__ import annotations
@@ -34,10 +34,11 @@ SHAPES = {"0.5b": (14, 2, 64, 24), "1.5b": (12, 2, 128, 28)}  # heads, KV heads,
 
 
 def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows",
-            kv_dtype: str = "float32") -> tuple[float, int]:
+            kv_dtype: str = "float32", span: int | None = None) -> tuple[float, int]:
     """(median ms of one step's attention over every layer, splits) for `rows` verify rows of
     one request whose last row sees `ctx` keys; `kernel` "rows": `rows_attention_cpu` (the
-    decode path's), "per-row": each row as a one-token request (`decode_cpu`, before)."""
+    decode path's), "per-row": each row as a one-token request (`decode_cpu`, before);
+    `span`: the rows kernel's keys a work item (`KEY_SPAN` where None)."""
     from luceio.kernels.rotary import build_cos_sin_cache
     rng = np.random.default_rng(0)
     blocks = ctx // BLOCK + 1
@@ -55,7 +56,7 @@ def step_ms(ctx: int, rows: int, repeats: int, kernel: str = "rows",
     splits = decode_cpu.attention_splits(lens, 0)
     if kernel == "rows":
         plan = rows_attention_cpu.RowsAttention(np.array([0, rows]), lens, np.full(rows, -1),
-                                                tables, HEADS, KV_HEADS, DIM)
+                                                tables, HEADS, KV_HEADS, DIM, span)
 
         def step():
             for kv in caches:
@@ -83,8 +84,11 @@ def main() -> None:
                     help="the caches' dtype (--kv-cache-dtype)")
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES),
                     help="Qwen2.5-Coder-0.5B's or -1.5B's attention shape")
+    ap.add_argument("--spans", default="",
+                    help="also the rows kernel with these keys a work item (KEY_SPAN's A/B)")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
+    spans = [int(s) for s in a.spans.split(",") if s]
     global HEADS, KV_HEADS, DIM, LAYERS
     HEADS, KV_HEADS, DIM, LAYERS = SHAPES[a.shape]
     import numba
@@ -102,7 +106,10 @@ def main() -> None:
                    "attention_ms": round(ms, 3),
                    "vs_one_row": round(ms / base, 2), "work_items": items,
                    "per_row_kernel_ms": round(before, 3), "per_row_splits": splits,
-                   "speedup": round(before / ms, 2)}
+                   "speedup": round(before / ms, 2), "key_span": rows_attention_cpu.KEY_SPAN}
+            for span in spans:
+                row[f"span_{span}_ms"] = round(step_ms(ctx, rows, a.repeats, "rows",
+                                                       a.kv_dtype, span)[0], 3)
             print(row, flush=True)
             rows_out.append(row)
     write_json(a.out, {"env": env_info(), "shape": {"heads": HEADS, "kv_heads": KV_HEADS,

@@ -247,41 +247,31 @@ def test_decoder_with_bf16_kv_cache(tiny_models, arch):
         kv_dtype("bfloat16", torch.float16, "cuda")
 
 
-def test_decoder_splits_long_attention_over_threads(tmp_path, monkeypatch):
-    """A step's requests go to `rows_attention_cpu` (each key read once for a request's rows,
-    work items of (request, KV head, lanes) on the threads) unless every request decodes one
-    token, the longest over `_MIN_KEYS` keys or more, and the items would leave threads idle
-    or the heads are wider than `DECODE_MAX_HEAD_DIM`: then the split attention cuts the keys
-    into ranges. Either way the step equals the module forward."""
+def test_decoder_cuts_long_contexts_into_work_items(tmp_path, monkeypatch):
+    """Every step's requests go to `rows_attention_cpu` (each key read once for a request's
+    rows), their keys cut into work items of `KEY_SPAN` on the threads; `decode_cpu`'s
+    split kernel is not used (Gemma's windows keep it). The step equals the module forward."""
     from conftest import make_tiny_model
     from luceio.kernels import rows_attention_cpu
-    from luceio.models import cpu_decode
     path = make_tiny_model(str(tmp_path / "long"), "qwen3", seed=5, context=4096)
     runner = LLM(path, **engine_kwargs(cpu_threads=2, max_model_len=4096,
                                        num_kv_blocks=300)).engine.runner
-    calls, rows = [], []
-    real, real_rows = decode_cpu.decode_attention_split, rows_attention_cpu.RowsAttention.__call__
-    monkeypatch.setattr(decode_cpu, "decode_attention_split",
-                        lambda *a: calls.append(a[-1]) or real(*a))
+    calls, items = [], []
+    real_rows = rows_attention_cpu.RowsAttention.__call__
+    for name in ("decode_attention_split", "decode_attention"):
+        monkeypatch.setattr(decode_cpu, name, lambda *a: calls.append(a))
     monkeypatch.setattr(rows_attention_cpu.RowsAttention, "__call__",
-                        lambda self, *a: rows.append(self.work_items) or real_rows(self, *a))
+                        lambda self, *a: items.append(self.work_items) or real_rows(self, *a))
     layers = runner.cfg.num_layers
+    assert rows_attention_cpu.KEY_SPAN == 1024
     hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])  # 2 x 2 KV heads
     assert hidden_err < 1e-5 and kv_err < 1e-6
-    assert not calls and rows == [4] * layers
-    rows.clear()
-    monkeypatch.setattr(cpu_decode.numba, "get_num_threads", lambda: 8)  # items < threads
+    assert not calls and items == [2 * 3 + 2] * layers  # 2,600 keys: 3 items a KV head
+    items.clear()
+    monkeypatch.setattr(rows_attention_cpu, "KEY_SPAN", 100)
     hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])
     assert hidden_err < 1e-5 and kv_err < 1e-6
-    assert not rows and len(calls) == layers and calls[0] >= 1
-    calls.clear()
-    _decoder_vs_module_forward(runner, [decode_cpu._MIN_KEYS - 56, 37])  # short: no split
-    assert not calls and rows == [4] * layers
-    rows.clear()
-    monkeypatch.setattr(cpu_decode.numba, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(rows_attention_cpu, "DECODE_MAX_HEAD_DIM", 16)  # heads of 32: wider
-    hidden_err, kv_err = _decoder_vs_module_forward(runner, [2600, 37])
-    assert hidden_err < 1e-5 and not rows and len(calls) == layers
+    assert not calls and items == [2 * 26 + 2] * layers
 
 
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_odd_untied"])

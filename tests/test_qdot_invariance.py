@@ -82,10 +82,14 @@ def test_rows_equal_one_row_bit_for_bit(kind, qtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_verify_rows_equal_decode_steps_on_quantized_weights(tmp_path, kind):
+@pytest.mark.parametrize("span", [1024, 8])
+def test_verify_rows_equal_decode_steps_on_quantized_weights(tmp_path, monkeypatch, kind, span):
     """A chain verify step (two requests of 5 and 3 rows) on the CPU decoder with GGUF weights
     of mixed types: each row's hidden state is the bits of the decode step of its position
-    alone, from the cache the verify left (its keys at that position the decode's too)."""
+    alone, from the cache the verify left (its keys at that position the decode's too); the
+    attention's keys in work items of `KEY_SPAN` (1,024: one), or of 8 (several, merged)."""
+    from luceio.kernels import rows_attention_cpu
+    monkeypatch.setattr(rows_attention_cpu, "KEY_SPAN", span)
     pytest.importorskip("gguf")
     from conftest import engine_kwargs
     from test_cpu_verify import _verify_batch

@@ -45,8 +45,9 @@ def _setup(heads, kv_heads, dim, block_size, firsts, q_lens, seed, num_blocks=64
         words=torch.full((rows,), -1, dtype=torch.int64), io_dtype=io_dtype)
 
 
-def _run(c, kv=None, rows=None, threads=None):
-    """The kernel over rows `rows` (default all) of c: (out [rows, H D], the cache after)."""
+def _run(c, kv=None, rows=None, threads=None, span=None):
+    """The kernel over rows `rows` (default all) of c, its keys cut at multiples of `span`
+    (default `KEY_SPAN`): (out [rows, H D], the cache after)."""
     kv = (c["kv"] if kv is None else kv).clone()
     sel = torch.arange(len(c["idx"])) if rows is None else torch.tensor(rows)
     seq = c["seq"][sel]
@@ -54,7 +55,7 @@ def _run(c, kv=None, rows=None, threads=None):
     starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
     lens = (c["idx"][sel] + 1).numpy()
     plan = RowsAttention(starts.numpy(), lens, c["words"][sel].numpy(),
-                         c["tables"][seq].numpy(), c["heads"], kv.shape[3], kv.shape[4])
+                         c["tables"][seq].numpy(), c["heads"], kv.shape[3], kv.shape[4], span)
     out = torch.empty(len(sel), c["heads"] * kv.shape[4], dtype=c["io_dtype"])
     if threads is not None:
         import numba
@@ -106,48 +107,57 @@ def _reference(c, mask=None):
     (16, 2, 24, 16, False),   # group 8; head dim 24: one vector of 16, then one by one
     (4, 4, 16, 16, False),    # multi-head: a lane a row
 ])
-@pytest.mark.parametrize("io_dtype,kv_dtype", [(torch.float32, torch.float32),
-                                               (torch.bfloat16, torch.float32),
-                                               (torch.float32, torch.bfloat16)])
-def test_rows_equal_references(heads, kv_heads, dim, block_size, qk_norm, io_dtype, kv_dtype):
+@pytest.mark.parametrize("io_dtype,kv_dtype,span", [(torch.float32, torch.float32, None),
+                                                    (torch.bfloat16, torch.float32, None),
+                                                    (torch.float32, torch.bfloat16, None),
+                                                    (torch.float32, torch.float32, 24)])
+def test_rows_equal_references(heads, kv_heads, dim, block_size, qk_norm, io_dtype, kv_dtype,
+                               span):
     """fp32 or bf16 activations; an fp32 or a bf16 cache (keys and values written rounded
-    to nearest even, read widened: the reference reads the same cache)."""
+    to nearest even, read widened: the reference reads the same cache); keys cut into work
+    items of 24 (their softmaxes merged)."""
     c = _setup(heads, kv_heads, dim, block_size, [37, 3, 90], [5, 1, 9], seed=1,
                qk_norm=qk_norm, io_dtype=io_dtype, kv_dtype=kv_dtype)
-    out, kv = _run(c)
+    out, kv = _run(c, span=span)
     want, want_kv = _reference(c)
     if kv_dtype == torch.bfloat16:  # fp32 k / v rounded to bf16: at most one rounding flip
         assert (kv.float() - want_kv.float()).abs().max() <= \
             2 ** -8 * want_kv.float().abs().max()
         kv = want_kv  # attention over the reference's cache is compared below
-        out, _ = _run(c, kv=want_kv)
+        out, _ = _run(c, kv=want_kv, span=span)
     torch.testing.assert_close(kv, want_kv, rtol=1e-6, atol=1e-6)
     rtol, atol = (1e-5, 1e-6) if io_dtype == torch.float32 else (2 ** -7, 1e-5)
     torch.testing.assert_close(out.float(), want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size,kv_dtype", [
-    (14, 2, 64, 16, torch.float32), (9, 3, 32, 5, torch.float32),
-    (24, 2, 16, 16, torch.float32), (14, 2, 64, 16, torch.bfloat16)])
-def test_verify_row_equals_decode_step_bitwise(heads, kv_heads, dim, block_size, kv_dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,kv_dtype,span", [
+    (14, 2, 64, 16, torch.float32, None), (9, 3, 32, 5, torch.float32, None),
+    (24, 2, 16, 16, torch.float32, None), (14, 2, 64, 16, torch.bfloat16, None),
+    (14, 2, 64, 16, torch.float32, 40), (9, 3, 32, 5, torch.bfloat16, 7)])
+def test_verify_row_equals_decode_step_bitwise(heads, kv_heads, dim, block_size, kv_dtype, span):
     """Every row of a verify step (chains of 1-17 rows over 0-300 cached keys, several
     requests, lanes across chunks) equals, bit for bit, the decode step of its position alone
-    on one thread, and a step of two threads; an fp32 or a bf16 cache."""
+    on one thread, and a step of two threads; an fp32 or a bf16 cache; keys in work items of
+    `KEY_SPAN` or of 40 and 7 (cut inside the chains: a row's items and their merge are its
+    decode step's)."""
     c = _setup(heads, kv_heads, dim, block_size, [300, 0, 41, 7], [9, 1, 17, 3], seed=3,
                num_blocks=128, kv_dtype=kv_dtype)
-    out, kv = _run(c, threads=2)
+    out, kv = _run(c, threads=2, span=span)
     for r in range(len(c["idx"])):
-        alone, _ = _run(c, kv=kv, rows=[r], threads=1)  # its K and V are in kv already
+        alone, _ = _run(c, kv=kv, rows=[r], threads=1, span=span)  # its K and V: in kv
         assert torch.equal(alone[0], out[r]), r
-    again, _ = _run(c, threads=1)
+    again, _ = _run(c, threads=1, span=span)
     assert torch.equal(again, out)
 
 
-def test_tree_rows_see_their_ancestors_and_equal_their_paths_decode():
+@pytest.mark.parametrize("span", [None, 72, 73, 32])
+def test_tree_rows_see_their_ancestors_and_equal_their_paths_decode(span):
     """Tree rows (root -> a, b; a -> c, d; b -> e; c -> f) see the context and their
     ancestors: equal to the reference with the tree mask, and each row bit for bit equal to
     the decode step of its path with the path's K and V moved to consecutive cache indices
-    (as the commit of an accepted path leaves them)."""
+    (as the commit of an accepted path leaves them); work items cut inside the tree's rows
+    (indices 70-76) at 72 and 73: a row's ancestors go to items by their ordinals (the
+    indices they take on its path), as its path's decode step cuts them."""
     parents = [-1, 0, 0, 1, 1, 2, 3]  # rows: root, a, b, c, d, e, f
     depth = [0, 1, 1, 2, 2, 2, 3]
     heads, kvh, dim, bs = 14, 2, 64, 16
@@ -163,7 +173,7 @@ def test_tree_rows_see_their_ancestors_and_equal_their_paths_decode():
     words = [sum(1 << j for j in range(7) if mask[r][j]) for r in range(7)]
     c["words"][:7] = torch.tensor(words)
     c["pos"][:7] = 70 + torch.tensor(depth)
-    out, kv = _run(c)
+    out, kv = _run(c, span=span)
     want, _ = _reference(c, mask=mask)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     first, table = 70, c["tables"][0]
@@ -176,7 +186,7 @@ def test_tree_rows_see_their_ancestors_and_equal_their_paths_decode():
                    pos=torch.tensor([70 + depth[r]]), qkv=c["qkv"][r:r + 1],
                    words=torch.tensor([-1]))
         one["slots"] = table[one["idx"] // bs].long() * bs + one["idx"] % bs
-        alone, _ = _run(one, kv=moved)
+        alone, _ = _run(one, kv=moved, span=span)
         assert torch.equal(alone[0], out[r]), r
 
 

@@ -111,45 +111,57 @@ def _exp_vec(b, x):
     return b.fmul(p, b.bitcast(bits, vt))
 
 
-def _sees_vec(b, t, first, n_lane, words, W):
-    """<W x i1>: which lanes see key t: those whose row sees t keys or more (n_lane), where
-    t >= first (the step's rows) only the rows their words name (bit t - first; from 64
-    on, all)."""
+def _sees_vec(b, t, first, n_lane, words, W, lo, hi):
+    """<W x i1>: which lanes see key t in the item of keys lo .. hi - 1: those whose row sees
+    t keys or more (n_lane), where t >= first (the step's rows) only the rows their words
+    name (bit t - first; from 64 on, all), and whose ordinal of t is in [lo, hi): t itself
+    below first, else first + the lane's ancestors before t (a tree row's path as the decode
+    of its path, once committed, holds it: at consecutive indices; a chain row's is t)."""
     ts = _splat(b, t, W)
     j = b.sub(ts, _splat(b, first, W))
     zero = _splat(b, ir.Constant(_I64, 0), W)
     shared = b.icmp_signed("<", j, zero)
     far = b.icmp_signed(">=", j, _splat(b, ir.Constant(_I64, 64), W))
-    jc = b.select(b.or_(shared, far), zero, j)
+    plain = b.or_(shared, far)
+    jc = b.select(plain, zero, j)
     bit = b.trunc(b.lshr(words, jc), _vec(ir.IntType(1), W))
-    return b.and_(b.icmp_signed("<", ts, n_lane), b.or_(b.or_(shared, far), bit))
+    one = _splat(b, ir.Constant(_I64, 1), W)
+    before = b.and_(words, b.sub(b.shl(one, jc), one))
+    vt = _vec(_I64, W)
+    ordinal = b.select(plain, ts, b.add(_splat(b, first, W),
+                                        _call(b, "llvm.ctpop.v%di64" % W, vt, before)))
+    inside = b.and_(b.icmp_signed(">=", ordinal, _splat(b, lo, W)),
+                    b.icmp_signed("<", ordinal, _splat(b, hi, W)))
+    return b.and_(b.and_(b.icmp_signed("<", ts, n_lane), b.or_(plain, bit)), inside)
 
 
 def _softmax_intrinsic(W: int):
     @intrinsic
-    def softmax(typingctx, s, nmax, first, n_lane, words, top, tot):
-        """Per lane of s [>= nmax, W] (the scores): top = the max of the scores it sees, s =
-        e^(score - top) where it sees the key and 0 where not, tot = their sum in key order."""
+    def softmax(typingctx, s, lo, hi, count, first, n_lane, words, top, tot):
+        """Per lane of s [>= count, W] (the scores of keys lo .. lo + count), the keys it
+        sees in the item of keys lo .. hi - 1 (`_sees_vec`): top = the max of their scores
+        (-inf: none), s = e^(score - top) where it sees the key and 0 where not, tot = their
+        sum in key order."""
         def codegen(context, b, sig, args):
-            sa, nl, wd, tp, tt = _arrays(context, b, sig, args, 0, 3, 4, 5, 6)
-            count, first_ = args[1], args[2]
+            sa, nl, wd, tp, tt = _arrays(context, b, sig, args, 0, 5, 6, 7, 8)
+            start, end, count, first_ = args[1], args[2], args[3], args[4]
             vt = _vec(_F32, W)
             nlv = _load(b, nl.data, ir.Constant(_I64, 0), _I64, W)
             wdv = _load(b, wd.data, ir.Constant(_I64, 0), _I64, W)
             best = cgutils.alloca_once_value(b, _splat(b, ir.Constant(_F32, float("-inf")), W))
             with cgutils.for_range(b, count) as loop:
-                t = loop.index
-                sv = _load(b, sa.data, b.mul(t, ir.Constant(_I64, W)), _F32, W)
+                t = b.add(start, loop.index)
+                sv = _load(b, sa.data, b.mul(loop.index, ir.Constant(_I64, W)), _F32, W)
                 cur = b.load(best)
-                up = b.and_(_sees_vec(b, t, first_, nlv, wdv, W), b.fcmp_ordered(">", sv, cur))
+                up = b.and_(_sees_vec(b, t, first_, nlv, wdv, W, start, end), b.fcmp_ordered(">", sv, cur))
                 b.store(b.select(up, sv, cur), best)
             top_v = b.load(best)
             total = cgutils.alloca_once_value(b, ir.Constant(vt, [0.0] * W))
             with cgutils.for_range(b, count) as loop:
-                t = loop.index
-                at = b.mul(t, ir.Constant(_I64, W))
+                t = b.add(start, loop.index)
+                at = b.mul(loop.index, ir.Constant(_I64, W))
                 sv = _load(b, sa.data, at, _F32, W)
-                ok = _sees_vec(b, t, first_, nlv, wdv, W)
+                ok = _sees_vec(b, t, first_, nlv, wdv, W, start, end)
                 x = b.select(ok, b.fsub(sv, top_v), _splat(b, ir.Constant(_F32, -100.0), W))
                 e = b.select(ok, _exp_vec(b, x), ir.Constant(vt, [0.0] * W))
                 b.store(e, b.bitcast(b.gep(sa.data, [at]), vt.as_pointer()), align=4)
@@ -157,7 +169,7 @@ def _softmax_intrinsic(W: int):
             b.store(top_v, b.bitcast(tp.data, vt.as_pointer()), align=4)
             b.store(b.load(total), b.bitcast(tt.data, vt.as_pointer()), align=4)
             return context.get_dummy_value()
-        return types.void(s, nmax, first, n_lane, words, top, tot), codegen
+        return types.void(s, lo, hi, count, first, n_lane, words, top, tot), codegen
     return softmax
 
 

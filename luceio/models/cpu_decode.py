@@ -58,7 +58,6 @@ import numpy as np
 import torch
 
 from ..kernels import decode_cpu, half_cpu, qdot_cpu, rows_attention_cpu
-from ..kernels.decode_cpu import numba
 from ..kernels.half_cpu import CpuHalf
 from ..kernels.qdot_cpu import CpuQuant
 from ..kernels.quant_cpu import dense_min_rows, in_prefill
@@ -181,10 +180,8 @@ class CpuDecoder:
 
     def _batch(self, positions: torch.Tensor, meta: AttnMetadata) -> tuple:
         """(positions, slots, block tables, seq lens) as `decode_cpu`'s kernels read them, one
-        entry a query row, then the step's `RowsAttention` plan, or None where every request
-        decodes one token over a long context and its work items would leave threads idle or
-        its heads are wider than `DECODE_MAX_HEAD_DIM` (`decode_cpu.decode_attention_split`
-        then cuts the keys into ranges). A request's rows
+        entry a query row, then the step's `RowsAttention` plan (Gemma's sliding-window layers
+        take `decode_cpu`'s kernels instead). A request's rows
         of a verify step attend as one-token requests would, row i of q up to its own cache
         index (seq_len - q + i + 1, causal), a tree's rows to their ancestors."""
         tables, seq_lens = meta.block_tables.numpy(), meta.seq_lens.numpy()
@@ -204,14 +201,9 @@ class CpuDecoder:
                 words = meta.tree_mask.numpy()
         kv = next(c for c in self.kv if c is not None)
         kvh, dim = kv.shape[3], kv.shape[4]
-        plan = None  # decided before any plan is built: a step's plan allocates its scratch
-        if words is not None or len(seq_lens) != num_seqs or \
-                not decode_cpu.attention_splits(seq_lens, 0) or \
-                (rows_attention_cpu.decode_items(num_seqs, self.num_heads, kvh) >=
-                 numba.get_num_threads() and dim <= rows_attention_cpu.DECODE_MAX_HEAD_DIM):
-            plan = rows_attention_cpu.RowsAttention(
-                row_starts, seq_lens, np.full(len(seq_lens), -1) if words is None else words,
-                tables, self.num_heads, kvh, dim)
+        plan = rows_attention_cpu.RowsAttention(
+            row_starts, seq_lens, np.full(len(seq_lens), -1) if words is None else words,
+            tables, self.num_heads, kvh, dim)
         return positions.numpy(), meta.slot_mapping.numpy(), tables, seq_lens, plan
 
     def _attend(self, layer, h, i: int, batch: tuple, cos_sin: np.ndarray, scale: float,
