@@ -117,3 +117,36 @@ def test_verify_rows_equal_decode_steps_on_quantized_weights(tmp_path, monkeypat
                 assert torch.equal(got[0], rows[r]), (i, j, float((got[0] - rows[r]).abs().max()))
                 r += 1
         assert all(torch.equal(a, b) for a, b in zip(runner.kv_caches, after))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_plain_decodings_logprobs_bit_for_bit(tmp_path, monkeypatch, method):
+    """End to end on GGUF weights of mixed types: greedy speculative decoding (n-gram drafts
+    from a repetitive prompt, or the model drafting for itself: every draft accepted) emits
+    plain decoding's tokens with the same log-probabilities, bit for bit (the attention's keys
+    in work items of 8, so several are merged)."""
+    pytest.importorskip("gguf")
+    from conftest import engine_kwargs
+    from test_gguf import _write_gguf
+    from test_quant_engine import MIXED
+    from luceio import LLM, SamplingParams
+    from luceio.kernels import rows_attention_cpu
+    monkeypatch.setattr(rows_attention_cpu, "KEY_SPAN", 8)
+    path = str(tmp_path / "q.gguf")
+    _write_gguf(path, "qwen2", MIXED)
+    kw = dict(quantization="auto", max_model_len=256)
+    spec_kw = dict(speculative_method=method, num_speculative_tokens=4)
+    if method == "draft":
+        spec_kw["draft_model"] = path
+    prompts = [list(range(40, 52)) * 4, [7, 8, 9, 10] * 6 + [3]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = []
+    for extra in ({}, spec_kw):
+        llm = LLM(path, **engine_kwargs(**kw, **extra))
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in
+                                               zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                     for o in res])
+    stats = llm.engine.spec.stats
+    assert stats.num_draft_tokens > 0 and (method == "ngram" or stats.num_accepted_tokens > 0)
+    assert outs[1] == outs[0]

@@ -13,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fma, _fmul,
+from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fmul,
                           _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales, _vec,
                           _widen, q6_k_high, row_loop, weight_group)
 
@@ -128,9 +128,11 @@ def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
     each block, so the weight rows' codes and scales are unpacked once a block for all of them
     (with 2 rows a call, 5 rows unpacked them 3 times: ~40% of the instructions); the sums go to
     a last argument, res fp32 [>= rows, wrows] C-contiguous, and each (weight row, activation
-    row) keeps its accumulators on the stack (`row_loop`) where the fixed-row forms keep them
-    in registers: the same operations in the same order, so an output's bits do not depend on
-    the form or on the other rows of the call (tests/test_qdot_invariance.py)."""
+    row) keeps its accumulator on the stack (`row_loop`) where the fixed-row forms keep it in a
+    register. Every form adds a pair's offset terms into its accumulator and rounds the same
+    operations in the same order (no fast-math flags: `qdot_ir_cpu._fadd`), so an output's bits
+    do not depend on the form or on the other rows of the call (batch invariance,
+    tests/test_qdot_invariance.py)."""
     codegen = _dot8_codegen(qtype, wrows, xrows, interleaved)
     if xrows is None:
         @intrinsic
@@ -160,15 +162,13 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                     for a, width in zip(xs, (k, groups, groups, halfs))]
         zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
         if xrows is None:
-            each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 10,
-                                      _LANES)
+            each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 10)
             acc_p = off_p = ()
         else:
             xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
             pairs = [(p, x) for p in rows for x in xp]
             acc_p = [cgutils.alloca_once_value(b, zero) for _ in pairs]
-            off_p = [cgutils.alloca_once_value(b, ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES))
-                     for _ in pairs]
+            off_p = acc_p  # the offset terms go into the pair's accumulator, as in `row_loop`
             finish = None
 
             def each_x(body):
@@ -237,7 +237,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                             [4 * c + j // 4 for j in range(16)])
                     v8 = lanes[id(p), id(x)]
                     scale = b.shuffle_vector(v8, v8, _const(_I32, 16, mask))
-                    total = _fma(b, b.sitofp(v, _vec(_F32, 16)), scale, total)
+                    total = _fadd(b, total, _fmul(b, b.sitofp(v, _vec(_F32, 16)), scale))
                 b.store(total, acc)
 
         def pair(g, codes, lanes, pairs, acc_p):
@@ -246,7 +246,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
                 v = lanes[id(p), id(x)]  # lanes 0-7 group g's, 8-15 g + 1's
                 scale = b.shuffle_vector(v, v, _const(_I32, 16, [j // 8 for j in range(16)]))
-                b.store(_fma(b, sums, scale, b.load(acc)), acc)
+                b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
 
         def lone(g, codes, lanes, pairs, acc_p):
             for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
@@ -257,7 +257,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 v = lanes[id(p), id(x)]  # lanes 0-7 the group's (q6_k: 0-3, 4-7 its halves)
                 scale = b.shuffle_vector(v, v, _const(
                     _I32, 16, [j // 4 if halves else 0 for j in range(16)]))
-                b.store(_fma(b, sums, scale, b.load(acc)), acc)
+                b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
 
         return _run_blocks(context, b, sig, groups, run, acc_p, off_p,
                            tails=(BLOCK // 2, 2), finish=finish)

@@ -85,17 +85,17 @@ def _half(b, ptr, index):
 
 
 def _fmul(b, x, y):
-    return b.fmul(x, y)  # no fast-math flags: LLVM may not reassociate or contract, so a dot
+    """x * y with no fast-math flags: LLVM may neither reassociate nor contract to FMAs, so the
+    dot intrinsics' forms (one, two or any number of activation rows; 1 or 4 weight rows) round
+    a pair's sum through the same operations in the same order (batch invariance). Measured
+    against the flags (`bench/cpu_kernels_ab.py`, real 0.5B / 1.5B Q4_K_M, 1 and 5 rows): within
+    the bench's own bias (identical code measured 0.89-0.91 at 5 rows, int8)."""
+    return b.fmul(x, y)
 
 
-def _fadd(b, x, y):  # product rounds the same in every form of the intrinsics (batch invariance)
+def _fadd(b, x, y):
+    """x + y, as `_fmul` (no fast-math flags)."""
     return b.fadd(x, y)
-
-
-def _fma(b, x, y, acc):
-    """x * y + acc, one rounding (`llvm.fma`), the accumulation of every form of the dot
-    intrinsics."""
-    return _call(b, f"llvm.fma.v{x.type.count}f32", x.type, x, y, acc)
 
 
 def _codes(qtype, b, p, g):
@@ -236,7 +236,8 @@ def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=(), finish=Non
     """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then once each size of
     `tails` (decreasing, below `BLOCK`) if as many groups are left, then the rest one by one;
     returns the intrinsic's tuple: per (weight row, activation row) its accumulator's lanes
-    plus its offset lanes, summed (or calls `finish`, which stores them, and returns none)."""
+    summed, the offset terms among them (or calls `finish`, which stores them, and returns
+    none). `off_p` is `acc_p`: one accumulator a pair in every form."""
     blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
     with cgutils.for_range(b, blocks) as loop:
         run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
@@ -251,8 +252,7 @@ def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=(), finish=Non
     if finish is not None:
         finish()
         return context.get_dummy_value()
-    sums = [_fadd(b, _hsum(b, b.load(acc)), _hsum(b, b.load(off)))
-            for acc, off in zip(acc_p, off_p)]
+    sums = [_hsum(b, b.load(acc)) for acc in acc_p]  # the offset terms are in them
     return context.make_tuple(b, sig.return_type, sums)
 
 
@@ -260,39 +260,37 @@ XN_MAX = 32
 """Activation rows one call of a dot intrinsic's any-rows form takes at most (`row_loop`)."""
 
 
-def row_loop(context, b, sig, args, rows, n_x, x_row, res_index, off_lanes):
+def row_loop(context, b, sig, args, rows, n_x, x_row, res_index):
     """The any-rows form of the dot intrinsics (qdot_kernels_cpu.dot_intrinsic and
-    qdot8_ir_cpu.dot8_intrinsic with xrows=None): per (weight row, activation row) one <16 x
-    float> accumulator and one <off_lanes x float> for its offset terms on the stack (room for
-    `XN_MAX` activation rows), zeroed, as the fixed-row forms keep them in registers. Returns
-    (each_x, finish): `each_x(body)` calls body(pairs, accumulators, offset accumulators) inside
-    a loop over the n_x activation rows (pairs: (weight row's pointers, x_row(i))); `finish()`
-    stores each pair's sum, as `_run_blocks` sums a fixed form's, into the intrinsic's argument
+    qdot8_ir_cpu.dot8_intrinsic with xrows=None): one <16 x float> accumulator per (weight row,
+    activation row) on the stack (room for `XN_MAX` activation rows), zeroed, where the
+    fixed-row forms keep it in a register; the offset terms go into it in both. Returns
+    (each_x, finish): `each_x(body)` calls body(pairs, accumulators, accumulators) inside a loop
+    over the n_x activation rows (pairs: (weight row's pointers, x_row(i))); `finish()` stores
+    each pair's sum, as `_run_blocks` sums a fixed form's, into the intrinsic's argument
     `res_index`, fp32 [>= n_x, len(rows)] C-contiguous. So a row's outputs are the same bits
     whichever form computed them and beside whichever other rows."""
-    zeros = [ir.Constant(_vec(_F32, n), [0.0] * n) for n in (16, off_lanes)]
+    zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
     count = ir.Constant(n_x.type, len(rows))
-    stores = [cgutils.alloca_once(b, z.type, size=XN_MAX * len(rows)) for z in zeros]
+    store = cgutils.alloca_once(b, zero.type, size=XN_MAX * len(rows))
     with cgutils.for_range(b, b.mul(n_x, count)) as loop:
-        for z, store in zip(zeros, stores):
-            b.store(z, b.gep(store, [loop.index]))
+        b.store(zero, b.gep(store, [loop.index]))
 
-    def at(store, i, r):
+    def at(i, r):
         return b.gep(store, [b.add(b.mul(i, count), ir.Constant(n_x.type, r))])
 
     def each_x(body):
         with cgutils.for_range(b, n_x) as loop:
-            acc, off = ([at(s, loop.index, r) for r in range(len(rows))] for s in stores)
+            acc = [at(loop.index, r) for r in range(len(rows))]
             xp = x_row(loop.index)
-            body([(p, xp) for p in rows], acc, off)
+            body([(p, xp) for p in rows], acc, acc)
 
     def finish():
         res = context.make_array(sig.args[res_index])(context, b, args[res_index])
         width = cgutils.unpack_tuple(b, res.shape, 2)[1]
         with cgutils.for_range(b, n_x) as loop:
             for r in range(len(rows)):
-                acc, off = (b.load(at(s, loop.index, r)) for s in stores)
-                b.store(_fadd(b, _hsum(b, acc), _hsum(b, off)), b.gep(res.data, [
+                b.store(_hsum(b, b.load(at(loop.index, r))), b.gep(res.data, [
                     b.add(b.mul(loop.index, width), ir.Constant(width.type, r))]))
     return each_x, finish
 

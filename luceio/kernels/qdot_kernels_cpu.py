@@ -18,8 +18,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fma, _fmul,
-                          XN_MAX, _lane, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
+from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fmul, _lane,
+                          XN_MAX, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
                           _to_bf16, _vec, _widen, row_loop, weight_group)
 
 
@@ -43,10 +43,10 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
     rest (K/32 not a multiple of BLOCK) one by one. `interleaved`: the fields are one row of 4
     rows interleaved (`qdot_cpu.interleave`; whole blocks only). `xrows=None`: every row of
     xq (at most `XN_MAX`), the block's codes decoded once and a loop over the activation rows
-    inside it, each pair's accumulators on the stack (`row_loop`), the sums into a last
-    argument res fp32 [>= rows, wrows] (as qdot8_ir_cpu.dot8_intrinsic). Every form rounds a
-    pair's sum through the same operations in the same order (no fast-math flags, `_fma`), so
-    an output does not depend on the other rows of the call."""
+    inside it, each pair's accumulator on the stack (offset terms in it, as in the fixed-row
+    forms), the sums into a last argument res fp32 [>= rows, wrows] (as
+    qdot8_ir_cpu.dot8_intrinsic, whose docstring tells why an output's bits do not depend on
+    the form or the other rows)."""
     halves = qtype == "q6_k"
 
     def codegen(context, b, sig, args):
@@ -60,15 +60,13 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
             return [b.gep(a.data, [b.mul(width, i)]) for a, width in zip(xs, (k, groups, groups))]
         zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
         if xrows is None:
-            each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 9,
-                                      BLOCK)
+            each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 9)
             acc_p = off_p = ()
         else:
             xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
             pairs = [(p, x) for p in rows for x in xp]
             acc_p = [cgutils.alloca_once_value(b, zero) for _ in pairs]
-            off_p = [cgutils.alloca_once_value(b, ir.Constant(_vec(_F32, BLOCK), [0.0] * BLOCK))
-                     for _ in pairs]
+            off_p = acc_p  # the offset terms go into the pair's accumulator, as in `row_loop`
             finish = None
 
             def each_x(body):
@@ -104,7 +102,7 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
                     xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I16, 32)
                     sums = b.sitofp(_pair_sums(b, mine[id(p)], xv), _vec(_F32, 16))
                     scale = _lane(b, lanes[id(p), id(x)], i, 16, halves)
-                    b.store(_fma(b, sums, scale, b.load(acc)), acc)
+                    b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
 
             def group_codes(i):
                 at = b.add(gw, ir.Constant(g0.type, i))
