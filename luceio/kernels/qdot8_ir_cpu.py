@@ -13,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fmul,
+from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fma, _fmul,
                           _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales, _vec,
                           _widen, q6_k_high, row_loop, weight_group)
 
@@ -237,7 +237,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                             [4 * c + j // 4 for j in range(16)])
                     v8 = lanes[id(p), id(x)]
                     scale = b.shuffle_vector(v8, v8, _const(_I32, 16, mask))
-                    total = _fadd(b, total, _fmul(b, b.sitofp(v, _vec(_F32, 16)), scale))
+                    total = _fma(b, b.sitofp(v, _vec(_F32, 16)), scale, total)
                 b.store(total, acc)
 
         def pair(g, codes, lanes, pairs, acc_p):
@@ -246,7 +246,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
                 v = lanes[id(p), id(x)]  # lanes 0-7 group g's, 8-15 g + 1's
                 scale = b.shuffle_vector(v, v, _const(_I32, 16, [j // 8 for j in range(16)]))
-                b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+                b.store(_fma(b, sums, scale, b.load(acc)), acc)
 
         def lone(g, codes, lanes, pairs, acc_p):
             for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
@@ -257,7 +257,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 v = lanes[id(p), id(x)]  # lanes 0-7 the group's (q6_k: 0-3, 4-7 its halves)
                 scale = b.shuffle_vector(v, v, _const(
                     _I32, 16, [j // 4 if halves else 0 for j in range(16)]))
-                b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+                b.store(_fma(b, sums, scale, b.load(acc)), acc)
 
         return _run_blocks(context, b, sig, groups, run, acc_p, off_p,
                            tails=(BLOCK // 2, 2), finish=finish)

@@ -87,15 +87,20 @@ def _half(b, ptr, index):
 def _fmul(b, x, y):
     """x * y with no fast-math flags: LLVM may neither reassociate nor contract to FMAs, so the
     dot intrinsics' forms (one, two or any number of activation rows; 1 or 4 weight rows) round
-    a pair's sum through the same operations in the same order (batch invariance). Measured
-    against the flags (`bench/cpu_kernels_ab.py`, real 0.5B / 1.5B Q4_K_M, 1 and 5 rows): within
-    the bench's own bias (identical code measured 0.89-0.91 at 5 rows, int8)."""
+    a pair's sum through the same operations in the same order (batch invariance)."""
     return b.fmul(x, y)
 
 
 def _fadd(b, x, y):
     """x + y, as `_fmul` (no fast-math flags)."""
     return b.fadd(x, y)
+
+
+def _fma(b, x, y, acc):
+    """x * y + acc in one rounding (`llvm.fma`): the dot intrinsics' accumulation, written out
+    where the fast-math flags let LLVM contract it (without either, separate multiplies and
+    adds cost the int16 kernels 7-10%)."""
+    return _call(b, f"llvm.fma.v{x.type.count}f32", x.type, x, y, acc)
 
 
 def _codes(qtype, b, p, g):

@@ -18,8 +18,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fmul, _lane,
-                          XN_MAX, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
+from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fma, _fmul,
+                          _lane, XN_MAX, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
                           _to_bf16, _vec, _widen, row_loop, weight_group)
 
 
@@ -102,7 +102,7 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
                     xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I16, 32)
                     sums = b.sitofp(_pair_sums(b, mine[id(p)], xv), _vec(_F32, 16))
                     scale = _lane(b, lanes[id(p), id(x)], i, 16, halves)
-                    b.store(_fadd(b, b.load(acc), _fmul(b, sums, scale)), acc)
+                    b.store(_fma(b, sums, scale, b.load(acc)), acc)
 
             def group_codes(i):
                 at = b.add(gw, ir.Constant(g0.type, i))
