@@ -12,8 +12,6 @@ decoder test checks it end to end: a chain verify's rows, on quantized weights, 
 the decode step of each position alone."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -24,19 +22,10 @@ qd = pytest.importorskip("luceio.kernels.qdot_cpu")
 if not qd.available():
     pytest.skip("numba is not installed", allow_module_level=True)
 from luceio.kernels.qdot_ir_cpu import XN_MAX  # noqa: E402
+from test_qdot8_cpu import activations  # noqa: E402
 
 KINDS = ["int16", pytest.param("int8", marks=pytest.mark.skipif(
     not qd.int8_available(), reason="the CPU has no AVX-512 VNNI"))]
-
-
-@contextlib.contextmanager
-def activations(kind: str):
-    old = qd.ACTIVATIONS[0]
-    qd.set_activations(kind)
-    try:
-        yield
-    finally:
-        qd.ACTIVATIONS[0] = old
 
 
 def _shapes(qtype: str) -> list[tuple[int, int]]:

@@ -42,7 +42,8 @@ KEY_SPAN = 1024
 """Keys a work item takes at most: a lane group's keys are cut at multiples of it, whatever
 the step, the threads or the other rows, so long contexts spread over the threads and a row's
 bits still depend only on its own keys. One step's attention at 8,192 keys, the 0.5B's shape,
-2 threads (`python bench/cpu_verify_attention.py --contexts 8192 --spans ...`): 1 row 11.2 /
+2 threads (`python bench/cpu_verify_attention.py --contexts 8192 --spans ...`,
+`bench/results/cpu/cpu_verify_attention_spans_session43.json`): 1 row 11.2 /
 11.6 / 9.8 / 9.8 / 9.3 ms at 256 / 512 / 1,024 / 2,048 / 4,096 keys, 5 rows 34.1 / 34.2 /
 32.4 / 32.5 / 32.4 ms: longer spans gain little past 1,024, shorter ones leave threads idle."""
 
