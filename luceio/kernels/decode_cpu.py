@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .numba_cache import depend_on
 from .int4pack_cpu import from_bf16, numba, to_bf16
 
 
@@ -392,3 +393,7 @@ def decode_attention_split(qkv, cos_sin, positions, kv, slots, block_tables, seq
     acc = np.empty((num_seqs, splits, num_heads, head_dim), np.float32)
     _attend_split(q, kv, block_tables, seq_lens, window, np.float32(scale), top, total, acc)
     _merge_splits(top, total, acc, out)
+
+
+if numba is not None:
+    depend_on(globals(), "int4pack_cpu.py")  # the bf16 helpers inlined: in the cache key

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .numba_cache import depend_on
 from . import qdot_cpu
 from .quant_cpu import in_prefill
 
@@ -220,3 +221,7 @@ if numba is not None:
                 else:
                     for q in range(r, n):
                         _row(w, x, out, q)
+
+
+if numba is not None:
+    depend_on(globals(), "qdot_kernels_cpu.py")  # `task_rows`: in the cache key

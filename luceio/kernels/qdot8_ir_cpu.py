@@ -2,9 +2,8 @@
 tells the scheme): the weights' codes unsigned and in block order, `vpdpbusd`, and the dot
 product intrinsic of 4 or 1 weight rows against a fixed or any number of activation rows.
 
-numba's on-disk cache of a jitted function is invalidated by changes to its own file only, and
-the kernels that inline this IR live in qdot8_kernels_cpu.py: after editing this file, touch
-that one (or clear its `__pycache__`), or an old build may be read back.
+The kernels that inline this IR live in qdot8_kernels_cpu.py, whose numba cache key includes
+this file (`numba_cache.depend_on`).
 """
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ activations of whole blocks in this order, and of half a block (the first two ve
 to 7 groups are left after them (K = 896: 3 blocks and a half); the last 0-3 groups in order
 (a pair of them in `_pair_codes`' order, which is theirs)."""
 _LANES = 2 * BLOCK
-"""Width of the offset accumulator: one lane per group, or per half group for q6_k."""
+"""Lanes of the offset terms (one per group, or per half group for q6_k), as wide as the
+pair's accumulator they are added into."""
 
 
 def _ucodes(qtype, b, p, g):
@@ -163,25 +163,24 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
         zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
         if xrows is None:
             each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 10)
-            acc_p = off_p = ()
+            acc_p = ()
         else:
             xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
             pairs = [(p, x) for p in rows for x in xp]
             acc_p = [cgutils.alloca_once_value(b, zero) for _ in pairs]
-            off_p = acc_p  # the offset terms go into the pair's accumulator, as in `row_loop`
             finish = None
 
             def each_x(body):
-                body(pairs, acc_p, off_p)
+                body(pairs, acc_p)
 
         def run(g0, n):  # groups g0 .. g0 + n (n = BLOCK, or 1)
             gw = weight_group(b, g0, interleaved)  # the weight's fields at g0
             scales = {id(p): _scales(qtype, b, p, gw, n) for p in rows}
             codes = {id(p): row_codes(p, g0, gw, n) for p in rows}
 
-            def body(pairs, acc_p, off_p):
+            def body(pairs, acc_p):  # the offset terms go into the pairs' accumulators
                 lanes = {}
-                for (p, (x, dp, sp, hp)), off in zip(pairs, off_p):
+                for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
                     scale, offset = scales[id(p)]
                     step = _load(b, dp, g0, _F32, n)
                     if halves:
@@ -201,7 +200,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                         term = _fmul(b, offset, _load(b, sp, g0, _F32, n))
                     else:
                         continue
-                    b.store(_fadd(b, b.load(off), _widen(b, term, _LANES)), off)
+                    b.store(_fadd(b, b.load(acc), _widen(b, term, _LANES)), acc)
                 sums_of = lone if n == 1 else pair if n == 2 else block
                 sums_of(g0, codes, lanes, pairs, acc_p)
             each_x(body)
@@ -259,6 +258,6 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                     _I32, 16, [j // 4 if halves else 0 for j in range(16)]))
                 b.store(_fma(b, sums, scale, b.load(acc)), acc)
 
-        return _run_blocks(context, b, sig, groups, run, acc_p, off_p,
+        return _run_blocks(context, b, sig, groups, run, acc_p,
                            tails=(BLOCK // 2, 2), finish=finish)
     return codegen

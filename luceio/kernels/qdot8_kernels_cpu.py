@@ -47,14 +47,15 @@ rows: Qwen2.5-Coder-1.5B 1.21x / 1.50x / 1.52x faster, 0.5B 1.01x / 1.24x / 1.40
 
 The kernels' IR is qdot8_ir_cpu.py's, the IR helpers (code unpacking, scales, prefetch, loops
 over rows) qdot_ir_cpu.py's, `group_step` (the activation groups' statistics) and the dispatch
-on `kind` qdot_kernels_cpu.py's. numba's on-disk cache of these kernels is invalidated by
-changes to this file only: after editing any of those, touch this file too.
+on `kind` qdot_kernels_cpu.py's. numba's on-disk cache of these kernels is keyed on this file
+and on those (`numba_cache.depend_on`, at the end).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from .numba_cache import depend_on
 from .qdot8_ir_cpu import dot8_intrinsic
 from .qdot_ir_cpu import _CPU, KINDS, XN_MAX
 from .qdot_kernels_cpu import _by_kind, group_step, task_rows
@@ -179,3 +180,6 @@ if VNNI:
                         out[0, r] = _dot_w1x1(kind, qs[r:r + 1], qh[r:r + 1], d[r:r + 1],
                                               m[r:r + 1], sc[r:r + 1], mn[r:r + 1], xq, dx,
                                               xsum, qsum)[0]
+
+
+depend_on(globals(), "qdot_ir_cpu.py", "qdot8_ir_cpu.py", "qdot_kernels_cpu.py")  # in the cache key

@@ -8,9 +8,8 @@ scales (and min terms) of `BLOCK` groups as vectors; `_pair_sums` multiplies by 
 activations through pmaddwd's intrinsic on AVX-512BW and AVX2, generic vector IR elsewhere;
 each stream of codes is prefetched `PREFETCH_GROUPS` groups ahead.
 
-numba's on-disk cache of a jitted function is invalidated by changes to its own file only, and
-the kernels that inline this IR live in the two files above: after editing this one, touch
-both of them (or clear their `__pycache__`), or an old build may be read back.
+The kernels that inline this IR live in the two files above, whose numba cache keys include
+this file (`numba_cache.depend_on`).
 """
 from __future__ import annotations
 
@@ -237,12 +236,12 @@ BLOCK = 8
 """Groups whose scales `dot_intrinsic` converts as one vector (a k-quant's 256-block)."""
 
 
-def _run_blocks(context, b, sig, groups, run, acc_p, off_p, tails=(), finish=None):
+def _run_blocks(context, b, sig, groups, run, acc_p, tails=(), finish=None):
     """Calls `run(g0, n)` over a row's groups, `BLOCK` at a time, then once each size of
     `tails` (decreasing, below `BLOCK`) if as many groups are left, then the rest one by one;
     returns the intrinsic's tuple: per (weight row, activation row) its accumulator's lanes
     summed, the offset terms among them (or calls `finish`, which stores them, and returns
-    none). `off_p` is `acc_p`: one accumulator a pair in every form."""
+    none): one accumulator a pair in every form."""
     blocks = b.udiv(groups, ir.Constant(groups.type, BLOCK))
     with cgutils.for_range(b, blocks) as loop:
         run(b.mul(loop.index, ir.Constant(groups.type, BLOCK)), BLOCK)
@@ -270,7 +269,7 @@ def row_loop(context, b, sig, args, rows, n_x, x_row, res_index):
     qdot8_ir_cpu.dot8_intrinsic with xrows=None): one <16 x float> accumulator per (weight row,
     activation row) on the stack (room for `XN_MAX` activation rows), zeroed, where the
     fixed-row forms keep it in a register; the offset terms go into it in both. Returns
-    (each_x, finish): `each_x(body)` calls body(pairs, accumulators, accumulators) inside a loop
+    (each_x, finish): `each_x(body)` calls body(pairs, accumulators) inside a loop
     over the n_x activation rows (pairs: (weight row's pointers, x_row(i))); `finish()` stores
     each pair's sum, as `_run_blocks` sums a fixed form's, into the intrinsic's argument
     `res_index`, fp32 [>= n_x, len(rows)] C-contiguous. So a row's outputs are the same bits
@@ -288,7 +287,7 @@ def row_loop(context, b, sig, args, rows, n_x, x_row, res_index):
         with cgutils.for_range(b, n_x) as loop:
             acc = [at(loop.index, r) for r in range(len(rows))]
             xp = x_row(loop.index)
-            body([(p, xp) for p in rows], acc, acc)
+            body([(p, xp) for p in rows], acc)
 
     def finish():
         res = context.make_array(sig.args[res_index])(context, b, args[res_index])

@@ -8,7 +8,7 @@ rows (`None`: all of them, up to `XN_MAX`, with the codes decoded once; session 
 rows a call, the 0.5B's 1.28x / 1.62x / 1.66x; `cpu_kernels_ab_session32_rows_int16.json`);
 `dequant_intrinsic(qtype)`: one weight row to fp32 or bf16 bits. `matvec_kernel` and
 `dequant_kernel` run them over all rows on numba's threads. numba's on-disk cache of these
-is invalidated by changes to this file only: after editing qdot_ir_cpu.py, touch this file.
+is keyed on this file and qdot_ir_cpu.py (`numba_cache.depend_on`, at the end).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .numba_cache import depend_on
 from .qdot_ir_cpu import (_F32, _I16, _I32, BLOCK, KINDS, _codes, _const, _fadd, _fma, _fmul,
                           _lane, XN_MAX, _load, _pair_sums, _prefetch, _row_pointers, _run_blocks, _scales,
                           _to_bf16, _vec, _widen, row_loop, weight_group)
@@ -61,25 +62,24 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
         zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
         if xrows is None:
             each_x, finish = row_loop(context, b, sig, args, rows, shapes[0][0], x_row, 9)
-            acc_p = off_p = ()
+            acc_p = ()
         else:
             xp = [x_row(ir.Constant(k.type, i)) for i in range(xrows)]
             pairs = [(p, x) for p in rows for x in xp]
             acc_p = [cgutils.alloca_once_value(b, zero) for _ in pairs]
-            off_p = acc_p  # the offset terms go into the pair's accumulator, as in `row_loop`
             finish = None
 
             def each_x(body):
-                body(pairs, acc_p, off_p)
+                body(pairs, acc_p)
 
         def run(g0, n):  # groups g0 .. g0 + n
             gw = weight_group(b, g0, interleaved)  # the weight's fields at g0
             scales = {id(p): _scales(qtype, b, p, gw, n) for p in rows}
             codes = []  # per group i, per row (decoded here only for every x row at once)
 
-            def lanes_of(pairs, off_p):
+            def lanes_of(pairs, acc_p):  # the offset terms go into the pairs' accumulators
                 lanes = {}
-                for (p, (x, dp, sp)), off in zip(pairs, off_p):
+                for (p, (x, dp, sp)), acc in zip(pairs, acc_p):
                     scale, offset = scales[id(p)]
                     step = _load(b, dp, g0, _F32, n)
                     if halves:  # one step per group, for both its scales
@@ -88,8 +88,8 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
                     lanes[id(p), id(x)] = _fmul(b, scale, step)
                     if offset is not None:  # offset * sum(x), in fp32
                         term = _fmul(b, offset, _load(b, sp, g0, _F32, n))
-                        term = _widen(b, term, off.type.pointee.count)
-                        b.store(_fadd(b, b.load(off), term), off)
+                        term = _widen(b, term, acc.type.pointee.count)
+                        b.store(_fadd(b, b.load(acc), term), acc)
                 return lanes
 
             def group(i, pairs, acc_p, lanes):
@@ -111,15 +111,15 @@ def dot_intrinsic(qtype, wrows, xrows, interleaved=False):
                     _prefetch(qtype, b, p, at)
                 return mine
 
-            def body(pairs, acc_p, off_p):
-                lanes = lanes_of(pairs, off_p)
+            def body(pairs, acc_p):
+                lanes = lanes_of(pairs, acc_p)
                 for i in range(n):
                     group(i, pairs, acc_p, lanes)
             if xrows is None:
                 codes.extend(group_codes(i) for i in range(n))
             each_x(body)
 
-        return _run_blocks(context, b, sig, groups, run, acc_p, off_p, finish=finish)
+        return _run_blocks(context, b, sig, groups, run, acc_p, finish=finish)
 
     if xrows is None:
         @intrinsic
@@ -320,3 +320,6 @@ def matvec_kernel(kind, qs, qh, d, m, sc, mn, x, xq, dx, xsum, out, tasks, inter
                 for r in range(n, n_rows):
                     out[0, r] = _dot_w1x1(kind, qs[r:r + 1], qh[r:r + 1], d[r:r + 1],
                                           m[r:r + 1], sc[r:r + 1], mn[r:r + 1], xq, dx, xsum)[0]
+
+
+depend_on(globals(), "qdot_ir_cpu.py")  # the IR these kernels inline: in their cache key

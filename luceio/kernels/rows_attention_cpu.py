@@ -29,13 +29,14 @@ requests or threads. Work items (request, KV head, chunk of lanes, key span) run
 threads.
 
 No sliding windows (Gemma's step keeps `decode_cpu`), no tree span. numba's on-disk cache of
-these functions is invalidated by changes to this file only: after editing `decode_cpu.py`
-(`_rope_write`, `_store`), `rows_attention_ir_cpu.py` or `qdot_ir_cpu.py`, touch this file.
+these functions is keyed on this file and on the ones they inline (`decode_cpu.py`,
+`rows_attention_ir_cpu.py`, `qdot_ir_cpu.py`, `int4pack_cpu.py`: `numba_cache.depend_on`).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .numba_cache import depend_on
 from .decode_cpu import _exp, _rope_write, _store, numba
 
 KEY_SPAN = 1024
@@ -86,7 +87,6 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, lo, hi, t1, scale, s, t
     per lane the max of its scores in `top`, the softmax's sum in `tot` (0: it sees none of
     these keys) and the unnormalised output in `acc` [W, D]; `s` [>= t1 - lo, W] is
     scratch."""
-    t0 = lo
     bs, kvh, d = kv.shape[2], kv.shape[3], kv.shape[4]
     wide = qT.shape[1] == 16
     bf16 = flat.itemsize == 2  # a bf16 cache: a block's keys widened to fp32 rows first
@@ -99,7 +99,7 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, lo, hi, t1, scale, s, t
     step = kvh * d
     acc[:] = 0
     for part in range(2):  # the scores (K, kv[0]), then the values (V, kv[1])
-        t = t0
+        t = lo
         while t < t1:
             blk, off = table[t // bs], t % bs
             n = min(bs - off, t1 - t)
@@ -112,7 +112,7 @@ def _lanes(qT, kv, flat, table, h, first, n_lane, words, lo, hi, t1, scale, s, t
                 _widen_rows(flat, base, np.int64(step), np.int64(n), kb)
             i = 0
             while i < n:
-                at, row = base + i * step, np.int64(t - t0 + i)
+                at, row = base + i * step, np.int64(t - lo + i)
                 # eight keys a call: independent chains, each value pass over a lane's row
                 # adds eight (in key order)
                 keys = np.int64(8 if i + 8 <= n else 1)
@@ -295,3 +295,8 @@ class RowsAttention:
                 scale, self.items, self.firsts, self.lane_row, self.lane_head, self.n_lane,
                 self.words, self.tables, self.req_firsts, self.q_rows, self.qT, self.s,
                 self.top, self.tot, self.acc, self.merged)
+
+
+if numba is not None:  # the IR and jitted helpers these functions inline: in their cache key
+    depend_on(globals(), "rows_attention_ir_cpu.py", "qdot_ir_cpu.py", "decode_cpu.py",
+              "int4pack_cpu.py")

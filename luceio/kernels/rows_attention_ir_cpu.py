@@ -4,8 +4,8 @@ with its key masks (`_softmax_intrinsic`), the value sums (`_values_intrinsic`),
 rows widened to fp32 (`_widen_rows`) and prefetch hints (`_prefetch_rows`). Each intrinsic
 takes the KV cache as a flat array of fp32 or of bf16 bits (uint16), widened exactly as loaded.
 
-numba's on-disk cache of the jitted functions that inline these lives with
-`rows_attention_cpu.py`: after editing this file, touch that one.
+The jitted functions that inline these live in `rows_attention_cpu.py`, whose numba cache
+key includes this file (`numba_cache.depend_on`).
 """
 from __future__ import annotations
 
