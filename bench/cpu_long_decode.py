@@ -103,7 +103,7 @@ def engine_rows(model: str, contexts, threads: int, new: int, ngram: bool, round
                     times[kernel].append(new / (time.perf_counter() - t))
                     o = out.outputs[0]
                     tokens.setdefault((name, kernel), (o.token_ids, [
-                        lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]))
+                        lp[tok].logprob for lp, tok in zip(o.logprobs, o.token_ids)]))
             CpuDecoder._batch = batch
             for kernel, v in times.items():
                 row[f"{name}_{kernel}_tok_s"] = round(float(np.median(v)), 2)
