@@ -384,7 +384,7 @@ class ModelRunner:
 
 def _prefill_rows(on: bool):
     """quant_cpu.prefill_rows() when `on`: a CPU step computing prompt tokens multiplies
-    every quantized weight on the dense path."""
+    16-bit weights on the block kernel at any M (quantized ones choose by M, as always)."""
     if not on:
         return contextlib.nullcontext()
     from .kernels.quant_cpu import prefill_rows

@@ -69,8 +69,8 @@ class StepInputs:
     score_tables: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     kv_scores: dict | None = None  # filled by `execute`
     # whether the step computes tokens already known (a prompt, or a recompute) rather than
-    # only the last sampled token and its drafts: on the CPU such rows always take the dense
-    # path, so a prompt token's KV and logits do not depend on how its prefill was chunked
-    # (a prefix-cache hit leaves a short tail) -- see kernels/quant_cpu.py `prefill_rows`
+    # only the last sampled token and its drafts: on the CPU 16-bit weights then take the
+    # block kernel at any M, so such a token's KV and logits do not depend on how its prefill
+    # was chunked; quantized weights choose by M -- see kernels/quant_cpu.py `prefill_rows`
     prefill: bool = False
     kept: object = None  # hybrid models' verifying sequences (`models.hybrid_verify`)

@@ -156,23 +156,24 @@ def test_linear_routes_by_rows(qtype, out_dtype, monkeypatch):
     assert calls == [1, least - 1]
 
 
-def test_prefill_rows_take_the_dense_path(monkeypatch):
-    """Inside `prefill_rows` (a step computing prompt tokens) even one row is multiplied as a
-    dequantized tile, so a prompt row gives the same output whatever the chunk it came in; the
-    row of a one-row chunk equals its row in a 40-row chunk. Outside, one row runs `matvec`."""
+def test_prompt_rows_choose_their_path_by_rows(monkeypatch):
+    """Inside `prefill_rows` (a step computing prompt tokens) a quantized weight still picks
+    its path by M: a prompt's short tail (a prefix-cache hit, a last chunk) runs `matvec`, as
+    decode rows do, with the same bits as outside it; from `dense_min_rows` rows on, the
+    dequantized tiles (no matvec call)."""
     w = next(weights("q4_k"))
     cw = qc.prepare_cpu_weight(w, torch.float32)
+    least = qc.dense_min_rows(cw)
     calls = []
     matvec = qd.matvec
     monkeypatch.setattr(qd, "matvec", lambda *a: calls.append(a[0].shape[0]) or matvec(*a))
-    x = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(3))
+    x = torch.randn(least, w.shape[1], generator=torch.Generator().manual_seed(3))
+    outside = qc.cpu_quant_linear(x[:9], cw)
     with qc.prefill_rows():
-        whole = qc.cpu_quant_linear(x, cw)
-        one = qc.cpu_quant_linear(x[7:8], cw)
-    assert calls == []
-    assert torch.equal(one[0], whole[7])
-    qc.cpu_quant_linear(x[7:8], cw)  # the context is left: decode rows are back on matvec
-    assert calls == [1]
+        tail = qc.cpu_quant_linear(x[:9], cw)
+        qc.cpu_quant_linear(x, cw)
+    assert calls == [9, 9]
+    assert torch.equal(tail, outside)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")

@@ -5,8 +5,8 @@ numba, through torch's int4 packed kernel.
 `cpu_quant_linear(x, w, bias)` multiplies. Types in `QDOT_QTYPES` become `qdot_cpu.CpuQuant`:
 the repacked arrays themselves (the GGUF's bytes), multiplied by numba kernels that unpack 32
 codes at a time against int16-quantized activations (~2e-5 relative error per dot product,
-qdot_cpu.py); from `QDOT_DENSE_MIN_ROWS` rows on (prefill) a tile of rows is dequantized to
-bf16 and multiplied by oneDNN's bf16 GEMM. The int4pack path (`CpuPacked`, bf16 activations
+qdot_cpu.py); from `QDOT_DENSE_MIN_ROWS` rows on (prompt chunks, large batches) a tile of rows
+is dequantized to bf16 and multiplied by oneDNN's bf16 GEMM. The int4pack path (`CpuPacked`, bf16 activations
 and scales) is what runs without numba; through it the 5-, 6- and 8-bit types cost two 4-bit
 planes each (below): twice the bytes and the time.
 
@@ -92,8 +92,8 @@ each other on two cores: with Qwen's q4_k on int4pack a decode step took 41.9 ms
 type here 31.2 ms (one run, per-call profile of the decode step)."""
 QDOT_DENSE_MIN_ROWS = {"int8": 64, "int16": 32}
 """By a `CpuQuant` weight's activations: the smallest M that it multiplies as dequantized bf16
-tiles (oneDNN) outside prefill; fewer rows (decode and verify steps of a few requests) take
-`qdot_cpu.matvec`. A decode step's matrices (LM head aside), 2 threads, Zen 5, ms per step,
+tiles (oneDNN); fewer rows (decode and verify steps of a few requests, a prompt's short tail
+after a prefix-cache hit or its last chunk) take `qdot_cpu.matvec`. A decode step's matrices (LM head aside), 2 threads, Zen 5, ms per step,
 matvec / dense (`python bench/cpu_dense_rows.py`,
 `bench/results/cpu/cpu_dense_rows_session31.json`), Qwen2.5-Coder-1.5B / 0.5B Q4_K_M /
 SmolLM2 Q4_1: int8 at 8 rows 78 / 318, 30 / 94, 11 / 36; at 32 rows 297 / 428, 108 / 121,
@@ -247,11 +247,19 @@ _PREFILL = [False]
 
 @contextlib.contextmanager
 def prefill_rows():
-    """Within it (a step that computes prompt tokens, kept by the model runner) every M takes
-    the dense path: a prompt token's hidden states then come from the same kernel whether its
-    prefill ran in one chunk or as the short tail left by a prefix-cache hit, so a cached
-    prompt gives the same greedy text as a cold one. Decode and verify rows keep the small-M
-    kernels, the same for one row as for several. One caller at a time (the model runner)."""
+    """Within it (a step that computes prompt tokens, kept by the model runner) 16-bit weights
+    take half_cpu.py's block kernel at every M, so a prompt row of a bf16 / fp16 model gets the
+    same bits whatever chunk it came in (that kernel costs what the row kernel does).
+
+    Quantized weights choose by M alone, as in any step (`takes_dense_path`). Until session 44
+    every prompt row went to the dense path here, for the same reason; but the dense path
+    dequantizes every weight whatever M is, so the short tail a prefix-cache hit leaves paid a
+    whole model's dequantization: Qwen2.5-Coder-1.5B Q4_K_M, all its matrices, 9 rows 298 ms
+    dense against 67 ms on the matvec kernels (1 row: 27 ms); engine steps of 9-15 prompt rows
+    took 305-382 ms (2 threads, `bench/cpu_prefill_tail.py`). A cached prompt's tail now agrees
+    with a cold prefill of it to the rounding of the activations (int8 / int16 against bf16),
+    as two chunkings of a long prompt always did, not bit for bit. One caller at a time (the
+    model runner)."""
     _PREFILL[0] = True
     try:
         yield
@@ -264,9 +272,11 @@ def in_prefill() -> bool:
 
 
 def takes_dense_path(m: int, w) -> bool:
+    """Whether M rows of x multiply `w` as dequantized bf16 tiles: from `dense_min_rows(w)`
+    rows on (`DENSE_MIN_ROWS` by planes on int4pack weights)."""
     if isinstance(w, CpuQuant):
-        return m >= dense_min_rows(w) or _PREFILL[0]
-    return (m >= DENSE_MIN_ROWS[w.planes] or _PREFILL[0]) and int4pack_cpu.available()
+        return m >= dense_min_rows(w)
+    return m >= DENSE_MIN_ROWS[w.planes] and int4pack_cpu.available()
 
 
 def qdot_linear(x: torch.Tensor, w: CpuQuant, out: torch.Tensor | None = None) -> torch.Tensor:

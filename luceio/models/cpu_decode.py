@@ -60,7 +60,7 @@ import torch
 from ..kernels import decode_cpu, half_cpu, qdot_cpu, rows_attention_cpu
 from ..kernels.half_cpu import CpuHalf
 from ..kernels.qdot_cpu import CpuQuant
-from ..kernels.quant_cpu import dense_min_rows, in_prefill
+from ..kernels.quant_cpu import dense_min_rows
 from .gemma import Gemma3ForCausalLM
 from .linear import Linear
 from .llama import AttnMetadata, LlamaForCausalLM
@@ -322,7 +322,7 @@ class _Projection:
 
     def __call__(self, x: torch.Tensor, x_np: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         rows = x.shape[0]
-        if rows >= self.min_rows or in_prefill():  # (no parts: min_rows 0)
+        if rows >= self.min_rows:  # (no parts: min_rows 0)
             y = self.lin(x)
             return y, y.numpy()
         y, y_np, outs = self._out(rows)

@@ -110,7 +110,7 @@ def split_ints(header: list[int], ints: torch.Tensor) -> tuple[torch.Tensor, ...
 
 def unpack_step(header: list[int], ints: torch.Tensor, device: torch.device):
     """(positions, meta, prefill) of a received step, on `device`. `prefill`: rows computing
-    known tokens (the CPU's dense path, runner._prefill_rows)."""
+    known tokens (the CPU's 16-bit block kernel, runner._prefill_rows)."""
     _, n, num_seqs, max_blocks, max_query_len, max_seq_len, prefill, tree, _ = header
     pos, slots, tables, seq_lens, qsl, tree_mask, _, _ = split_ints(header, ints.to(device))
     meta = AttnMetadata(slots, tables.view(num_seqs, max_blocks).int(), seq_lens.int(),
