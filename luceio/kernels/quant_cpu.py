@@ -93,7 +93,8 @@ type here 31.2 ms (one run, per-call profile of the decode step)."""
 QDOT_DENSE_MIN_ROWS = {"int8": 64, "int16": 32}
 """By a `CpuQuant` weight's activations: the smallest M that it multiplies as dequantized bf16
 tiles (oneDNN); fewer rows (decode and verify steps of a few requests, a prompt's short tail
-after a prefix-cache hit or its last chunk) take `qdot_cpu.matvec`. A decode step's matrices (LM head aside), 2 threads, Zen 5, ms per step,
+after a prefix-cache hit or its last chunk) take `qdot_cpu.matvec`. A decode step's matrices
+(LM head aside), 2 threads, Zen 5, ms per step,
 matvec / dense (`python bench/cpu_dense_rows.py`,
 `bench/results/cpu/cpu_dense_rows_session31.json`), Qwen2.5-Coder-1.5B / 0.5B Q4_K_M /
 SmolLM2 Q4_1: int8 at 8 rows 78 / 318, 30 / 94, 11 / 36; at 32 rows 297 / 428, 108 / 121,
