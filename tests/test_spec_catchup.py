@@ -15,7 +15,7 @@ class Cold:
     def __init__(self, behind: dict[str, int]):
         self.behind = behind
 
-    def uncached(self, request_id: str, num_tokens: int) -> int:
+    def uncached(self, request_id: str, num_tokens: int, tokens=None) -> int:
         return self.behind[request_id]
 
 

@@ -234,3 +234,38 @@ def test_cpu_catch_up_feeds_take_the_decode_path(tiny_llama):
     feeds = [s for s in seen if s[0] > 1]
     assert feeds and feeds[0][0] == 31  # the prompt, then the verified tokens a step
     assert all(not prefill and decode for _, prefill, decode in feeds)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_draft_prefix_cache_serves_the_next_turn(tiny_llama, cached):
+    """The draft's cache keeps a request's verified full blocks after it finishes, so the next
+    turn (its prompt, its output and a new message) feeds the draft only what follows them,
+    where it fed the whole conversation before (`cached` False: the draft's prefix caching
+    off, the control). Greedy output equals plain decoding's in both turns."""
+    from conftest import engine_kwargs
+    prompt = [(7 * i) % 300 + 3 for i in range(40)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, llm = plain_and_self_draft(tiny_llama, prompt, params)
+    spec = llm.engine.spec
+    spec.mode = lambda batch_size, step=None: "chain"  # every step drafts
+    prop = spec.proposer
+    prop.kv.enable_prefix_caching = cached
+    first = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    assert first == plain[0].outputs[0].token_ids
+    turn = prompt + list(first) + [11, 12, 13, 14, 15]
+    seen, execute = [], prop.runner.execute
+
+    def spy(inp, probe=None):
+        seen.append(int(inp.host.q_lens.max()))
+        return execute(inp, probe)
+    prop.runner.execute = spy
+    second = llm.generate([{"prompt_token_ids": turn}], params)[0].outputs[0].token_ids
+    want = LLM(tiny_llama, **engine_kwargs()).generate([{"prompt_token_ids": turn}], params)
+    assert second == want[0].outputs[0].token_ids
+    # the turn's prompt and its first token: the first feed, less the blocks the cache held
+    # (at least the first turn's prompt's full blocks were verified before it finished)
+    bs = prop.kv.block_size
+    if cached:
+        assert seen[0] <= len(turn) + 1 - len(prompt) // bs * bs
+    else:
+        assert seen[0] == len(turn) + 1

@@ -78,7 +78,7 @@ class CostModel:
                 gain = max(gain, _PRIOR_GAIN)
             saved = plain / batch_size * gain  # seconds drafting saves a token of a request
         for r, k in picked:
-            cold = uncached(r.request_id, r.num_tokens)
+            cold = uncached(r.request_id, r.num_tokens, r.all_token_ids)
             if cold > self.k_max + 2:
                 if self._feed_cost is None:
                     if due >= _FEED_MEASURE:

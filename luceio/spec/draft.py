@@ -50,6 +50,10 @@ class DraftSeq:
         return 0
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids)
 
@@ -70,7 +74,11 @@ class DraftModelProposer(Proposer):
         self.vocab = runner.cfg.vocab_size
         self.pad = max(0, (target_vocab or self.vocab) - self.vocab)
         self.sampler = sampler  # the engine's: drafts are drawn with each request's parameters
-        self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
+        # with prefix caching: a request's verified full blocks are registered as the draft
+        # catches up with them (`_sync`), so a new request whose tokens begin with an earlier
+        # one's (a chat's next turn, an agent's next call, a shared system prompt) starts
+        # from them (`_adopt`) instead of feeding its whole prompt to the draft again
+        self.kv = KVCacheManager(runner.num_blocks, block_size)
         self.seqs: dict[str, DraftSeq] = {}
         self.tree_budget, self.tree_topk = tree_budget, tree_topk
         self.chain = None
@@ -109,11 +117,31 @@ class DraftModelProposer(Proposer):
         return sum(max(len(s.all_token_ids) - 1 - s.num_computed_tokens, 0)
                    for s, p in zip(seqs, batch) if p.k > 0)
 
-    def uncached(self, request_id: str, num_tokens: int) -> int:
+    def uncached(self, request_id: str, num_tokens: int, tokens=None) -> int:
         """Tokens before a request's last that its draft cache does not hold (an estimate read
-        between steps: the fed prefix that still matches is found when drafting)."""
+        between steps: the fed prefix that still matches is found when drafting). A request
+        new to the draft, given its `tokens`, first takes what the prefix cache holds of them
+        (`_adopt`)."""
         s = self.seqs.get(request_id)
+        if s is None and tokens is not None:
+            s = self._adopt(request_id, self._ids(list(tokens)))
         return max(num_tokens - 1 - (s.num_computed_tokens if s is not None else 0), 0)
+
+    def _adopt(self, request_id: str, tokens: list[int]) -> DraftSeq:
+        """The draft's view of a request it has not seen, holding the longest prefix of its
+        tokens whose full blocks the draft's prefix cache has (at least the last token is
+        left to feed)."""
+        s = self.seqs[request_id] = DraftSeq(request_id, tokens)
+        blocks, hit = self.kv.get_computed_blocks(s)
+        if hit and self.kv.allocate_slots(s, 0, blocks):
+            s.num_computed_tokens = s.matched = hit
+        return s
+
+    def _ids(self, tokens: list[int]) -> list[int]:
+        """The request's ids as the draft reads them: target ids past the draft's rows as 0."""
+        if self.pad and max(tokens, default=0) >= self.vocab:
+            return [t if t < self.vocab else 0 for t in tokens]
+        return tokens
 
     def _launch(self, seqs: list[DraftSeq], reqs, ks: list[int]):
         """Queues the draft steps without reading anything back. Returns the requests each step
@@ -352,12 +380,12 @@ class DraftModelProposer(Proposer):
         return logits
 
     def _sync(self, request_id: str, tokens: list[int]) -> DraftSeq:
-        """Rolls the draft cache back to what still matches the request's verified tokens."""
-        if self.pad and max(tokens, default=0) >= self.vocab:  # target ids past the draft's rows
-            tokens = [t if t < self.vocab else 0 for t in tokens]
+        """Rolls the draft cache back to what still matches the request's verified tokens, and
+        registers the full blocks of that verified prefix in the draft's prefix cache."""
+        tokens = self._ids(tokens)
         s = self.seqs.get(request_id)
         if s is None:
-            s = self.seqs[request_id] = DraftSeq(request_id, [])
+            s = self._adopt(request_id, list(tokens))
         fed = s.all_token_ids[:s.num_computed_tokens]
         limit = min(len(fed), len(tokens) - 1)
         # the prefix that matched last time still matches (a request's tokens only grow), which
@@ -371,6 +399,7 @@ class DraftModelProposer(Proposer):
         s.num_computed_tokens = n
         s.all_token_ids = tokens
         self.kv.trim(s, n)
+        self.kv.cache_blocks(s)  # blocks of verified tokens only: n <= len(tokens) - 1
         return s
 
     def _room(self, s: DraftSeq, pending: int = 0) -> bool:

@@ -80,8 +80,9 @@ class Proposer(abc.ABC):
     def propose(self, batch: list[ProposalInput]) -> Proposal:
         ...
 
-    def uncached(self, request_id: str, num_tokens: int) -> int:
-        """Of a request's `num_tokens` tokens, how many the proposer would have to read before
+    def uncached(self, request_id: str, num_tokens: int, tokens=None) -> int:
+        """Of a request's `num_tokens` tokens (`tokens`: the ids, where the proposer may look
+        them up in a cache of its own), how many the proposer would have to read before
         drafting for it (a draft model's cache of it is behind); 0 for stateless proposers."""
         return 0
 
