@@ -185,3 +185,32 @@ def test_a_draft_with_fewer_vocabulary_rows(tiny_llama, tmp_path_factory, monkey
     outs = llm.generate(prompts(4), SamplingParams(**GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.spec.stats.num_draft_tokens > 0
+
+
+def test_draft_prefix_cache_on_the_gpu(tiny_llama, monkeypatch):
+    """The draft's prefix cache with CUDA graphs: a second turn (the first turn's prompt, its
+    output and new tokens) feeds the draft only what follows the cached blocks, and greedy
+    output equals plain decoding in both turns (the CPU test: tests/test_spec_draft.py)."""
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode", lambda self, batch_size, step=None: "chain")
+    params = SamplingParams(**GREEDY)
+    first_prompt = prompts(5)[4]["prompt_token_ids"]  # 41 tokens
+    plain = LLM(tiny_llama, **engine_kwargs(device="cuda"))
+    llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="draft",
+                                          draft_model=tiny_llama, num_speculative_tokens=4))
+    prop = llm.engine.spec.proposer
+    turn = first_prompt
+    for n in range(2):
+        want = plain.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)
+        seen, execute = [], prop.runner.execute
+
+        def spy(inp, probe=None, seen=seen, execute=execute):
+            seen.append(int(inp.host.q_lens.max()))
+            return execute(inp, probe)
+        monkeypatch.setattr(prop.runner, "execute", spy)
+        got = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+        if n:
+            bs = prop.kv.block_size
+            assert seen[0] <= len(turn) + 1 - len(first_prompt) // bs * bs
+        turn = turn + list(got[0].outputs[0].token_ids) + [11, 12, 13, 14, 15]
