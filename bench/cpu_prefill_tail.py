@@ -9,7 +9,8 @@ Two rules for the tail's rows, alternated in one process:
   kernels below `quant_cpu.dense_min_rows` and on dequantized bf16 tiles from there on, in a
   prompt's step as in any other;
 - `dense` (sessions 13-43): a step computing prompt tokens multiplied every quantized weight on
-  the dense path whatever M was (restored here by patching `quant_cpu.takes_dense_path`).
+  the dense path whatever M was, a one-token tail's step on the CPU decode path included
+  (restored here by patching `quant_cpu.takes_dense_path` and the decode path's projections).
 
     python bench/cpu_prefill_tail.py [--model qwen2.5-coder-1.5b] [--context 512]
         [--tails 1,9,16,32,63,128] [--repeats 3] [--threads 2]
@@ -30,6 +31,7 @@ from common import env_info, write_json  # noqa: E402
 
 from luceio import LLM, SamplingParams  # noqa: E402
 from luceio.kernels import quant_cpu  # noqa: E402
+from luceio.models import cpu_decode  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu", "cpu_prefill_tail.json")
 
@@ -49,12 +51,18 @@ def main() -> None:
     prefix = torch.randint(100, vocab - 100, (a.context,), generator=g).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([{"prompt_token_ids": prefix}], greedy, use_tqdm=False)  # cached from here on
-    by_rows = quant_cpu.takes_dense_path
+    by_rows, projection = quant_cpu.takes_dense_path, cpu_decode._Projection.__call__
 
     def dense(m, w):
         return quant_cpu.in_prefill() or by_rows(m, w)
 
-    rules = {"by_rows": by_rows, "dense": dense}
+    def dense_projection(self, x, x_np):  # the CPU decode path's projections took it too
+        if quant_cpu.in_prefill():
+            y = self.lin(x)
+            return y, y.numpy()
+        return projection(self, x, x_np)
+
+    rules = {"by_rows": (by_rows, projection), "dense": (dense, dense_projection)}
     for t in (1, 9):  # warm: buffers, numba's first calls
         llm.generate([{"prompt_token_ids": prefix + [7] * t}], greedy, use_tqdm=False)
     rows = []
@@ -65,13 +73,13 @@ def main() -> None:
             # rules take turns going first
             for name in sorted(rules, reverse=rep % 2 == 1):
                 tail = torch.randint(100, vocab - 100, (t,), generator=g).tolist()
-                quant_cpu.takes_dense_path = rules[name]
+                quant_cpu.takes_dense_path, cpu_decode._Projection.__call__ = rules[name]
                 try:
                     start = time.perf_counter()
                     llm.generate([{"prompt_token_ids": prefix + tail}], greedy, use_tqdm=False)
                     times[name].append(time.perf_counter() - start)
                 finally:
-                    quant_cpu.takes_dense_path = by_rows
+                    quant_cpu.takes_dense_path, cpu_decode._Projection.__call__ = rules["by_rows"]
         row = {"tail": t, **{f"{r}_ms": round(1e3 * statistics.median(v), 1)
                              for r, v in times.items()}}
         row["speedup"] = round(row["dense_ms"] / row["by_rows_ms"], 2)

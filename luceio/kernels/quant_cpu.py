@@ -256,8 +256,9 @@ def prefill_rows():
     every prompt row went to the dense path here, for the same reason; but the dense path
     dequantizes every weight whatever M is, so the short tail a prefix-cache hit leaves paid a
     whole model's dequantization: Qwen2.5-Coder-1.5B Q4_K_M, all its matrices, 9 rows 298 ms
-    dense against 67 ms on the matvec kernels (1 row: 27 ms); engine steps of 9-15 prompt rows
-    took 305-382 ms (2 threads, `bench/cpu_prefill_tail.py`). A cached prompt's tail now agrees
+    dense against 67 ms on the matvec kernels (1 row: 27 ms); the first token after 512 cached
+    prompt tokens took 226 ms for a 1-token tail and 270 ms for 9 tokens, now 28.5 and 86 ms
+    (2 threads, `bench/cpu_prefill_tail.py`). A cached prompt's tail now agrees
     with a cold prefill of it to the rounding of the activations (int8 / int16 against bf16),
     as two chunkings of a long prompt always did, not bit for bit. One caller at a time (the
     model runner)."""
