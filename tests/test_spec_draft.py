@@ -269,3 +269,23 @@ def test_draft_prefix_cache_serves_the_next_turn(tiny_llama, cached):
         assert seen[0] <= len(turn) + 1 - len(prompt) // bs * bs
     else:
         assert seen[0] == len(turn) + 1
+
+
+def test_a_cold_request_takes_blocks_cached_after_it_was_adopted(tiny_llama):
+    """Two requests with one 40-token prompt arrive together, so both are adopted cold (nothing
+    cached yet). Once the first has caught up and its verified blocks are registered (its next
+    `_sync`), the second's `uncached` takes them: only the tail is left to feed, and its drafts
+    equal the first's first drafts (same tokens, the shared blocks' KV)."""
+    prop = proposer_of(tiny_llama)
+    bs = prop.kv.block_size
+    prompt = prompts_of([40])[0]
+    a, b = requests([prompt, prompt], PARAMS[:1])
+    for r in (a, b):
+        assert prop.uncached(r.request_id, r.num_tokens, r.all_token_ids) == 39
+    first = prop.propose([ProposalInput(a.all_token_ids, 3, a)]).drafts[0]
+    assert prop.uncached(b.request_id, b.num_tokens, b.all_token_ids) == 39  # none registered
+    verify([a], [first], 0)
+    prop.propose([ProposalInput(a.all_token_ids, 3, a)])  # registers a's verified blocks
+    assert prop.uncached(b.request_id, b.num_tokens, b.all_token_ids) == 39 - 40 // bs * bs
+    assert prop.kv.blocks_of("r1")[:40 // bs] == prop.kv.blocks_of("r0")[:40 // bs]
+    assert prop.propose([ProposalInput(b.all_token_ids, 3, b)]).drafts[0] == first

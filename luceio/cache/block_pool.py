@@ -44,6 +44,7 @@ class BlockPool:
         self.hash_to_block: dict[int, int] = {}
         self.num_lookups = 0
         self.num_hits = 0
+        self.num_registered = 0  # blocks `cache` has registered so far (a version to compare)
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,6 +89,7 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self.block_tokens[block_id] = token_ids
         self.hash_to_block[block_hash] = block_id
+        self.num_registered += 1
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
         self.num_lookups += 1

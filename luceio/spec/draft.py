@@ -43,6 +43,7 @@ class DraftSeq:
     spec_tree: DraftTree | None = None
     params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
     matched: int = 0  # the fed prefix `_sync` found equal to the request's tokens last time
+    looked: int = -1  # the draft cache's registered block count when its prefix was looked up
     position_ids: ClassVar[None] = None  # positions are cache indices
 
     @property
@@ -125,6 +126,8 @@ class DraftModelProposer(Proposer):
         s = self.seqs.get(request_id)
         if s is None and tokens is not None:
             s = self._adopt(request_id, self._ids(list(tokens)))
+        elif s is not None and tokens is not None:
+            self._extend(s, tokens)
         return max(num_tokens - 1 - (s.num_computed_tokens if s is not None else 0), 0)
 
     def _adopt(self, request_id: str, tokens: list[int]) -> DraftSeq:
@@ -132,10 +135,28 @@ class DraftModelProposer(Proposer):
         tokens whose full blocks the draft's prefix cache has (at least the last token is
         left to feed)."""
         s = self.seqs[request_id] = DraftSeq(request_id, tokens)
+        s.looked = self.kv.pool.num_registered
         blocks, hit = self.kv.get_computed_blocks(s)
         if hit and self.kv.allocate_slots(s, 0, blocks):
             s.num_computed_tokens = s.matched = hit
         return s
+
+    def _extend(self, s: DraftSeq, tokens) -> None:
+        """A request whose draft cache holds only verified tokens in full blocks (one adopted
+        cold, or caught up to a block's end) takes the cached blocks that follow them: other
+        requests with the same prefix (copies of a prompt, a shared system prompt arriving
+        together) may have registered more of it since. Looked up again only when the draft
+        cache registered blocks since the last look."""
+        table = self.kv.blocks_of(s.request_id)
+        if s.looked == self.kv.pool.num_registered or s.num_computed_tokens != s.matched \
+                or s.num_computed_tokens != len(table) * self.kv.block_size:
+            return
+        s.looked = self.kv.pool.num_registered
+        s.all_token_ids = self._ids(list(tokens))  # verified: it holds no drafts now
+        blocks, hit = self.kv.get_computed_blocks(s)
+        if hit > s.num_computed_tokens and blocks[:len(table)] == table and \
+                self.kv.allocate_slots(s, 0, blocks[len(table):]):
+            s.num_computed_tokens = s.matched = hit
 
     def _ids(self, tokens: list[int]) -> list[int]:
         """The request's ids as the draft reads them: target ids past the draft's rows as 0."""
