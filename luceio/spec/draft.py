@@ -14,55 +14,21 @@ per step over the same rows, so per-request generators advance alike) are those 
 step by step with a read after each: greedy and seeded drafts do not depend on it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 
 from ..cache import KVCacheManager
 from ..models.cpu_decode import VERIFY_ROWS
 from ..pipeline import DeviceSamples
 from ..sampler import device_tensor
-from ..sampling_params import SamplingParams
 from ..scheduler import ScheduledRequest, SchedulerOutput
 from .chain import DraftChain, plain_argmax
+from .draft_cache import DraftCache, DraftSeq
 from .proposer import Proposal, ProposalInput, Proposer
 from .tree import MAX_ROWS, DraftTree
 from .tree_graph import DraftTreeGraph, tree_levels
 
-_NO_LOGPROBS = SamplingParams(max_tokens=None)
 
-
-@dataclass
-class DraftSeq:
-    """The draft model's view of one request (quacks like a Request for the runner)."""
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_tree: DraftTree | None = None
-    params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
-    matched: int = 0  # the fed prefix `_sync` found equal to the request's tokens last time
-    looked: int = -1  # the draft cache's registered block count when its prefix was looked up
-    position_ids: ClassVar[None] = None  # positions are cache indices
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids)
-
-    def positions(self, start: int, end: int) -> range:
-        return range(start, end)
-
-
-class DraftModelProposer(Proposer):
+class DraftModelProposer(DraftCache, Proposer):
     def __init__(self, runner, block_size: int, sampler, tree_budget: int = 0,
                  tree_topk: int = 2, max_chain: int = 0, target_vocab: int | None = None):
         """`max_chain`: the longest chain asked for (k_max); where the draft runner has CUDA
@@ -111,58 +77,6 @@ class DraftModelProposer(Proposer):
             return Proposal(drafts, None, fed=fed)
         flat = torch.cat(probs)  # step-major rows, as `order` counts them
         return Proposal(drafts, flat[device_tensor(order, torch.int64, flat.device)], fed=fed)
-
-    @staticmethod
-    def _behind(seqs: list[DraftSeq], batch: list[ProposalInput]) -> int:
-        """Tokens the drafting requests' caches lack before their last one (`Proposal.fed`)."""
-        return sum(max(len(s.all_token_ids) - 1 - s.num_computed_tokens, 0)
-                   for s, p in zip(seqs, batch) if p.k > 0)
-
-    def uncached(self, request_id: str, num_tokens: int, tokens=None) -> int:
-        """Tokens before a request's last that its draft cache does not hold (an estimate read
-        between steps: the fed prefix that still matches is found when drafting). A request
-        new to the draft, given its `tokens`, first takes what the prefix cache holds of them
-        (`_adopt`)."""
-        s = self.seqs.get(request_id)
-        if s is None and tokens is not None:
-            s = self._adopt(request_id, self._ids(list(tokens)))
-        elif s is not None and tokens is not None:
-            self._extend(s, tokens)
-        return max(num_tokens - 1 - (s.num_computed_tokens if s is not None else 0), 0)
-
-    def _adopt(self, request_id: str, tokens: list[int]) -> DraftSeq:
-        """The draft's view of a request it has not seen, holding the longest prefix of its
-        tokens whose full blocks the draft's prefix cache has (at least the last token is
-        left to feed)."""
-        s = self.seqs[request_id] = DraftSeq(request_id, tokens)
-        s.looked = self.kv.pool.num_registered
-        blocks, hit = self.kv.get_computed_blocks(s)
-        if hit and self.kv.allocate_slots(s, 0, blocks):
-            s.num_computed_tokens = s.matched = hit
-        return s
-
-    def _extend(self, s: DraftSeq, tokens) -> None:
-        """A request whose draft cache holds only verified tokens in full blocks (one adopted
-        cold, or caught up to a block's end) takes the cached blocks that follow them: other
-        requests with the same prefix (copies of a prompt, a shared system prompt arriving
-        together) may have registered more of it since. Looked up again only when the draft
-        cache registered blocks since the last look."""
-        table = self.kv.blocks_of(s.request_id)
-        if s.looked == self.kv.pool.num_registered or s.num_computed_tokens != s.matched \
-                or s.num_computed_tokens != len(table) * self.kv.block_size:
-            return
-        s.looked = self.kv.pool.num_registered
-        s.all_token_ids = self._ids(list(tokens))  # verified: it holds no drafts now
-        blocks, hit = self.kv.get_computed_blocks(s)
-        if hit > s.num_computed_tokens and blocks[:len(table)] == table and \
-                self.kv.allocate_slots(s, 0, blocks[len(table):]):
-            s.num_computed_tokens = s.matched = hit
-
-    def _ids(self, tokens: list[int]) -> list[int]:
-        """The request's ids as the draft reads them: target ids past the draft's rows as 0."""
-        if self.pad and max(tokens, default=0) >= self.vocab:
-            return [t if t < self.vocab else 0 for t in tokens]
-        return tokens
 
     def _launch(self, seqs: list[DraftSeq], reqs, ks: list[int]):
         """Queues the draft steps without reading anything back. Returns the requests each step
@@ -377,11 +291,6 @@ class DraftModelProposer(Proposer):
                     tree.parents.append(node)
                     path_p.append(pp * prob)
 
-    def _room_for_tree(self, s: DraftSeq, tree: DraftTree) -> bool:
-        if len(s.all_token_ids) + tree.num_nodes >= self.runner.cfg.max_position_embeddings:
-            return False
-        return self.kv.allocate_slots(s, 1 + tree.num_nodes)  # from the root
-
     def _prepare(self, sched: SchedulerOutput):
         """`runner.prepare` for a draft forward. Catching up with the target's verified tokens
         is no prompt chunk: on the CPU a few rows take the decode path's multi-row matvec, as
@@ -399,39 +308,3 @@ class DraftModelProposer(Proposer):
         if self.pad:
             logits = torch.nn.functional.pad(logits, (0, self.pad), value=float("-inf"))
         return logits
-
-    def _sync(self, request_id: str, tokens: list[int]) -> DraftSeq:
-        """Rolls the draft cache back to what still matches the request's verified tokens, and
-        registers the full blocks of that verified prefix in the draft's prefix cache."""
-        tokens = self._ids(tokens)
-        s = self.seqs.get(request_id)
-        if s is None:
-            s = self._adopt(request_id, list(tokens))
-        fed = s.all_token_ids[:s.num_computed_tokens]
-        limit = min(len(fed), len(tokens) - 1)
-        # the prefix that matched last time still matches (a request's tokens only grow), which
-        # one C-level comparison confirms; the rest is walked token by token
-        n = min(s.matched, limit)
-        if fed[:n] != tokens[:n]:
-            n = 0
-        while n < limit and fed[n] == tokens[n]:
-            n += 1
-        s.matched = n
-        s.num_computed_tokens = n
-        s.all_token_ids = tokens
-        self.kv.trim(s, n)
-        self.kv.cache_blocks(s)  # blocks of verified tokens only: n <= len(tokens) - 1
-        return s
-
-    def _room(self, s: DraftSeq, pending: int = 0) -> bool:
-        """Room in the context and the draft cache for the sequence's tokens and the `pending`
-        drafts sampled for it that it does not hold yet (`propose`)."""
-        n = len(s.all_token_ids) + pending
-        if n >= self.runner.cfg.max_position_embeddings:
-            return False
-        return self.kv.allocate_slots(s, n - s.num_computed_tokens)
-
-    def release(self, request_id: str) -> None:
-        s = self.seqs.pop(request_id, None)
-        if s is not None:
-            self.kv.free(s)

@@ -17,7 +17,7 @@ import torch
 from ..cache import KVCacheManager
 from ..kernels.attention import gather_kv
 from ..scheduler import ScheduledRequest, SchedulerOutput
-from .draft import DraftSeq
+from .draft_cache import DraftSeq
 
 
 class _WindowProbe:
