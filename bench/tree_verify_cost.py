@@ -8,9 +8,13 @@ the median of `--repeats` back-to-back steps (synchronised).
 Tokens per verify from bench/spec_tree.py divided by these costs give the speedup a tree buys.
 
     python bench/tree_verify_cost.py [--shape qwen2.5-1.5b] [--type Q4_K_M] [--context 512]
-        [--chain-ks 2,4] [--ab gemv_row_blocks=2 --ab-rounds 2]
+        [--chain-ks 2,4] [--ab gemv_row_blocks=2 --ab-rounds 2] [--profile]
 Writes OUT/tree_verify_cost.json (`--json-name`). `--ab FIELD=JSON` times every step under the
 arch's kernel config and under that one change to it, alternating, in one process.
+`--profile` adds, per step, what torch.profiler (CUPTI; it sees the kernels a CUDA graph runs)
+records over `--repeats` more steps: kernels a step, the GPU's busy microseconds a step (the
+union of kernel spans) against the profiled step's wall time, and the kernels with the most GPU
+time (bench/step_profile.py's `kernel_summary`).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info, write_json  # noqa: E402
 from decode_gguf import random_model  # noqa: E402
 from gpu_bench import make_engine  # noqa: E402
+from step_profile import kernel_summary  # noqa: E402
 
 from luceio import SamplingParams  # noqa: E402
 from luceio.kernels import configs  # noqa: E402
@@ -41,8 +46,10 @@ def binary_tree(n: int) -> DraftTree:
     return DraftTree(list(range(100, 100 + n)), [(i - 1) // 2 if i else -1 for i in range(n)])
 
 
-def step_ms(eng, reqs, n_new: int, spec: list[int], tree, repeats: int) -> float:
-    """Median time of one step that gives every request in `reqs` the same verify rows."""
+def step_ms(eng, reqs, n_new: int, spec: list[int], tree, repeats: int,
+            profile: dict | None = None) -> float:
+    """Median time of one step that gives every request in `reqs` the same verify rows;
+    `profile`: a dict the step's profile (`--profile`) is written into."""
     sched = SchedulerOutput([ScheduledRequest(r, n_new, list(spec), tree) for r in reqs], [])
     for r in reqs:
         r.spec_token_ids, r.spec_tree = list(spec), tree
@@ -54,6 +61,19 @@ def step_ms(eng, reqs, n_new: int, spec: list[int], tree, repeats: int) -> float
         eng.runner.execute(inp)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(repeats):
+                inp = eng.runner.prepare(sched, eng.kv)
+                eng.runner.execute(inp)
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t) * 1e6 / repeats
+        summary = kernel_summary(prof, repeats, top=16, width=100)
+        profile.update(summary, profiled_step_us=round(wall_us, 1))
     for r in reqs:
         r.spec_token_ids, r.spec_tree = [], None
     return statistics.median(times)
@@ -80,11 +100,14 @@ def _engine_and_requests(model, a, batch: int, **kw):
 def measure(model, a, batch: int) -> list[dict]:
     """The steps' times at one batch size, with the kernel config in force."""
     eng, reqs = _engine_and_requests(model, a, batch)
-    plain = step_ms(eng, reqs, 1, [], None, a.repeats)
-    found = [{"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3)}]
+    prof = {} if a.profile else None
+    plain = step_ms(eng, reqs, 1, [], None, a.repeats, prof)
+    found = [{"step": "plain decode (graph)", "rows": 1, "ms": round(plain, 3), "profile": prof}]
     for k in (int(v) for v in a.chain_ks.split(",") if v):
-        ms = step_ms(eng, reqs, k + 1, list(range(200, 200 + k)), None, a.repeats)
-        found.append({"step": f"chain verify k={k} (graph)", "rows": k + 1, "ms": round(ms, 3)})
+        prof = {} if a.profile else None
+        ms = step_ms(eng, reqs, k + 1, list(range(200, 200 + k)), None, a.repeats, prof)
+        found.append({"step": f"chain verify k={k} (graph)", "rows": k + 1, "ms": round(ms, 3),
+                      "profile": prof})
     if a.eager and batch == 1:
         ms = step_ms(eng, reqs, 9, binary_tree(8).tokens, binary_tree(8), a.repeats)
         found.append({"step": "tree of 8 nodes (eager)", "rows": 9, "ms": round(ms, 3)})
@@ -92,13 +115,16 @@ def measure(model, a, batch: int) -> list[dict]:
     for n in (int(v) for v in a.trees.split(",") if v):
         eng, reqs = _engine_and_requests(model, a, batch, spec_tree_budget=n)
         tree = binary_tree(n)
-        ms = step_ms(eng, reqs, n + 1, tree.tokens, tree, a.repeats)
+        prof = {} if a.profile else None
+        ms = step_ms(eng, reqs, n + 1, tree.tokens, tree, a.repeats, prof)
         found.append({"step": f"tree of {n} nodes (tree graph)", "rows": n + 1,
-                      "ms": round(ms, 3)})
+                      "ms": round(ms, 3), "profile": prof})
         del eng, reqs
         torch.cuda.empty_cache()
     for r in found:
         r.update(batch=batch, vs_plain=round(r["ms"] / plain, 2))
+        if r["profile"] is None:
+            del r["profile"]
     return found
 
 
@@ -116,6 +142,8 @@ def main() -> None:
                     help="FIELD=JSON: alternate the arch's kernel config and this change to it "
                          "(--ab-rounds times each, one process, one model)")
     ap.add_argument("--ab-rounds", type=int, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each step's kernels (torch.profiler)")
     ap.add_argument("--json-name", default="tree_verify_cost.json")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     a = ap.parse_args()
