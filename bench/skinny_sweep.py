@@ -120,6 +120,9 @@ def main() -> None:
                     results += rows
                 weights = dense_copies = None
                 torch.cuda.empty_cache()
+                write_json(os.path.join(a.out, a.json_name),  # so far (a time limit may cut in)
+                           {"env": env_info(), "copy_GBps": copy_gbps, "table": table.source,
+                            "results": results})
     summary = {}
     for m in rows_m:
         table_us = {(r["shape"], r["matrix"], r["qtype"]): r["us"] for r in results
