@@ -123,8 +123,8 @@ def measure(model, a, batch: int) -> list[dict]:
         torch.cuda.empty_cache()
     for r in found:
         r.update(batch=batch, vs_plain=round(r["ms"] / plain, 2))
-        if r["profile"] is None:
-            del r["profile"]
+        if r.get("profile") is None:
+            r.pop("profile", None)
     return found
 
 
