@@ -155,6 +155,44 @@ def test_speculative_drafts_are_checked_against_the_grammar(tiny_llama, llm, spe
     assert spec_llm.engine.structured.num_active == 0
 
 
+def test_json_strings_take_no_utf16_surrogates():
+    """xgrammar's classes for a JSON string's characters take U+D800-U+DFFF, whose 3-byte form is
+    not UTF-8; `fix_length_bounded_strings` takes them out of both kinds of string, and only
+    them."""
+    import xgrammar as xgr
+    from luceio.structured import fix_length_bounded_strings
+    schema = {"type": "object", "properties": {"a": {"type": "string"},
+                                               "b": {"type": "string", "maxLength": 3}},
+              "required": ["a", "b"]}
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                            strict_mode=True))
+    info = xgr.TokenizerInfo(['"', "a"], xgr.VocabType.RAW, vocab_size=2)
+    compiler = xgr.GrammarCompiler(info)
+
+    def takes(text: str, a: bytes, b: bytes) -> bool:
+        return xgr.GrammarMatcher(compiler.compile_grammar(text)).accept_string(
+            b'{"a": "' + a + b'", "b": "' + b + b'"}')
+    surrogate = b"\xed\xb7\x80"  # U+DDC0 in UTF-8's form: ED A0-BF starts no UTF-8 character
+    assert takes(ebnf, surrogate, b"x") and takes(ebnf, b"x", surrogate)  # xgrammar 0.2.9
+    fixed = fix_length_bounded_strings(ebnf)
+    assert not takes(fixed, surrogate, b"x") and not takes(fixed, b"x", surrogate)
+    # the code points either side of the surrogates, 2- and 4-byte characters: still taken
+    assert takes(fixed, "\ud7ff\u00e9\U0001f600".encode(), "\ue000".encode())
+
+
+@pytest.mark.parametrize("seed", [45, 208, 242])
+def test_sampled_json_strings_decode_as_utf8(llm, seed):
+    """Seeds whose sampled walk spelled a surrogate byte by byte (tiny byte-level vocabulary) and
+    decoded to U+FFFD characters, past the string's `maxLength`, before the surrogates left the
+    grammar."""
+    schema = SCHEMAS[0]
+    assert schema["properties"]["name"] == {"type": "string", "maxLength": 6}
+    out = llm.generate(["Answer in JSON: " + "{\"a\": 1} " * 3],
+                       [_json_params(schema, temperature=1.0, seed=seed)], use_tqdm=False)
+    _assert_all_valid(out, [schema])
+    assert "\ufffd" not in out[0].outputs[0].text
+
+
 # the grammar pieces against brute force ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiler(llm) -> GrammarCompiler:
