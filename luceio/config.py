@@ -191,6 +191,11 @@ class EngineArgs(CliArgs):
     spec_tree_topk: int = _opt(2, "tree speculation with a draft model: children per expanded "
                                "node (the draft's most probable next tokens), and nodes "
                                "expanded per level")
+    spec_draft_window: int = _opt(0, "draft model: a request whose prompt would leave the "
+                                  "draft more than N tokens to read is read as its first KV "
+                                  "block and its last N tokens only (a shorter draft prefill "
+                                  "for long prompts; drafts that need older context are "
+                                  "accepted less often; output unchanged). 0: the whole prompt")
     spec_prefill_keep: float | None = _opt(None, "speculative prefill: for prompts of at least "
                                            "--spec-prefill-min-tokens, the draft model scores the "
                                            "prompt and the target prefills only this fraction of "

@@ -50,6 +50,9 @@ def build_spec_decoder(args, target_runner, sampler, max_model_len: int,
                          f"{args.spec_tree_budget}")
     if args.spec_tree_topk < 1:
         raise ValueError(f"--spec-tree-topk must be >= 1, got {args.spec_tree_topk}")
+    if args.spec_draft_window < 0 or (args.spec_draft_window and method != "draft"):
+        raise ValueError(f"--spec-draft-window is >= 0 and only for --speculative-method draft, "
+                         f"got {args.spec_draft_window} with {method}")
     if method == "ngram":
         proposer = NgramProposer(tree_budget=args.spec_tree_budget)
         proposer.warmup()
@@ -78,7 +81,8 @@ def _draft_proposer(args, target_runner, max_model_len: int, draft_model, sample
                          tree_rows=_draft_tree_rows(args))
     return DraftModelProposer(runner, args.block_size, sampler, args.spec_tree_budget,
                               args.spec_tree_topk, max_chain=args.num_speculative_tokens,
-                              target_vocab=target_runner.cfg.vocab_size)
+                              target_vocab=target_runner.cfg.vocab_size,
+                              window=args.spec_draft_window)
 
 
 MAX_VOCAB_PADDING = 256

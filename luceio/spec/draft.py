@@ -30,13 +30,15 @@ from .tree_graph import DraftTreeGraph, tree_levels
 
 class DraftModelProposer(DraftCache, Proposer):
     def __init__(self, runner, block_size: int, sampler, tree_budget: int = 0,
-                 tree_topk: int = 2, max_chain: int = 0, target_vocab: int | None = None):
+                 tree_topk: int = 2, max_chain: int = 0, target_vocab: int | None = None,
+                 window: int = 0):
         """`max_chain`: the longest chain asked for (k_max); where the draft runner has CUDA
         graphs, greedy chains run their steps past the first in one replay (`spec.chain`).
         `target_vocab`: the target's vocabulary size where the draft's is a few padding rows
         shorter (`spec.check_draft_vocab`): ids the draft has no row for are fed to it as id 0
         and its logits are padded with -inf to the target's size, so its drafts and their
-        probabilities are over the target's ids (the padded ones at probability 0)."""
+        probabilities are over the target's ids (the padded ones at probability 0).
+        `window`: the draft's context window (`DraftCache.window`; 0: whole prompts)."""
         self.runner = runner  # a ModelRunner over the draft model
         self.vocab = runner.cfg.vocab_size
         self.pad = max(0, (target_vocab or self.vocab) - self.vocab)
@@ -47,6 +49,7 @@ class DraftModelProposer(DraftCache, Proposer):
         # from them (`_adopt`) instead of feeding its whole prompt to the draft again
         self.kv = KVCacheManager(runner.num_blocks, block_size)
         self.seqs: dict[str, DraftSeq] = {}
+        self.window = window
         self.tree_budget, self.tree_topk = tree_budget, tree_topk
         self.chain = None
         if runner.graphs is not None and max_chain > 1:

@@ -1,8 +1,9 @@
 """The draft model's view of each request (`DraftSeq`) and of its own KV cache: catching up
 with the target's verified tokens and rolling back past rejected drafts (`_sync`), room for
 what a step feeds, and the draft cache's prefix caching (a new request adopts the longest
-cached prefix of its tokens; verified full blocks are registered as the draft catches up).
-`DraftCache` is a mixin of `DraftModelProposer`, which provides `kv`, `seqs`, `runner`,
+cached prefix of its tokens; verified full blocks are registered as the draft catches up), and
+the draft's context window (`window`: a long prompt is read from its first block and its last
+`window` tokens only). `DraftCache` is a mixin of `DraftModelProposer`, which provides `kv`, `seqs`, `runner`,
 `vocab` and `pad`."""
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class DraftSeq:
     params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
     matched: int = 0  # the fed prefix `_sync` found equal to the request's tokens last time
     looked: int = -1  # the draft cache's registered block count when its prefix was looked up
+    sink: int = 0  # with `skip`: the draft reads tokens[:sink] + tokens[sink + skip:] (`_view`)
+    skip: int = 0
     position_ids: ClassVar[None] = None  # positions are cache indices
 
     @property
@@ -46,6 +49,12 @@ class DraftSeq:
 
 
 class DraftCache:
+    # the draft's context window: a request whose prompt leaves more than `window` tokens to
+    # feed when the draft first sees it is read as its first KV block (the attention sink the
+    # model was trained with) and its last `window` tokens, at the draft's own consecutive
+    # positions (RoPE: the scores depend on distances between the tokens it holds); 0: whole
+    window: int = 0
+
     @staticmethod
     def _behind(seqs: list[DraftSeq], batch: list[ProposalInput]) -> int:
         """Tokens the drafting requests' caches lack before their last one (`Proposal.fed`)."""
@@ -62,18 +71,31 @@ class DraftCache:
             s = self._adopt(request_id, self._ids(list(tokens)))
         elif s is not None and tokens is not None:
             self._extend(s, tokens)
-        return max(num_tokens - 1 - (s.num_computed_tokens if s is not None else 0), 0)
+        skipped = s.skip if s is not None else 0
+        return max(num_tokens - skipped - 1 - (s.num_computed_tokens if s is not None else 0), 0)
 
     def _adopt(self, request_id: str, tokens: list[int]) -> DraftSeq:
         """The draft's view of a request it has not seen, holding the longest prefix of its
         tokens whose full blocks the draft's prefix cache has (at least the last token is
-        left to feed)."""
+        left to feed). With a `window`, one that would still have more than `window` tokens
+        to feed is read through its window instead (`_view`)."""
         s = self.seqs[request_id] = DraftSeq(request_id, tokens)
         s.looked = self.kv.pool.num_registered
         blocks, hit = self.kv.get_computed_blocks(s)
+        sink = self.kv.block_size
+        if self.window and len(tokens) - 1 - hit > self.window and \
+                len(tokens) > sink + self.window:
+            s.sink, s.skip = sink, len(tokens) - sink - self.window
+            s.all_token_ids = self._view(s, tokens)
+            blocks, hit = self.kv.get_computed_blocks(s)  # the sink block, most often
         if hit and self.kv.allocate_slots(s, 0, blocks):
             s.num_computed_tokens = s.matched = hit
         return s
+
+    @staticmethod
+    def _view(s: DraftSeq, tokens: list[int]) -> list[int]:
+        """A request's tokens as the draft reads them: past its window, the sink and the rest."""
+        return tokens[:s.sink] + tokens[s.sink + s.skip:] if s.skip else tokens
 
     def _extend(self, s: DraftSeq, tokens) -> None:
         """A request whose draft cache holds only verified tokens in full blocks (one adopted
@@ -86,7 +108,7 @@ class DraftCache:
                 or s.num_computed_tokens != len(table) * self.kv.block_size:
             return
         s.looked = self.kv.pool.num_registered
-        s.all_token_ids = self._ids(list(tokens))  # verified: it holds no drafts now
+        s.all_token_ids = self._view(s, self._ids(list(tokens)))  # verified: no drafts now
         blocks, hit = self.kv.get_computed_blocks(s)
         if hit > s.num_computed_tokens and blocks[:len(table)] == table and \
                 self.kv.allocate_slots(s, 0, blocks[len(table):]):
@@ -110,6 +132,7 @@ class DraftCache:
         s = self.seqs.get(request_id)
         if s is None:
             s = self._adopt(request_id, list(tokens))
+        tokens = self._view(s, tokens)
         fed = s.all_token_ids[:s.num_computed_tokens]
         limit = min(len(fed), len(tokens) - 1)
         # the prefix that matched last time still matches (a request's tokens only grow), which
