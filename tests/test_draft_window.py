@@ -58,6 +58,31 @@ def test_a_long_prompt_is_read_through_the_window(tiny_llama, tree):
     assert max(seen[1:]) < bs  # after it, only new tokens (and drafts) are fed
 
 
+def test_the_window_s_blocks_are_cached_under_their_own_hashes(tiny_llama):
+    """The draft's prefix cache registers a windowed request's blocks under the chained hashes
+    of the tokens it read (the view), not of the whole prompt's blocks at those indices: a
+    second request with the same prompt adopts them (its first feed is past the cached view
+    blocks) and a request whose whole prompt matches those hashes finds nothing wrong."""
+    from luceio.cache.block_pool import hash_block
+    llm = _spec_llm(tiny_llama, 16)
+    prop = llm.engine.spec.proposer
+    bs = prop.kv.block_size
+    out = llm.generate([{"prompt_token_ids": PROMPT}], GREEDY)[0].outputs[0].token_ids
+    pool = prop.kv.pool
+    tokens = PROMPT + list(out[:1])  # the draft first saw the prompt and the first token
+    view = tokens[:bs] + tokens[len(tokens) - 16:]
+    h = hash_block(None, tuple(view[:bs]))
+    h = hash_block(h, tuple(view[bs:2 * bs]))  # the view's second block: the window
+    assert pool.lookup(h, tuple(view[bs:2 * bs])) is not None
+    full = hash_block(hash_block(None, tuple(PROMPT[:bs])), tuple(PROMPT[bs:2 * bs]))
+    assert pool.lookup(full, tuple(PROMPT[bs:2 * bs])) is None
+    seen = _spy(prop)
+    again = llm.generate([{"prompt_token_ids": PROMPT}], GREEDY)[0]
+    assert seen[0] < bs + 16  # the sink and part of the window came from the cache
+    assert again.outputs[0].token_ids == LLM(tiny_llama, **engine_kwargs()).generate(
+        [{"prompt_token_ids": PROMPT}], GREEDY)[0].outputs[0].token_ids
+
+
 def test_a_short_prompt_is_read_whole(tiny_llama):
     """A prompt that fits the window is fed to the draft whole, as without one."""
     llm = _spec_llm(tiny_llama, 128)
