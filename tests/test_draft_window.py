@@ -60,9 +60,9 @@ def test_a_long_prompt_is_read_through_the_window(tiny_llama, tree):
 
 def test_the_window_s_blocks_are_cached_under_their_own_hashes(tiny_llama):
     """The draft's prefix cache registers a windowed request's blocks under the chained hashes
-    of the tokens it read (the view), not of the whole prompt's blocks at those indices: a
-    second request with the same prompt adopts them (its first feed is past the cached view
-    blocks) and a request whose whole prompt matches those hashes finds nothing wrong."""
+    of the tokens it read (the view), and nothing under the whole prompt's hashes at those
+    indices; a second request with the same prompt adopts them (its first feed starts past
+    the cached view blocks) and decodes as plain decoding does."""
     from luceio.cache.block_pool import hash_block
     llm = _spec_llm(tiny_llama, 16)
     prop = llm.engine.spec.proposer
