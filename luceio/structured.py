@@ -174,11 +174,10 @@ class GrammarCompiler:
 # it (no raw control characters, no quote, no backslash: no escapes are written)
 _LENGTH_BOUNDED_CHARACTER = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$',
                                        re.M)
-# (and no UTF-16 surrogates: see below)
-_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\ud800-\udfff]'
+_NO_SURROGATES = r'\ud800-\udfff'  # the UTF-16 surrogates, out of every JSON string (below)
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\' + _NO_SURROGATES + ']'
 # xgrammar 0.2.9's class for one character of an unbounded JSON string
 _BASIC_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
-_NO_SURROGATES = r'\ud800-\udfff'
 
 
 def fix_length_bounded_strings(ebnf: str) -> str:

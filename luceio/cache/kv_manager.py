@@ -62,6 +62,11 @@ class KVCacheManager:
                                      tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
         return hashes
 
+    def forget_hashes(self, request_id: str) -> None:
+        """Drops a request's memoised block hashes: its tokens were replaced before any of its
+        blocks were cached (the draft model reading a long prompt through its window)."""
+        self.block_hashes.pop(request_id, None)
+
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of a new request: (block ids, tokens covered). At least one
         token is always left to compute, so the step produces logits for it."""

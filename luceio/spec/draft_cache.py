@@ -87,7 +87,7 @@ class DraftCache:
                 len(tokens) > sink + self.window:
             s.sink, s.skip = sink, len(tokens) - sink - self.window
             s.all_token_ids = self._view(s, tokens)
-            self.kv.block_hashes.pop(request_id, None)  # memoised for the whole prompt's blocks
+            self.kv.forget_hashes(request_id)  # memoised for the whole prompt's blocks
             blocks, hit = self.kv.get_computed_blocks(s)  # the sink block, most often
         if hit and self.kv.allocate_slots(s, 0, blocks):
             s.num_computed_tokens = s.matched = hit
