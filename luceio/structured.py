@@ -29,6 +29,10 @@ Rules:
   Qwen2.5-Coder's vocabulary, against ~0.03 ms this way.) Such strings are written without
   escape sequences. The same pass keeps UTF-16 surrogates (U+D800-U+DFFF, whose 3-byte form
   is not UTF-8) out of every JSON string's characters, which xgrammar's classes let through.
+- Every kind of constraint is compiled from xgrammar's printed EBNF (a regex through
+  `Grammar.from_regex`, a user's EBNF through `Grammar.from_ebnf`) after
+  `grammar_text.exclude_surrogates`: no character class anywhere (a regex's `.` or `\\S`, a
+  negated class, a schema's `pattern`) takes a surrogate.
 - JSON schemas are strict: properties the schema does not name are never generated, and
   properties come in the schema's order. Whitespace between JSON tokens comes in runs of at most
   `JSON_MAX_WHITESPACE` characters (none with `disable_any_whitespace`; at most
@@ -58,6 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import StructuredOutputsParams
+from .grammar_text import exclude_surrogates
 
 logger = logging.getLogger("luceio")
 
@@ -150,13 +155,16 @@ class GrammarCompiler:
                 grammar = self.xgr.Grammar.from_json_schema(
                     spec.text, any_whitespace=spec.any_whitespace, strict_mode=True,
                     max_whitespace_cnt=JSON_MAX_WHITESPACE if spec.any_whitespace else None)
-                return c.compile_grammar(fix_length_bounded_strings(str(grammar)))
-            if spec.kind == "regex":
-                return c.compile_regex(spec.text)
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.text)
-            grammar = self.xgr.Grammar.from_structural_tag(spec.text)
-            return c.compile_grammar(fix_length_bounded_strings(str(grammar)))
+                ebnf = fix_length_bounded_strings(str(grammar))
+            elif spec.kind == "regex":
+                ebnf = str(self.xgr.Grammar.from_regex(spec.text))
+            elif spec.kind == "grammar":
+                ebnf = str(self.xgr.Grammar.from_ebnf(spec.text))
+            else:
+                ebnf = fix_length_bounded_strings(
+                    str(self.xgr.Grammar.from_structural_tag(spec.text)))
+            # every kind, as printed by xgrammar: no class takes a UTF-16 surrogate
+            return c.compile_grammar(exclude_surrogates(ebnf))
         except (RuntimeError, ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             why = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
             raise GrammarError(f"the {spec.kind} constraint does not compile: "

@@ -193,6 +193,28 @@ def test_sampled_json_strings_decode_as_utf8(llm, seed):
     assert "\ufffd" not in out[0].outputs[0].text
 
 
+def test_every_constraint_kind_compiles_without_surrogates(llm):
+    """Through the engine's compiler: a regex, a user's EBNF, a schema's `pattern` and a plain
+    JSON string all refuse a surrogate spelled byte by byte; a class of surrogates only is a
+    GrammarError naming the kind."""
+    import xgrammar as xgr
+    comp = llm.engine.structured.compiler
+
+    def takes(spec: GrammarSpec, text: bytes) -> bool:
+        return xgr.GrammarMatcher(comp.compile(spec)).accept_string(text)
+    schema = json.dumps({"type": "object", "properties": {"p": {"type": "string", "pattern": "^.+$"}},
+                         "required": ["p"]})
+    cases = [(GrammarSpec("regex", "x.y"), b"x%sy", "x\u00e9y"),
+             (GrammarSpec("grammar", 'root ::= "x" [^a] "y"'), b"x%sy", "x\U0001f600y"),
+             (GrammarSpec("json", schema), b'{"p": "%s"}', '{"p": "\ue000"}')]
+    for spec, template, good in cases:
+        assert takes(spec, good.encode()), spec.kind
+        for s in (b"\xed\xa0\x80", b"\xed\xbf\xbf"):
+            assert not takes(spec, template % s), spec.kind
+    with pytest.raises(GrammarError, match="regex constraint does not compile.*surrogates"):
+        comp.compile(GrammarSpec("regex", r"[\ud800-\udfff]"))
+
+
 # the grammar pieces against brute force ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiler(llm) -> GrammarCompiler:
