@@ -214,3 +214,34 @@ def test_draft_prefix_cache_on_the_gpu(tiny_llama, monkeypatch):
             bs = prop.kv.block_size
             assert seen[0] <= len(turn) + 1 - len(first_prompt) // bs * bs
         turn = turn + list(got[0].outputs[0].token_ids) + [11, 12, 13, 14, 15]
+
+
+@pytest.mark.parametrize("tree", [0, 6], ids=["chain", "tree"])
+def test_draft_window_on_the_gpu(tiny_llama, monkeypatch, tree):
+    """The draft's context window (`spec_draft_window`) with CUDA graphs: an 80-token prompt's
+    first draft feed is the sink block and the 16-token window, later feeds only new tokens, and
+    greedy output equals plain decoding (chains and trees; the CPU test:
+    tests/test_draft_window.py)."""
+    from luceio.spec import decoding
+    monkeypatch.setattr(decoding.SpecDecoder, "mode",
+                        lambda self, batch_size, step=None: "tree" if tree else "chain")
+    prompt = [(7 * i) % 300 + 3 for i in range(80)]
+    params = SamplingParams(**GREEDY)
+    want = LLM(tiny_llama, **engine_kwargs(device="cuda")).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    llm = LLM(tiny_llama, **engine_kwargs(device="cuda", speculative_method="draft",
+                                          draft_model=tiny_llama, num_speculative_tokens=3,
+                                          spec_draft_window=16, spec_tree_budget=tree))
+    prop = llm.engine.spec.proposer
+    seen, execute = [], prop.runner.execute
+
+    def spy(inp, probe=None):
+        seen.append(int(inp.host.q_lens.max()))
+        return execute(inp, probe)
+    monkeypatch.setattr(prop.runner, "execute", spy)
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert llm.engine.spec.stats.num_verify_steps > 0
+    bs = prop.kv.block_size
+    assert seen[0] == bs + 16
+    assert max(seen[1:]) < bs
