@@ -28,6 +28,7 @@ _SINGLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "b": 0
                    "e": 0x1B, "0": 0x00}
 _SHORTHANDS = {"\\" + c for c in "sSwWdD"}  # a regex's class shorthands
 _HEX_ESCAPE = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})")
+_LOW_SURROGATE_ESCAPE = re.compile(r"\\u([dD][c-fC-F][0-9a-fA-F]{2})")
 
 
 class GrammarTextError(ValueError):
@@ -40,7 +41,11 @@ def _escape(text: str, i: int) -> tuple[int, int]:
         raise GrammarTextError("the grammar ends in a backslash")
     m = _HEX_ESCAPE.match(text, i + 1)
     if m:
-        return int(next(g for g in m.groups() if g is not None), 16), m.end()
+        cp = int(next(g for g in m.groups() if g is not None), 16)
+        low = _LOW_SURROGATE_ESCAPE.match(text, m.end())
+        if 0xD800 <= cp <= 0xDBFF and low:  # a pair: how xgrammar prints a character past U+FFFF
+            return 0x10000 + ((cp - 0xD800) << 10) + (int(low[1], 16) - 0xDC00), low.end()
+        return cp, m.end()
     c = text[i + 1]
     return _SINGLE_ESCAPES.get(c, ord(c)), i + 2
 

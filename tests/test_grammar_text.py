@@ -86,3 +86,20 @@ def test_regex_rewrite_escapes():
     assert exclude_surrogates_regex(r"[\S]") == r"[\S]"  # left as written (module docstring)
     assert exclude_surrogates_regex(".") == r"[^\ud800-\udfff]"
     assert exclude_surrogates_regex(r"[\ud000-\ue000\w]") == r"[\ud000-\ud7ff\ue000\w]"
+
+
+def test_regex_rule_with_characters_past_the_bmp(compiler):
+    """xgrammar writes U+1F600 in a Regex rule as `\\U0001f600`; the rewrite reads it as one
+    character (also as a `\\ud83d\\ude00` pair) and writes it back the same way."""
+    pattern = "^\u00e9\U0001f600[\U0001f600-\U0001f64f].$"
+    rule = str(xgr.Grammar.from_ebnf("root ::= Regex(%s)" % json.dumps(pattern, ensure_ascii=False)))
+    fixed = exclude_surrogates(rule)
+    assert "\\U0001f600[\\U0001f600-\\U0001f64f]" in fixed
+    head = "\u00e9\U0001f600\U0001f642".encode()
+    for tail in ["z", "\ud7ff", "\U0010ffff"]:
+        assert _takes(compiler, fixed, head + tail.encode())
+    assert not _takes(compiler, fixed, "\u00e9\U0001f600\U0001f650z".encode())
+    assert _takes(compiler, rule, head + SURROGATES[0])
+    assert not _takes(compiler, fixed, head + SURROGATES[0])
+    from luceio.grammar_text import exclude_surrogates_regex
+    assert exclude_surrogates_regex(r"[\ud83d\ude00-\ud83d\ude4f]") == r"[\ud83d\ude00-\ud83d\ude4f]"
