@@ -1,22 +1,29 @@
-"""Rewrites of xgrammar's EBNF text that every compiled constraint goes through.
+"""Rewrites of a constraint's text before xgrammar compiles it (`structured.GrammarCompiler`).
 
-`exclude_surrogates(ebnf)`: no character class of the grammar takes a UTF-16 surrogate
-(U+D800-U+DFFF). xgrammar matches a class against the UTF-8 bytes of its code points, and its
-classes take the surrogates: a negated class (`[^x]`, a regex's `\\S`, `\\W`, `\\D`), a regex's `.`
-(`[\\0-\\U0010ffff]`) or any range across them. The 3-byte form of a surrogate (ED A0-BF xx) is
-not UTF-8 at all, so a byte-level vocabulary can spell one byte by byte and the text decodes to
-U+FFFD characters that the constraint never allowed. A negated class gets the surrogates added
-to what it excludes; a positive class that overlaps them is written out again without them,
-each range as `\\u` / `\\U` escapes. A `Regex("...")` rule (xgrammar keeps some of a JSON
-schema's `pattern`s that way) has its pattern rewritten by `exclude_surrogates_regex`. Other
-string literals and the rest of the text are kept as they are. The text must be xgrammar's
-printed form (`str(xgrammar.Grammar)`), which has no comments and writes strings in double
-quotes.
+No character class may take a UTF-16 surrogate (U+D800-U+DFFF). xgrammar matches a class
+against the UTF-8 bytes of its code points, and its classes take the surrogates: a negated class
+(`[^x]`, a regex's `\\S`, `\\W`, `\\D`), a regex's `.` or any range across them. The 3-byte form of
+a surrogate (ED A0-BF xx) is not UTF-8 at all, so a byte-level vocabulary can spell one byte by
+byte and the text decodes to U+FFFD characters the constraint never allowed.
 
-`exclude_surrogates_regex(pattern)`: the same for a regex in xgrammar's syntax: `.` becomes
-`[^\\ud800-\\udfff]`, `\\S` / `\\W` / `\\D` the negated class of `\\s` / `\\w` / `\\d` without the
-surrogates, and classes as above (xgrammar's regexes have no `\\U`: code points past U+FFFF are
-written as themselves). Left as written: a positive class holding `\\S`, `\\W` or `\\D`.
+* `exclude_surrogates_regex(pattern)`, for a regex in xgrammar's syntax: `.` becomes
+  `[^\\ud800-\\udfff]`, `\\S` / `\\W` / `\\D` the negated class of `\\s` / `\\w` / `\\d` and the
+  surrogates; a negated class gets the surrogates added to what it excludes (first, so that a
+  body ending in `-` keeps it a `-`); a positive class across them is written again without
+  them, and one holding `\\S` / `\\W` / `\\D` becomes an alternation (`[a\\S]`:
+  `(?:[^\\ud800-\\udfff\\s]|[a])`). Regexes have no `\\U`: code points past U+FFFF are written as
+  themselves.
+* `exclude_surrogates(ebnf, source=...)`, for xgrammar's EBNF: the same for its classes (which
+  have no shorthands), and a `Regex("...")` rule's pattern through the regex rewrite. Other
+  string literals are kept. `source=True`: text a user wrote (`#` comments skipped, escapes kept
+  as written). `source=False`: xgrammar's printed form (`str(xgrammar.Grammar)`, which a JSON
+  schema or structural tag must go through), where each `\\xHH` escape becomes `\\u00HH`:
+  xgrammar prints the code points up to U+FF as `\\xHH` but reads `\\x` with every hex digit that
+  follows, so the printed `"\\xdcbersicht"` of "Übersicht" would read as U+DCBE "rsicht".
+
+A class is left exactly as written when it takes no surrogate; a class of surrogates only
+becomes one that takes nothing. `\\uXXXX` is one code point, as xgrammar reads it (a surrogate
+pair's escapes are two). Surrogates a string literal asks for are kept.
 """
 from __future__ import annotations
 
@@ -26,82 +33,65 @@ SURROGATES = (0xD800, 0xDFFF)
 _NO_SURROGATES = r"\ud800-\udfff"
 _SINGLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "b": 0x08, "a": 0x07,
                    "e": 0x1B, "0": 0x00}
-_SHORTHANDS = {"\\" + c for c in "sSwWdD"}  # a regex's class shorthands
-_HEX_ESCAPE = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})")
-_LOW_SURROGATE_ESCAPE = re.compile(r"\\u([dD][c-fC-F][0-9a-fA-F]{2})")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+_BRACED = re.compile(r"\{([0-9a-fA-F]{1,6})\}")
+_X_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|.)", re.S)
+_REGEX_RULE = re.compile(r"Regex\(\s*$")
 
 
 class GrammarTextError(ValueError):
-    """The EBNF text ends inside a string literal or a character class."""
+    """The text ends inside a string literal, a character class or an escape."""
 
 
-def _escape(text: str, i: int) -> tuple[int, int]:
-    """The code point of the escape whose backslash is at text[i], and the index after it."""
+def _no_x_escapes(text: str) -> str:
+    return _X_ESCAPE.sub(lambda m: "\\u00" + m[1] if m[1] else m[0], text)
+
+
+def _escape(text: str, i: int, regex: bool = False) -> tuple[int, int]:
+    """The code point of the escape whose backslash is at text[i], and the index after it: `\\x`
+    takes two hex digits (as printed), `\\u` four, EBNF's `\\U` eight; a regex also has `\\u{...}`
+    and `\\cX`."""
     if i + 1 >= len(text):
-        raise GrammarTextError("the grammar ends in a backslash")
-    m = _HEX_ESCAPE.match(text, i + 1)
-    if m:
-        cp = int(next(g for g in m.groups() if g is not None), 16)
-        low = _LOW_SURROGATE_ESCAPE.match(text, m.end())
-        if 0xD800 <= cp <= 0xDBFF and low:  # a pair: how xgrammar prints a character past U+FFFF
-            return 0x10000 + ((cp - 0xD800) << 10) + (int(low[1], 16) - 0xDC00), low.end()
-        return cp, m.end()
+        raise GrammarTextError("the text ends in a backslash")
     c = text[i + 1]
+    if regex and c == "u" and text.startswith("{", i + 2):
+        m = _BRACED.match(text, i + 2)
+        if m:
+            return int(m[1], 16), m.end()
+    if regex and c == "c" and text[i + 2:i + 3].isascii() and text[i + 2:i + 3].isalpha():
+        return ord(text[i + 2]) & 0x1F, i + 3
+    digits = {"x": 2, "u": 4, "U": 0 if regex else 8}.get(c, 0)
+    m = _HEX.match(text, i + 2, i + 2 + digits) if digits else None
+    if m and len(m[0]) == digits:
+        return int(m[0], 16), m.end()
     return _SINGLE_ESCAPES.get(c, ord(c)), i + 2
 
 
-def _class_ranges(body: str) -> list[tuple[int, int]]:
-    """The code point ranges of a character class's body (between `[` or `[^` and `]`)."""
-    points: list[tuple[int, bool]] = []  # (code point, written as a '-' that may join a range)
+def _class_units(body: str, regex: bool) -> tuple[list[tuple[int, int]], str]:
+    """A class body as xgrammar reads it: its code point ranges, and a regex's shorthands
+    (`\\d`-style escapes, which end no range: a `-` after one is itself)."""
+    def unit(i):
+        return _escape(body, i, regex) if body[i] == "\\" else (ord(body[i]), i + 1)
+    ranges, shorthands = [], []
     i = 0
     while i < len(body):
-        if body[i] == "\\":
-            cp, i = _escape(body, i)
-            points.append((cp, False))
-        else:
-            points.append((ord(body[i]), body[i] == "-"))
-            i += 1
-    ranges = []
-    j = 0
-    while j < len(points):
-        lo = points[j][0]
-        if j + 2 < len(points) and points[j + 1][1]:  # a - b
-            ranges.append((lo, points[j + 2][0]))
-            j += 3
+        if regex and body[i] == "\\" and body[i + 1:i + 2] in ("d", "D", "w", "W", "s", "S"):
+            shorthands.append(body[i + 1])
+            i += 2
+            continue
+        lo, i = unit(i)
+        if i + 1 < len(body) and body[i] == "-":
+            hi, i = unit(i + 1)
+            ranges.append((lo, hi))
         else:
             ranges.append((lo, lo))
-            j += 1
-    return ranges
+    return ranges, "".join(shorthands)
 
 
-def _point(cp: int, regex: bool = False) -> str:
+def _point(cp: int, regex: bool) -> str:
     if cp <= 0xFFFF:
         return f"\\u{cp:04x}"
     return chr(cp) if regex else f"\\U{cp:08x}"
-
-
-def _positive_class(body: str, shorthands: str = "", regex: bool = False) -> str:
-    """`[body + shorthands]`, or the class without the surrogates where it takes any
-    (`shorthands`: a regex's `\\s`, `\\w`, `\\d`, which take none)."""
-    ranges = _class_ranges(body)
-    lo_s, hi_s = SURROGATES
-    if not any(lo <= hi_s and hi >= lo_s for lo, hi in ranges):
-        return "[" + body + shorthands + "]"
-    kept = []
-    for lo, hi in ranges:
-        if lo <= hi_s and hi >= lo_s:
-            if lo < lo_s:
-                kept.append((lo, lo_s - 1))
-            if hi > hi_s:
-                kept.append((hi_s + 1, hi))
-        else:
-            kept.append((lo, hi))
-    if not kept and not shorthands:  # an empty class is not EBNF
-        raise GrammarTextError("a character class holds only UTF-16 surrogates, which are not "
-                               "UTF-8 characters")
-    return "[" + "".join(_point(lo, regex) if lo == hi else
-                         _point(lo, regex) + "-" + _point(hi, regex) for lo, hi in kept) \
-        + shorthands + "]"
 
 
 def _class_end(text: str, i: int) -> int:
@@ -113,7 +103,73 @@ def _class_end(text: str, i: int) -> int:
             return i
         else:
             i += 1
-    raise GrammarTextError("the grammar ends inside a character class")
+    raise GrammarTextError("the text ends inside a character class")
+
+
+def _class(text: str, i: int, regex: bool, printed: bool) -> tuple[str, int]:
+    """The class opened by the `[` at text[i], without the surrogates, and the index after it."""
+    negated = text.startswith("[^", i)
+    start = i + 2 if negated else i + 1
+    end = _class_end(text, start)
+    body = text[start:end]
+    keep = _no_x_escapes if printed else (lambda t: t)
+    ranges, shorthands = _class_units(body, regex)
+    lo_s, hi_s = SURROGATES
+    if any(lo > hi for lo, hi in ranges):  # xgrammar refuses it: left for it to say why
+        return keep(text[i:end + 1]), end + 1
+    if negated:
+        if any(lo <= lo_s and hi >= hi_s for lo, hi in ranges):
+            return keep(text[i:end + 1]), end + 1
+        return "[^" + _NO_SURROGATES + keep(body) + "]", end + 1
+    negs = [c.lower() for c in shorthands if c.isupper()]
+    if not negs and not any(lo <= hi_s and hi >= lo_s for lo, hi in ranges):
+        if regex and body.startswith("\\^") and len(body) > 2:  # xgrammar's converter makes
+            # `[\\^a]` the negated `[^a]`: the '^' goes last (before a closing '-')
+            rest = body[2:]
+            dash = rest.endswith("-") and not rest.endswith("\\-")
+            return "[" + (rest[:-1] if dash else rest) + "\\^" + ("-" if dash else "") + "]", end + 1
+        return keep(text[i:end + 1]), end + 1
+    kept = []
+    for lo, hi in ranges:
+        if lo <= hi_s and hi >= lo_s:
+            if lo < lo_s:
+                kept.append((lo, lo_s - 1))
+            if hi > hi_s:
+                kept.append((hi_s + 1, hi))
+        else:
+            kept.append((lo, hi))
+    pos = "".join(_point(lo, regex) + ("" if lo == hi else "-" + _point(hi, regex))
+                  for lo, hi in kept) + "".join("\\" + c for c in shorthands if c.islower())
+    if negs:
+        alts = ["[^" + _NO_SURROGATES + "\\" + c + "]" for c in negs] + (["[" + pos + "]"] if pos else [])
+        return "(?:" + "|".join(alts) + ")", end + 1
+    if not pos:  # surrogates only: a class that takes nothing
+        return "[^" + _point(0, regex) + "-" + _point(0x10FFFF, regex) + "]", end + 1
+    return "[" + pos + "]", end + 1
+
+
+def exclude_surrogates_regex(pattern: str) -> str:
+    """`pattern` (xgrammar's regex syntax) with no class or `.` taking a surrogate."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if pattern[i + 1:i + 2] in ("S", "W", "D"):
+                out.append("[^" + _NO_SURROGATES + "\\" + pattern[i + 1].lower() + "]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+        elif c == "[":
+            text, i = _class(pattern, i, regex=True, printed=False)
+            out.append(text)
+        elif c == ".":
+            out.append("[^" + _NO_SURROGATES + "]")
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 def _string_end(text: str, i: int) -> int:
@@ -125,73 +181,13 @@ def _string_end(text: str, i: int) -> int:
             return i + 1
         else:
             i += 1
-    raise GrammarTextError("the grammar ends inside a string literal")
-
-
-def _class(text: str, i: int, regex: bool) -> tuple[str, int]:
-    """The class opened by the `[` at text[i], without the surrogates, and the index after it."""
-    negated = text.startswith("[^", i)
-    start = i + 2 if negated else i + 1
-    end = _class_end(text, start)
-    body = text[start:end]
-    rest, shorthands = _split_shorthands(body) if regex else (body, "")
-    if negated:
-        if (SURROGATES[0], SURROGATES[1]) in _class_ranges(rest):
-            return text[i:end + 1], end + 1
-        return "[^" + body + _NO_SURROGATES + "]", end + 1
-    if any(c in shorthands for c in "SWD"):  # a negated shorthand in a positive class
-        return text[i:end + 1], end + 1
-    return _positive_class(rest, shorthands, regex), end + 1
-
-
-def _split_shorthands(body: str) -> tuple[str, str]:
-    """A regex class's body without its `\\s`-style shorthands, and the shorthands."""
-    rest, shorthands = [], []
-    i = 0
-    while i < len(body):
-        unit = body[i:i + 2] if body[i] == "\\" else body[i]
-        (shorthands if unit in _SHORTHANDS else rest).append(unit)
-        i += len(unit)
-    return "".join(rest), "".join(shorthands)
-
-
-def exclude_surrogates_regex(pattern: str) -> str:
-    """`pattern` (xgrammar's regex syntax) with no class or `.` taking a UTF-16 surrogate (see
-    the module docstring)."""
-    out = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            if pattern[i + 1:i + 2] in ("S", "W", "D"):
-                out.append("[^\\" + pattern[i + 1].lower() + _NO_SURROGATES + "]")
-            else:
-                out.append(pattern[i:i + 2])
-            i += 2
-        elif c == "[":
-            text, i = _class(pattern, i, regex=True)
-            out.append(text)
-        elif c == ".":
-            out.append("[^" + _NO_SURROGATES + "]")
-            i += 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    raise GrammarTextError("the text ends inside a string literal")
 
 
 def _ebnf_string(text: str) -> str:
-    """`text` as an EBNF string literal."""
-    out = []
-    for ch in text:
-        cp = ord(ch)
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif 0x20 <= cp < 0x7F:
-            out.append(ch)
-        else:
-            out.append(f"\\x{cp:02x}" if cp < 0x80 else _point(cp))
-    return '"' + "".join(out) + '"'
+    """`text` as an EBNF string literal (no `\\x` escapes: see the module docstring)."""
+    return '"' + "".join("\\" + ch if ch in '"\\' else ch if 0x20 <= ord(ch) < 0x7F
+                         else _point(ord(ch), regex=False) for ch in text) + '"'
 
 
 def _ebnf_unstring(literal: str) -> str:
@@ -208,8 +204,8 @@ def _ebnf_unstring(literal: str) -> str:
     return "".join(out)
 
 
-def exclude_surrogates(ebnf: str) -> str:
-    """`ebnf` with no character class taking a UTF-16 surrogate (see the module docstring)."""
+def exclude_surrogates(ebnf: str, source: bool = False) -> str:
+    """`ebnf` with no character class taking a surrogate (see the module docstring)."""
     out = []
     i = 0
     while i < len(ebnf):
@@ -217,13 +213,20 @@ def exclude_surrogates(ebnf: str) -> str:
         if c == '"':
             j = _string_end(ebnf, i + 1)
             literal = ebnf[i:j]
-            if ebnf.endswith("Regex(", 0, i):
+            if _REGEX_RULE.search(ebnf, max(0, i - 64), i):
                 literal = _ebnf_string(exclude_surrogates_regex(_ebnf_unstring(literal)))
+            elif not source:
+                literal = _no_x_escapes(literal)
             out.append(literal)
             i = j
         elif c == "[":
-            text, i = _class(ebnf, i, regex=False)
+            text, i = _class(ebnf, i, regex=False, printed=not source)
             out.append(text)
+        elif c == "#" and source:
+            j = ebnf.find("\n", i)
+            j = len(ebnf) if j < 0 else j
+            out.append(ebnf[i:j])
+            i = j
         else:
             out.append(c)
             i += 1

@@ -29,10 +29,11 @@ Rules:
   Qwen2.5-Coder's vocabulary, against ~0.03 ms this way.) Such strings are written without
   escape sequences. The same pass keeps UTF-16 surrogates (U+D800-U+DFFF, whose 3-byte form
   is not UTF-8) out of every JSON string's characters, which xgrammar's classes let through.
-- Every kind of constraint is compiled from xgrammar's printed EBNF (a regex through
-  `Grammar.from_regex`, a user's EBNF through `Grammar.from_ebnf`) after
-  `grammar_text.exclude_surrogates`: no character class anywhere (a regex's `.` or `\\S`, a
-  negated class, a schema's `pattern`) takes a surrogate.
+- No constraint of any kind takes a surrogate: a regex, a user's EBNF (a choice is one) and
+  the printed EBNF of schemas and structural tags go through `grammar_text` first (a regex's
+  `.` and `\\S`, negated classes, a schema's `pattern`). The printed EBNF also has its `\\xHH`
+  escapes rewritten: xgrammar reads them greedily, so a schema's `enum` of "Übersicht" or
+  "école" could never be generated before.
 - JSON schemas are strict: properties the schema does not name are never generated, and
   properties come in the schema's order. Whitespace between JSON tokens comes in runs of at most
   `JSON_MAX_WHITESPACE` characters (none with `disable_any_whitespace`; at most
@@ -62,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import StructuredOutputsParams
-from .grammar_text import exclude_surrogates
+from .grammar_text import exclude_surrogates, exclude_surrogates_regex
 
 logger = logging.getLogger("luceio")
 
@@ -135,6 +136,26 @@ def tool_call_constraint(functions: list[dict], fmt: ToolCallFormat,
 
 
 # compiling ---------------------------------------------------------------------------------------
+def constraint_text(spec: GrammarSpec) -> tuple[str, str]:
+    """("regex" or "grammar", the text xgrammar compiles) for a spec: see the module's rules
+    (JSON schemas and structural tags as xgrammar's printed EBNF, mended; every kind through
+    `grammar_text`, so no class takes a UTF-16 surrogate)."""
+    import xgrammar
+    if spec.kind == "regex":
+        return "regex", exclude_surrogates_regex(spec.text)
+    if spec.kind == "grammar":
+        return "grammar", exclude_surrogates(spec.text, source=True)
+    if spec.kind == "json":
+        json.loads(spec.text)  # a clear error for text that is not JSON
+        grammar = xgrammar.Grammar.from_json_schema(
+            spec.text, any_whitespace=spec.any_whitespace, strict_mode=True,
+            max_whitespace_cnt=JSON_MAX_WHITESPACE if spec.any_whitespace else None)
+    else:
+        grammar = xgrammar.Grammar.from_structural_tag(spec.text)
+    # as xgrammar prints it, no `\xHH` escapes (grammar_text says why)
+    return "grammar", exclude_surrogates(fix_length_bounded_strings(str(grammar)))
+
+
 class GrammarCompiler:
     """Compiles specs against one tokenizer and model vocabulary; the last
     `GRAMMAR_CACHE_SIZE` compiled grammars are kept."""
@@ -148,23 +169,11 @@ class GrammarCompiler:
         self.compile = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile)
 
     def _compile(self, spec: GrammarSpec):
-        c = self._compiler
         try:
-            if spec.kind == "json":
-                json.loads(spec.text)  # a clear error for text that is not JSON
-                grammar = self.xgr.Grammar.from_json_schema(
-                    spec.text, any_whitespace=spec.any_whitespace, strict_mode=True,
-                    max_whitespace_cnt=JSON_MAX_WHITESPACE if spec.any_whitespace else None)
-                ebnf = fix_length_bounded_strings(str(grammar))
-            elif spec.kind == "regex":
-                ebnf = str(self.xgr.Grammar.from_regex(spec.text))
-            elif spec.kind == "grammar":
-                ebnf = str(self.xgr.Grammar.from_ebnf(spec.text))
-            else:
-                ebnf = fix_length_bounded_strings(
-                    str(self.xgr.Grammar.from_structural_tag(spec.text)))
-            # every kind, as printed by xgrammar: no class takes a UTF-16 surrogate
-            return c.compile_grammar(exclude_surrogates(ebnf))
+            kind, text = constraint_text(spec)
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            return self._compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             why = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
             raise GrammarError(f"the {spec.kind} constraint does not compile: "
