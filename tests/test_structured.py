@@ -193,6 +193,20 @@ def test_sampled_json_strings_decode_as_utf8(llm, seed):
     assert "\ufffd" not in out[0].outputs[0].text
 
 
+def test_non_ascii_enum_and_choice_are_generated(llm):
+    """Strings with code points U+0080-U+00FF (German, French) in an enum and in a choice: the
+    engine generates one of them. xgrammar printed them as `\\xHH` and read that back greedily
+    ("\\xdcbersicht" as U+DCBE), so no output could match before."""
+    words = ["\u00dcbersicht", "\u00e9cole", "Stra\u00dfe"]
+    outs = llm.generate(["Pick:"] * 3, [_json_params({"enum": words}, temperature=1.0, seed=i)
+                                        for i in range(3)], use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop" and json.loads(o.outputs[0].text) in words
+    out = llm.generate(["Pick:"], SamplingParams(max_tokens=20, temperature=1.0, seed=0,
+                                                 structured_outputs=S(choice=words)), use_tqdm=False)
+    assert out[0].outputs[0].text in words
+
+
 def test_every_constraint_kind_compiles_without_surrogates(llm):
     """Through the engine's compiler: a regex, a user's EBNF, a schema's `pattern` and a plain
     JSON string all refuse a surrogate spelled byte by byte (tests/test_grammar_text.py has the
