@@ -231,3 +231,46 @@ def exclude_surrogates(ebnf: str, source: bool = False) -> str:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def ascii_regex(pattern: str) -> str:
+    """`pattern` with each character past U+007F written as an escape (`\\uXXXX`, `\\u{...}`
+    past U+FFFF); an escaped one (`\\é`) becomes its escape. xgrammar inlines a JSON schema's
+    `pattern` that holds raw non-ASCII characters as plain EBNF, where `.` and negated classes
+    take a raw quote or control character and the output is not JSON; escaped, the pattern
+    stays a `Regex(..., json_string=true)` rule, which keeps the string JSON."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        escaped = pattern[i] == "\\" and i + 1 < len(pattern)
+        ch = pattern[i + 1] if escaped else pattern[i]
+        if ord(ch) > 0x7F:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\u{{{ord(ch):x}}}")
+        else:
+            out.append(pattern[i:i + 2] if escaped else ch)
+        i += 2 if escaped else 1
+    return "".join(out)
+
+
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not schemas
+
+
+def ascii_patterns(schema):
+    """A JSON schema with every `pattern` and `patternProperties` regex through `ascii_regex`."""
+    if isinstance(schema, list):
+        return [ascii_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _NOT_SCHEMAS:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = ascii_regex(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {ascii_regex(k): ascii_patterns(v) for k, v in value.items()}
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {k: ascii_patterns(v) for k, v in value.items()}
+        else:
+            out[key] = ascii_patterns(value)
+    return out

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import StructuredOutputsParams
-from .grammar_text import exclude_surrogates, exclude_surrogates_regex
+from .grammar_text import ascii_patterns, exclude_surrogates, exclude_surrogates_regex
 
 logger = logging.getLogger("luceio")
 
@@ -146,14 +146,23 @@ def constraint_text(spec: GrammarSpec) -> tuple[str, str]:
     if spec.kind == "grammar":
         return "grammar", exclude_surrogates(spec.text, source=True)
     if spec.kind == "json":
-        json.loads(spec.text)  # a clear error for text that is not JSON
+        schema = ascii_patterns(json.loads(spec.text))  # loads: a clear error for non-JSON text
         grammar = xgrammar.Grammar.from_json_schema(
-            spec.text, any_whitespace=spec.any_whitespace, strict_mode=True,
+            json.dumps(schema), any_whitespace=spec.any_whitespace, strict_mode=True,
             max_whitespace_cnt=JSON_MAX_WHITESPACE if spec.any_whitespace else None)
     else:
-        grammar = xgrammar.Grammar.from_structural_tag(spec.text)
+        grammar = xgrammar.Grammar.from_structural_tag(json.dumps(_tag_patterns(json.loads(spec.text))))
     # as xgrammar prints it, no `\xHH` escapes (grammar_text says why)
     return "grammar", exclude_surrogates(fix_length_bounded_strings(str(grammar)))
+
+
+def _tag_patterns(tag):
+    """A structural tag with its JSON schemas' patterns through `grammar_text.ascii_patterns`."""
+    if isinstance(tag, list):
+        return [_tag_patterns(t) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    return {k: ascii_patterns(v) if k == "json_schema" else _tag_patterns(v) for k, v in tag.items()}
 
 
 class GrammarCompiler:

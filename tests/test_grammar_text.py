@@ -162,3 +162,50 @@ def test_characters_past_the_bmp():
     assert not _takes(fixed, "\u00e9\U0001f600\U0001f650z")
     assert _takes(_COMPILER.compile_grammar(rule), head + SURROGATES[0])
     assert not _takes(fixed, head + SURROGATES[0])
+
+
+@pytest.mark.parametrize("pattern,good,bad", [
+    ("^\u00e9.$", ["\u00e9x", "\u00e9 "], ["\u00e9\"", "\u00e9\n", "\u00e9"]),
+    ("^[A-Za-z\u00c0-\u00ff ]+$", ["\u00c0b c", "x\u00e9"], ["\"", "a\"b", "\U0001f600"]),
+    ("^\U0001f600.$", ["\U0001f600x"], ["\U0001f600\"", "\U0001f600\\"]),
+    ("^[^0-9]\\\u00e9$", ["x\u00e9"], ["\"\u00e9", "5\u00e9"])])
+def test_patterns_with_non_ascii_characters_stay_json(pattern, good, bad):
+    """xgrammar writes a `pattern` holding raw non-ASCII characters as plain EBNF, where `.` and
+    negated classes took a raw quote or newline: `{"p": "é""}` was accepted. Escaped first
+    (`grammar_text.ascii_patterns`), it stays a JSON-string regex rule."""
+    compiled = _engine(_string(pattern))
+    for text in good:
+        assert _takes(compiled, _j(text)), text
+    for text in bad:
+        assert not _takes(compiled, _j(text)), text
+
+
+def test_ascii_patterns_rewrites_regexes_only():
+    from luceio.grammar_text import ascii_patterns, ascii_regex
+    assert ascii_regex("^\u00e9\\\u00e9[\u00c0-\u00ff]\U0001f600\\.$") == \
+        "^\\u00e9\\u00e9[\\u00c0-\\u00ff]\\u{1f600}\\.$"
+    schema = {"type": "object", "properties": {
+        "pattern": {"type": "string", "pattern": "\u00e9", "default": {"pattern": "\u00e9"}},
+        "q": {"enum": [{"pattern": "\u00e9"}], "const": "\u00e9", "examples": ["\u00e9"]}},
+        "patternProperties": {"^\u00e9": {"type": "string"}}, "$defs": {"d": {"pattern": "\u00fc"}}}
+    got = ascii_patterns(schema)
+    assert got["properties"]["pattern"]["pattern"] == "\\u00e9"
+    assert got["properties"]["pattern"]["default"] == {"pattern": "\u00e9"}  # a value: as given
+    assert got["properties"]["q"] == schema["properties"]["q"]
+    assert list(got["patternProperties"]) == ["^\\u00e9"]
+    assert got["$defs"]["d"]["pattern"] == "\\u00fc"
+    assert list(got["properties"]) == ["pattern", "q"]
+
+
+def test_tool_call_argument_patterns_stay_json():
+    """Tool calls compile as a structural tag whose arguments are JSON schemas: their patterns
+    are escaped the same way."""
+    from luceio.structured import ToolCallFormat, tool_call_constraint
+    fmt = ToolCallFormat(begin="<tool_call>", end="</tool_call>", separator="\n")
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {
+        "p": {"type": "string", "pattern": "^\u00e9.$"}}, "required": ["p"]}}
+    spec = GrammarSpec.of(tool_call_constraint([fn], fmt, parallel=False))
+    compiled = _engine(spec)
+    call = '<tool_call>{"name": "f", "arguments": {"p": "%s"}}</tool_call>'
+    assert _takes(compiled, call % "\u00e9x")
+    assert not _takes(compiled, call % "\u00e9\"")
