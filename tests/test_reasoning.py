@@ -67,6 +67,9 @@ def test_only_partial_tags_and_newlines_are_held_back():
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # Qwen3, enable_thinking=False
     ("<think>old</think>answer<|im_start|>assistant\n", False),
     ("<|im_start|>assistant\n", False),
+    # a tag inside a message (a file a tool read) opens nothing; the generation prompt's end does
+    ("<|im_start|>tool\nif tag == '<think>':<|im_end|>\n<|im_start|>assistant\n", False),
+    ("<|im_start|>user\nwhat is </think>?<|im_end|>\n<|im_start|>assistant\n<think>\n", True),
 ])
 def test_opens_reasoning_reads_the_prompt(prompt, opens):
     assert ThinkParser.opens_reasoning(prompt) is opens
@@ -128,3 +131,20 @@ def test_stages_left_out_pass_text_through():
     assert (reasoning, answer, calls) == ("x", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', [])
     reasoning, answer, calls = ChatTextParser(None, HermesToolParser()).parse(text)
     assert (reasoning, answer, named(calls)) == (None, "<think>x</think>", [("f", "{}")])
+
+
+def test_output_a_grammar_forces_is_answer_text_even_after_an_open_think():
+    """A forced tool call (or a JSON schema) starts at the first token, so where the prompt
+    opened `<think>` the parser for constrained output starts outside the reasoning block."""
+    import json
+    from types import SimpleNamespace
+    from luceio.server.chat import _text_parser
+    ctx = SimpleNamespace(reasoning_parser=ThinkParser, tool_parser=HermesToolParser)
+    prompt = "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    fmt = HermesToolParser.call_format
+    forced = fmt.begin + json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}) + fmt.end
+    reasoning, content, calls = _text_parser(ctx, prompt, True, constrained=True)().parse(forced)
+    assert reasoning is None and content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    reasoning, content, calls = _text_parser(ctx, prompt, True)().parse("hmm</think>Hi")
+    assert (reasoning, content, calls) == ("hmm", "Hi", [])  # unconstrained: inside the block

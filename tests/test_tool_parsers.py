@@ -89,6 +89,7 @@ MALFORMED = [
     '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',  # arguments as text
     '<tool_call>{"name": "f"}</tool_call>',
     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>',  # Infinity once written
     '<tool_call>{"name": "f", "arguments": {}} trailing</tool_call>',
     '<tool_call>get_weather(city="Paris")</tool_call>',
     '<tool_call>[]</tool_call>',

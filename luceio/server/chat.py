@@ -34,6 +34,8 @@ class ChatPrompt:
     text_parser: Callable[[], ChatTextParser] | None  # how to read what the model writes back
     warnings: list[str]
     forced_functions: list[dict] | None = None  # tool_choice required/named: a call to one of these
+    constrained_text_parser: Callable[[], ChatTextParser] | None = None  # text_parser, for output
+    # that a grammar constrains from its first token (never inside a reasoning block)
 
 
 def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
@@ -63,7 +65,8 @@ def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
     except (ValueError, jinja2.TemplateError) as e:
         raise bad("messages", f"the chat template failed on these messages: {e}") from None
     ids = tok.encode(text, add_special_tokens=False)
-    return ChatPrompt(text, ids, _text_parser(ctx, text, bool(tools)), warnings, forced)
+    return ChatPrompt(text, ids, _text_parser(ctx, text, bool(tools)), warnings, forced,
+                      _text_parser(ctx, text, bool(tools), constrained=True))
 
 
 def chat_template_kwargs(body: dict) -> dict:
@@ -85,15 +88,17 @@ def chat_template_kwargs(body: dict) -> dict:
     return kwargs
 
 
-def _text_parser(ctx: ModelContext, prompt: str,
-                 tools_offered: bool) -> Callable[[], ChatTextParser] | None:
+def _text_parser(ctx: ModelContext, prompt: str, tools_offered: bool,
+                 constrained: bool = False) -> Callable[[], ChatTextParser] | None:
     """A factory of one message's parser: the reasoning split when the server has one, the
-    tool-call parser when tools are offered; None when neither applies."""
+    tool-call parser when tools are offered; None when neither applies. `constrained`: a grammar
+    makes the output start at once (a forced tool call, a JSON schema), so it is answer text even
+    where the prompt opened a reasoning block."""
     reasoning = ctx.reasoning_parser
     tools = ctx.tool_parser if tools_offered else None
     if reasoning is None and tools is None:
         return None
-    thinking = reasoning is not None and reasoning.opens_reasoning(prompt)
+    thinking = reasoning is not None and not constrained and reasoning.opens_reasoning(prompt)
     return lambda: ChatTextParser(reasoning(in_reasoning=thinking) if reasoning else None,
                                   tools() if tools else None)
 

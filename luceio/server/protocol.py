@@ -309,6 +309,7 @@ def parse_chat(body: dict, ctx: ModelContext, fit_max_tokens: bool = False) -> P
     return ParsedRequest(True, f"chatcmpl-{uuid.uuid4().hex}", model,
                          [{"prompt": prompt.text, "prompt_token_ids": prompt.ids}], [prompt.text],
                          [params], stream, include_usage, False, num_lp,
-                         text_parser=prompt.text_parser, parallel_tool_calls=parallel,
+                         text_parser=prompt.text_parser if kw["structured_outputs"] is None
+                         else prompt.constrained_text_parser, parallel_tool_calls=parallel,
                          constraint_param=constraint_param,
                          warnings=_unknown(body, _CHAT_FIELDS) + prompt.warnings)

@@ -11,7 +11,7 @@ Rules:
   looked for again. Text that does not start with `<think>` is all answer.
 - When the chat template already put `<think>` into the prompt (DeepSeek-R1's template, Qwen3's
   forced thinking), generation starts inside the reasoning: construct with `in_reasoning=True`,
-  which `opens_reasoning(prompt)` tells from the prompt's last tag.
+  which `opens_reasoning(prompt)` tells from the prompt's end.
 - Newlines right after `<think>`, right before `</think>` and right after `</think>` are neither
   reasoning nor answer (Qwen3's template strips the same when it renders history).
 - Streaming holds back only a partial tag and newlines that may still be such.
@@ -39,8 +39,10 @@ class ThinkParser(StreamParser):
 
     @classmethod
     def opens_reasoning(cls, prompt: str) -> bool:
-        """Whether `prompt` ends inside an open reasoning block."""
-        return prompt.rfind(cls.start_tag) > prompt.rfind(cls.end_tag)
+        """Whether the generation prompt opens a reasoning block: `prompt` ends with the start tag
+        (DeepSeek-R1 style templates). Only its end counts: a `<think>` in a message (a file a
+        tool read, a user's question) opens nothing."""
+        return prompt.rstrip().endswith(cls.start_tag)
 
     def parse(self, text: str) -> tuple[str | None, str]:
         reasoning, content, _ = collect_deltas(self.feed(text) + self.finish())

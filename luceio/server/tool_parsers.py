@@ -26,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import json
+import math
 import re
 import abc
 import secrets
@@ -48,7 +49,15 @@ def _reject(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject)  # NaN and Infinity are not JSON
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: json.dumps would write Infinity
+        raise ValueError(f"{text} does not fit a double")
+    return value
+
+
+# NaN and Infinity are not JSON; nor is a number too large for a double once written back
+_DECODER = json.JSONDecoder(parse_constant=_reject, parse_float=_finite)
 
 
 def new_call_id() -> str:
