@@ -150,6 +150,7 @@ def _items(*items) -> dict:
     ({"input": "x", "tools": {"type": "function"}}, "tools"),
     ({"input": "x", "tools": [{"type": "function", "parameters": PLAN}]}, "tools[0].name"),
     ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}},
      "text.format.schema"),
@@ -173,6 +174,17 @@ def test_refusals_name_the_field(body, param):
     assert (e.value.status, e.value.param) == (400, param)
     assert param in e.value.message
     strict(ErrorObject.model_validate, e.value.body()["error"])
+
+
+@pytest.mark.parametrize("tools", [[{"type": "web_search"}], []])
+@pytest.mark.parametrize("choice", ["auto", "none", None])
+def test_no_function_tools_left_is_a_plain_chat(tools, choice):
+    """Tools of other types are dropped with a warning; with none left, `tool_choice` auto or
+    none (the SDKs' default) is a plain chat request, not a 400 for a choice without tools."""
+    body = {"input": "x", "tools": tools, **({"tool_choice": choice} if choice else {})}
+    chat, warnings = responses_to_chat(body)
+    assert "tools" not in chat and "tool_choice" not in chat
+    assert bool(warnings) == bool(tools)
 
 
 # responses ---------------------------------------------------------------------------------------

@@ -109,6 +109,13 @@ def responses_to_chat(body: dict) -> tuple[dict, list[str]]:
         chat["tools"] = _tools(_need(body, "tools", list, ""), warnings)
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if not chat.get("tools"):  # none, or only tools of other types (not offered to the model)
+        chat.pop("tools", None)
+        if chat.get("tool_choice") in ("auto", "none"):
+            del chat["tool_choice"]
+        elif "tool_choice" in chat:
+            raise bad("tool_choice", "'tool_choice' forces a call, but no function tool is "
+                      "offered (only tools of type 'function' reach the model)")
     if body.get("text") is not None:
         chat.update(_text_format(_need(body, "text", dict, ""), warnings))
     return chat, warnings
