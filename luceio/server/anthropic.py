@@ -11,9 +11,11 @@ Request fields
 - accepted, no effect on the output: `metadata`, `service_tier`, `cache_control` (anywhere),
   `inference_geo`, `speed`, `user_profile_id`, `workspace_id`, `diagnostics`, a tool's
   `eager_input_streaming` (tool input always streams).
-- accepted with a warning, returned for the server to log: `thinking` (the model thinks as its
-  chat template directs; no budget), `context_management` (no context editing),
-  `output_config.effort`, and every field, block key or tool key not named here.
+- `thinking` → the chat template variable `enable_thinking` (false for `disabled`: Qwen3's
+  templates then write no thinking; a template that does not read it is warned about); its
+  `budget_tokens` and `display` are warned about, not applied.
+- accepted with a warning, returned for the server to log: `context_management` (no context
+  editing), `output_config.effort`, and every field, block key or tool key not named here.
 - refused, 400 naming the field: `container`, `mcp_servers`, server tools (a tool `type` other
   than custom), content blocks other than those below (images, documents, ...), and a final
   assistant message (a prefill: the chat template would close that turn, not continue it).
@@ -46,8 +48,7 @@ _TRANSLATED = {"model", "max_tokens", "messages", "system", "stop_sequences", "t
                "top_p", "top_k", "stream", "tools", "tool_choice", "output_config"}
 _NO_EFFECT = {"metadata", "service_tier", "cache_control", "inference_geo", "speed",
               "user_profile_id", "workspace_id", "diagnostics"}
-_WARNED = {"thinking": "'thinking' is not applied: the model thinks as its chat template directs",
-           "context_management": "'context_management' is not applied: no context editing"}
+_WARNED = {"context_management": "'context_management' is not applied: no context editing"}
 _REFUSED = ("container", "mcp_servers")
 _BLOCK_KEYS = {"text": {"text", "citations"}, "tool_use": {"id", "name", "input", "caller"},
                "tool_result": {"tool_use_id", "content", "is_error"},
@@ -109,10 +110,29 @@ def count_tokens_response(num_tokens: int) -> dict:
     return {"input_tokens": num_tokens}
 
 
+def _thinking(thinking, warnings: list[str]) -> dict:
+    """`thinking` as chat template variables: {"type": "disabled"} → `enable_thinking` false
+    (Qwen3's templates read it: no thinking block), "enabled" / "adaptive" → true; the budget and
+    `display` are not applied (warned)."""
+    if thinking is None:
+        return {}
+    kinds = ("enabled", "disabled", "adaptive")
+    if not isinstance(thinking, dict) or thinking.get("type") not in kinds:
+        raise _bad("thinking", "must be an object with type 'enabled', 'disabled' or 'adaptive'")
+    if thinking.get("type") == "disabled":
+        return {"enable_thinking": False}
+    if set(thinking) - {"type"}:
+        warnings.append("'thinking': " + ", ".join(sorted(set(thinking) - {"type"}))
+                        + " not applied (the model thinks as its chat template directs)")
+    return {"enable_thinking": True}
+
+
 def _to_chat(body: dict) -> tuple[dict, list[str]]:
     warnings: list[str] = []
-    _warn_unknown(body, "", _TRANSLATED | _NO_EFFECT | set(_WARNED) | set(_REFUSED), warnings)
+    _warn_unknown(body, "", _TRANSLATED | _NO_EFFECT | set(_WARNED) | set(_REFUSED) | {"thinking"},
+                  warnings)
     warnings += [msg for k, msg in _WARNED.items() if body.get(k) is not None]
+    kwargs = _thinking(body.get("thinking"), warnings)
     for k in _REFUSED:
         if body.get(k) is not None:
             raise _bad(k, "is not supported by this server")
@@ -133,6 +153,8 @@ def _to_chat(body: dict) -> tuple[dict, list[str]]:
         chat.update(_tool_choice(_need(body, "tool_choice", dict, ""), warnings))
     if body.get("output_config") is not None:
         chat.update(_output_config(_need(body, "output_config", dict, ""), warnings))
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
     return chat, warnings
 
 
