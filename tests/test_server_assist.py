@@ -325,6 +325,12 @@ def test_anthropic_errors_auth_and_routes(tiny):
                                      ("GET", "/v1/messages", 405)):
             r = http.request(method, path, headers={"x-api-key": KEY})
             assert r.status_code == status and r.json()["type"] == "error", r.text
+        long = [{"role": "user", "content": "hello " * (2 * CONTEXT)}]
+        r = http.post("/v1/messages", headers={"x-api-key": KEY},
+                      json={"model": "c", "max_tokens": 2, "messages": long})
+        assert r.status_code == 400  # Anthropic's words, which Claude Code reads to offer /compact
+        assert re.fullmatch(r"prompt is too long: \d+ tokens > %d maximum" % CONTEXT,
+                            r.json()["error"]["message"]), r.text
         r = http.post("/v1/messages", json={"model": "c", "max_tokens": 2, "messages": MSG})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         # either header authorises any route; the OpenAI routes keep OpenAI's error shape
@@ -412,6 +418,10 @@ def test_responses(tiny, llm):
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-5", input="hi")
+    with pytest.raises(openai.BadRequestError) as e:  # the Responses API's own field name
+        client.responses.create(model="tiny", input="hi", max_output_tokens=CONTEXT + 10)
+    assert e.value.body["param"] == "max_output_tokens"
+    assert "max_output_tokens" in e.value.body["message"]
 
 
 # OpenAI chat output shaping without a server -----------------------------------------------------

@@ -41,6 +41,7 @@ Errors are `{"type": "error", "error": {"type", "message"}}`, the type from the 
 from __future__ import annotations
 
 import json
+import re
 
 from .fields import APIError
 
@@ -71,8 +72,15 @@ class AnthropicError(APIError):
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
+_TOO_LONG = re.compile(r"^the prompt is (\d+) tokens, but the model's context is (\d+) tokens")
+
+
 def to_anthropic(e: APIError) -> AnthropicError:
-    return AnthropicError(e.status, e.message, param=e.param, code=e.code, headers=e.headers)
+    """Anthropic's shape of an error; a prompt past the context in Anthropic's words, which
+    Claude Code reads to offer /compact."""
+    m = _TOO_LONG.match(e.message)
+    message = f"prompt is too long: {m[1]} tokens > {m[2]} maximum" if m else e.message
+    return AnthropicError(e.status, message, param=e.param, code=e.code, headers=e.headers)
 
 
 def _bad(where: str, message: str) -> AnthropicError:

@@ -170,7 +170,13 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
     async def responses(request: Request) -> Response:
         body = await read_json(request, limit)
         chat, warnings = responses_to_chat(body)
-        req = await off_loop(parse_chat, chat, ctx)
+        try:
+            req = await off_loop(parse_chat, chat, ctx)
+        except APIError as e:
+            if e.param == "max_tokens":  # the Responses API calls it max_output_tokens
+                e.param, e.message = "max_output_tokens", e.message.replace("max_tokens",
+                                                                            "max_output_tokens")
+            raise
         req.warnings[:0] = warnings
         return await generate(request, state, req,
                               lambda builder, run: _ResponsesWire(builder, run, body, req.model))
