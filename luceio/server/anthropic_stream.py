@@ -13,7 +13,8 @@ from .deltas import Delta, ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, To
 Event = tuple[str, dict]  # (SSE event name, its data)
 _DELTAS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking"),
            "tool_use": ("input_json_delta", "partial_json")}
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                 "context": "model_context_window_exceeded"}  # a max_tokens lowered to fit ran out
 
 
 @dataclass
@@ -76,8 +77,8 @@ class MessageStream:
 
     def finish(self, reason: str, output_tokens: int,
                stop_sequence: str | None = None) -> list[Event]:
-        """`reason`: "stop" (with the stop string that matched, if one did), "length" or
-        "tool_calls"."""
+        """`reason`: "stop" (with the stop string that matched, if one did), "length",
+        "tool_calls" or "context" (the context window ended the output)."""
         if reason not in _STOP_REASONS:
             raise ValueError(f"no Anthropic stop_reason for finish reason {reason!r}")
         self.stop_reason = _STOP_REASONS[reason] if stop_sequence is None else "stop_sequence"

@@ -55,6 +55,7 @@ class ParsedRequest:
     parallel_tool_calls: bool = True  # False: calls after a choice's first are dropped
     constraint_param: str | None = None  # the field that asked for an output grammar
     warnings: list[str] = field(default_factory=list)  # fields ignored, for the server to log
+    fitted_max_tokens: bool = False  # max_tokens was lowered to the room the prompt leaves
 
     @property
     def n(self) -> int:
@@ -302,9 +303,11 @@ def parse_chat(body: dict, ctx: ModelContext, fit_max_tokens: bool = False) -> P
                       f"with '{constraint_param}'")
         kw["structured_outputs"], constraint_param = tool_call_constraint(
             prompt.forced_functions, ctx.tool_parser.call_format, parallel), "tool_choice"
+    fitted = False
     if fit_max_tokens and requested is not None:
         room = min(ctx.max_model_len, ctx.kv_capacity_tokens) - len(prompt.ids)
-        requested = min(requested, room) if room >= 1 else requested
+        fitted = 1 <= room < requested
+        requested = room if fitted else requested
     params = build_params(kw, ctx, prompt.ids, requested, "messages", max_param)
     return ParsedRequest(True, f"chatcmpl-{uuid.uuid4().hex}", model,
                          [{"prompt": prompt.text, "prompt_token_ids": prompt.ids}], [prompt.text],
@@ -312,4 +315,5 @@ def parse_chat(body: dict, ctx: ModelContext, fit_max_tokens: bool = False) -> P
                          text_parser=prompt.text_parser if kw["structured_outputs"] is None
                          else prompt.constrained_text_parser, parallel_tool_calls=parallel,
                          constraint_param=constraint_param,
-                         warnings=_unknown(body, _CHAT_FIELDS) + prompt.warnings)
+                         warnings=_unknown(body, _CHAT_FIELDS) + prompt.warnings,
+                         fitted_max_tokens=fitted)

@@ -102,15 +102,18 @@ class _DeltaWire(abc.ABC):
 class _AnthropicWire(_DeltaWire):
     ping_event = MessageStream.ping()
 
-    def __init__(self, builder: ResponseBuilder, run: Run, model: str):
+    def __init__(self, builder: ResponseBuilder, run: Run, model: str, fitted: bool = False):
         cached = _cached_tokens(run)
         super().__init__(builder, cached,
                          MessageStream(model, builder.usage()["prompt_tokens"], cached))
+        self.fitted = fitted  # max_tokens was lowered to the context's room: "length" is the window
 
     def start(self) -> list:
         return super().start() + [self.ping_event]
 
     def _finish(self, reason: str, stop_string: str | None, usage: dict) -> list:
+        if reason == "length" and self.fitted:
+            reason = "context"
         return self.stream.finish(reason, usage["completion_tokens"], stop_string)
 
     def _whole(self) -> dict:
@@ -155,7 +158,8 @@ def assist_routes(state: ServerState, endpoint) -> list[Route]:
         req = await off_loop(parse_chat, chat, ctx, fit_max_tokens=True)
         req.warnings[:0] = warnings
         return await generate(request, state, req,
-                              lambda builder, run: _AnthropicWire(builder, run, asked))
+                              lambda builder, run: _AnthropicWire(builder, run, asked,
+                                                                  req.fitted_max_tokens))
 
     @endpoint
     async def count_tokens(request: Request) -> Response:
