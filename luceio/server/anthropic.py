@@ -11,9 +11,10 @@ Request fields
 - accepted, no effect on the output: `metadata`, `service_tier`, `cache_control` (anywhere),
   `inference_geo`, `speed`, `user_profile_id`, `workspace_id`, `diagnostics`, a tool's
   `eager_input_streaming` (tool input always streams).
-- `thinking` → the chat template variable `enable_thinking` (false for `disabled`: Qwen3's
-  templates then write no thinking; a template that does not read it is warned about); its
-  `budget_tokens` and `display` are warned about, not applied.
+- `thinking`: `disabled` → the chat template variable `enable_thinking` false (Qwen3's templates
+  then write no thinking; a template that does not read it is warned about); `enabled` /
+  `adaptive` keep the template's default; `budget_tokens` and `display` are warned about, not
+  applied.
 - accepted with a warning, returned for the server to log: `context_management` (no context
   editing), `output_config.effort`, and every field, block key or tool key not named here.
 - refused, 400 naming the field: `container`, `mcp_servers`, server tools (a tool `type` other
@@ -120,8 +121,8 @@ def count_tokens_response(num_tokens: int) -> dict:
 
 def _thinking(thinking, warnings: list[str]) -> dict:
     """`thinking` as chat template variables: {"type": "disabled"} → `enable_thinking` false
-    (Qwen3's templates read it: no thinking block), "enabled" / "adaptive" → true; the budget and
-    `display` are not applied (warned)."""
+    (Qwen3's templates read it: no thinking block); "enabled" / "adaptive" leave the template's
+    default (its thinking, if it has any); the budget and `display` are not applied (warned)."""
     if thinking is None:
         return {}
     kinds = ("enabled", "disabled", "adaptive")
@@ -132,7 +133,7 @@ def _thinking(thinking, warnings: list[str]) -> dict:
     if set(thinking) - {"type"}:
         warnings.append("'thinking': " + ", ".join(sorted(set(thinking) - {"type"}))
                         + " not applied (the model thinks as its chat template directs)")
-    return {"enable_thinking": True}
+    return {}
 
 
 def _to_chat(body: dict) -> tuple[dict, list[str]]:
