@@ -18,7 +18,8 @@ from openai.types.shared import ErrorObject
 
 from luceio.server.deltas import ReasoningDelta, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
 from luceio.server.protocol import APIError
-from luceio.server.responses_api import ResponseStream, response_object, responses_to_chat
+from luceio.server.responses_api import responses_to_chat
+from luceio.server.responses_stream import ResponseStream, response_object
 from sdk_oracle import fragmented, sse, strict
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

@@ -38,7 +38,8 @@ from .fim import missing_fim_tokens
 from .infill import InfillWire, parse_infill
 from .protocol import ParsedRequest, build_params, parse_chat, resolve_model
 from .responses import ResponseBuilder
-from .responses_api import ResponseStream, responses_to_chat
+from .responses_api import responses_to_chat
+from .responses_stream import ResponseStream
 from .run import Run
 
 if TYPE_CHECKING:
