@@ -22,8 +22,9 @@ byte and the text decodes to U+FFFD characters the constraint never allowed.
   follows, so the printed `"\\xdcbersicht"` of "Übersicht" would read as U+DCBE "rsicht".
 
 A class is left exactly as written when it takes no surrogate; a class of surrogates only
-becomes one that takes nothing. `\\uXXXX` is one code point, as xgrammar reads it (a surrogate
-pair's escapes are two). Surrogates a string literal asks for are kept.
+becomes one that takes nothing. A `\\u` escape of four hex digits is one code point, as
+xgrammar reads it (a surrogate pair's escapes are two). Surrogates a string literal asks for
+are kept.
 """
 from __future__ import annotations
 
@@ -234,7 +235,7 @@ def exclude_surrogates(ebnf: str, source: bool = False) -> str:
 
 
 def ascii_regex(pattern: str) -> str:
-    """`pattern` with each character past U+007F written as an escape (`\\uXXXX`, `\\u{...}`
+    """`pattern` with each character past U+007F written as an escape (`\\u` and four hex digits, `\\u{...}`
     past U+FFFF); an escaped one (`\\é`) becomes its escape. xgrammar inlines a JSON schema's
     `pattern` that holds raw non-ASCII characters as plain EBNF, where `.` and negated classes
     take a raw quote or control character and the output is not JSON; escaped, the pattern

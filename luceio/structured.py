@@ -27,8 +27,7 @@ Rules:
   before compiling. (Compiling them as the equivalent `pattern` instead, as before, was correct
   but made the mask of a long-bounded string slow: ~25 ms a token for `maxLength` 160 on
   Qwen2.5-Coder's vocabulary, against ~0.03 ms this way.) Such strings are written without
-  escape sequences. The same pass keeps UTF-16 surrogates (U+D800-U+DFFF, whose 3-byte form
-  is not UTF-8) out of every JSON string's characters, which xgrammar's classes let through.
+  escape sequences.
 - No constraint of any kind takes a surrogate: a regex, a user's EBNF (a choice is one) and
   the printed EBNF of schemas and structural tags go through `grammar_text` first (a regex's
   `.` and `\\S`, negated classes, a schema's `pattern`). The printed EBNF also has its `\\xHH`
@@ -200,20 +199,13 @@ class GrammarCompiler:
 # it (no raw control characters, no quote, no backslash: no escapes are written)
 _LENGTH_BOUNDED_CHARACTER = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$',
                                        re.M)
-_NO_SURROGATES = r'\ud800-\udfff'  # the UTF-16 surrogates, out of every JSON string (below)
-_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\' + _NO_SURROGATES + ']'
-# xgrammar 0.2.9's class for one character of an unbounded JSON string
-_BASIC_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 
 
 def fix_length_bounded_strings(ebnf: str) -> str:
     """xgrammar's EBNF for a JSON schema or structural tag, with each length-bounded string's
-    character class made JSON's (see the module's rules), and no JSON string character a UTF-16
-    surrogate: xgrammar's negated classes take the code points U+D800-U+DFFF, whose UTF-8 form
-    (ED A0-BF xx) is not UTF-8 at all, so a byte-level vocabulary could spell one byte by byte
-    and the text decoded to U+FFFD characters (the tiny test model, sampled: 3 seeds of 243
-    broke a `maxLength` 6 that way)."""
-    ebnf = ebnf.replace(_BASIC_STRING_CHARACTER, _BASIC_STRING_CHARACTER[:-1] + _NO_SURROGATES + "]")
+    character class made JSON's (see the module's rules). UTF-16 surrogates leave every class
+    after it, in `grammar_text.exclude_surrogates`."""
     return _LENGTH_BOUNDED_CHARACTER.sub(lambda m: m[1] + _JSON_STRING_CHARACTER + m[2], ebnf)
 
 

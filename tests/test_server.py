@@ -403,6 +403,7 @@ def test_metrics(server, client):
         before.get("luceio_requests_total{finish_reason=length}", 0) + 2
     assert m["luceio_generation_tokens_total"] == before["luceio_generation_tokens_total"] + 16
     assert m["luceio_prompt_tokens_total"] > before["luceio_prompt_tokens_total"]
+    # a count of observations (one first token per request), whatever the times observed
     assert m["luceio_time_to_first_token_seconds_count"] == \
         before["luceio_time_to_first_token_seconds_count"] + 2
     # one observation per output that brings new tokens after the first: 7 per request when each
