@@ -95,23 +95,23 @@ def _point(cp: int, regex: bool) -> str:
     return chr(cp) if regex else f"\\U{cp:08x}"
 
 
-def _class_end(text: str, i: int) -> int:
-    """Index of the `]` that closes the class whose body starts at text[i]."""
+def _closing(text: str, i: int, close: str, what: str) -> int:
+    """Index of the first unescaped `close` from text[i]: the end of a class or string literal."""
     while i < len(text):
         if text[i] == "\\":
             i += 2
-        elif text[i] == "]":
+        elif text[i] == close:
             return i
         else:
             i += 1
-    raise GrammarTextError("the text ends inside a character class")
+    raise GrammarTextError(f"the text ends inside a {what}")
 
 
 def _class(text: str, i: int, regex: bool, printed: bool) -> tuple[str, int]:
     """The class opened by the `[` at text[i], without the surrogates, and the index after it."""
     negated = text.startswith("[^", i)
     start = i + 2 if negated else i + 1
-    end = _class_end(text, start)
+    end = _closing(text, start, "]", "character class")
     body = text[start:end]
     keep = _no_x_escapes if printed else (lambda t: t)
     ranges, shorthands = _class_units(body, regex)
@@ -173,18 +173,6 @@ def exclude_surrogates_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def _string_end(text: str, i: int) -> int:
-    """Index after the `"` that closes the string literal opened at text[i - 1]."""
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text[i] == '"':
-            return i + 1
-        else:
-            i += 1
-    raise GrammarTextError("the text ends inside a string literal")
-
-
 def _ebnf_string(text: str) -> str:
     """`text` as an EBNF string literal (no `\\x` escapes: see the module docstring)."""
     return '"' + "".join("\\" + ch if ch in '"\\' else ch if 0x20 <= ord(ch) < 0x7F
@@ -212,7 +200,7 @@ def exclude_surrogates(ebnf: str, source: bool = False) -> str:
     while i < len(ebnf):
         c = ebnf[i]
         if c == '"':
-            j = _string_end(ebnf, i + 1)
+            j = _closing(ebnf, i + 1, '"', "string literal") + 1
             literal = ebnf[i:j]
             if _REGEX_RULE.search(ebnf, max(0, i - 64), i):
                 literal = _ebnf_string(exclude_surrogates_regex(_ebnf_unstring(literal)))
