@@ -6,6 +6,7 @@ dequantized to bf16 (read 3.5x the bytes).
 
     python bench/skinny_sweep.py [--rows 5,16,25] [--qtypes q4_k,q6_k] [--shapes 1.5b,8b]
         [--block-ns 32,64,128] [--block-ks 64,128,256] [--warps 4,8] [--stages 3,4]
+        [--swaps 0,1] [--split-mins 256,1056]
         [--out DIR] [--json-name skinny_sweep.json]
 
 Every config's output is checked against the fp32 product of the same inputs (as
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import sys
@@ -48,6 +50,20 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def _label(cfg) -> str:
+    return (f"n{cfg.qgemm_block_n} k{cfg.qgemm_block_k} w{cfg.qgemm_num_warps} "
+            f"s{cfg.qgemm_num_stages} swap{int(cfg.qgemm_swap)} "
+            f"split{cfg.qgemm_split_k_min_programs}")
+
+
+def fields(label: str) -> dict:
+    """The config fields a `_label` names."""
+    n, k, w, s, sw, sm = label.split()
+    return dict(qgemm_block_n=int(n[1:]), qgemm_block_k=int(k[1:]), qgemm_num_warps=int(w[1:]),
+                qgemm_num_stages=int(s[1:]), qgemm_swap=bool(int(sw[4:])),
+                qgemm_split_k_min_programs=int(sm[5:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,16 +74,21 @@ def main() -> None:
     ap.add_argument("--block-ks", default="64,128,256")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="3,4")
+    ap.add_argument("--swaps", default="0", help="qgemm_swap values (0,1)")
+    ap.add_argument("--split-mins", default="",
+                    help="qgemm_split_k_min_programs values ('' keeps the table's)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200"))
     ap.add_argument("--json-name", default="skinny_sweep.json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     table = configs.get_config(dev)
+    split_mins = _ints(a.split_mins) or [table.qgemm_split_k_min_programs]
     grid = [replace(table, gemv_max_m=1, qgemm_block_n=n, qgemm_block_k=k, qgemm_num_warps=w,
-                    qgemm_num_stages=s)
-            for n, k, w, s in itertools.product(_ints(a.block_ns), _ints(a.block_ks),
-                                                _ints(a.warps), _ints(a.stages))]
+                    qgemm_num_stages=s, qgemm_swap=bool(sw), qgemm_split_k_min_programs=sm)
+            for n, k, w, s, sw, sm in itertools.product(
+                _ints(a.block_ns), _ints(a.block_ks), _ints(a.warps), _ints(a.stages),
+                _ints(a.swaps), split_mins)]
     rows_m = _ints(a.rows)
     copy_gbps = copy_bandwidth() / 1e9
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; {len(grid)} configs", flush=True)
@@ -108,8 +129,7 @@ def main() -> None:
                     rows.append(dict(base, config="cublas bf16", us=round(t * 1e6, 2),
                                      pct_copy=round(100 * w_bytes / t / 1e9 / copy_gbps, 1)))
                     for cfg in grid:
-                        label = (f"n{cfg.qgemm_block_n} k{cfg.qgemm_block_k} "
-                                 f"w{cfg.qgemm_num_warps} s{cfg.qgemm_num_stages}")
+                        label = _label(cfg)
                         rows.append(run(cfg, label))
                     best = min((r for r in rows[2:] if r.get("ok")), key=lambda r: r["us"],
                                default=None)
@@ -137,6 +157,19 @@ def main() -> None:
                              for c, v in by_cfg.items() if all(map(math.isfinite, v))),
                             key=lambda cv: cv[1])[:8]
         print(f"M={m}: time / table's, geometric mean, best: {summary[m]}", flush=True)
+    # the config best over every row count (geometric mean of its per-M means), as fields
+    ranked = {}
+    for m, best in summary.items():
+        for c, v in best:
+            if c != "cublas bf16":
+                ranked.setdefault(c, {})[m] = v
+    full = {c: math.exp(sum(map(math.log, v.values())) / len(v)) for c, v in ranked.items()
+            if len(v) == len(summary)}
+    if full:
+        top = min(full, key=full.get)
+        summary["best"] = {"config": top, "ratio": round(full[top], 3), "fields": fields(top)}
+        print("BEST " + json.dumps(summary["best"]["fields"]) + f" ({top}: {full[top]:.3f})",
+              flush=True)
     write_json(os.path.join(a.out, a.json_name),
                {"env": env_info(), "copy_GBps": copy_gbps, "table": table.source,
                 "summary": summary, "results": results})

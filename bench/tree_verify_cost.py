@@ -139,7 +139,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also an eager tree of 8 nodes")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--ab", default=None,
-                    help="FIELD=JSON: alternate the arch's kernel config and this change to it "
+                    help="FIELD=JSON[;FIELD=JSON...] or a JSON object of fields: alternate "
+                         "the arch's kernel config and this change to it "
                          "(--ab-rounds times each, one process, one model)")
     ap.add_argument("--ab-rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true",
@@ -151,9 +152,13 @@ def main() -> None:
     model = random_model(a.shape, a.type, a.context + 1024)
     settings = [("table", None)]
     if a.ab:
-        field, value = a.ab.split("=", 1)
         base = configs.get_config(torch.device("cuda"))
-        alt = replace(base, **{field: type(getattr(base, field))(json.loads(value))})
+        if a.ab.startswith("{"):  # a JSON object of fields (bench/skinny_sweep.py's BEST line)
+            change = json.loads(a.ab)
+        else:
+            change = dict(kv.split("=", 1) for kv in a.ab.split(";"))
+            change = {f: json.loads(v) for f, v in change.items()}
+        alt = replace(base, **{f: type(getattr(base, f))(v) for f, v in change.items()})
         settings = [("table", base), (a.ab, alt)] * a.ab_rounds
     rows = []
     for batch in batches:

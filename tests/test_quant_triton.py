@@ -100,6 +100,31 @@ def test_quant_skinny_matches_reference(gen, qtype):
             assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0", "q5_1"])
+def test_swapped_operands_give_the_same_product(gen, qtype):
+    """`qgemm_swap` (the weights as the dot's A operand, the product transposed) computes
+    the same sums: it matches the reference, and the plain dot path to fp32 rounding."""
+    n, k = (33, 512) if qtype.endswith("_k") else (33, 160)
+    w = weight(gen, qtype, n, k)
+    bias = gen.randn(n)
+    for m, dtype, split, with_bias in CASES[2:]:  # the dot path: M > 1 (no int8 GEMV rows)
+        x = gen.randn(m, k, dtype=dtype)
+        b = bias.to(dtype) if with_bias else None
+        base = KernelConfig(**{**(SPLIT if split else SMALL).__dict__, "gemv_max_m": 1})
+        with configs.use_config(base):
+            plain = qt.quant_matmul_skinny(x, w, b)
+        with configs.use_config(KernelConfig(**{**base.__dict__, "qgemm_swap": True})):
+            swapped = qt.quant_matmul_skinny(x, w, b)
+            dense = qt.dense_matmul_skinny(x, dequantize(w).to(dtype), b)
+        what = f"{qtype} M={m} {dtype} split={split} bias={with_bias}"
+        check(swapped, quant_linear_ref(x, w, b.to(x.dtype) if with_bias else None), TOL[dtype],
+              gen, what)
+        check(swapped, plain, dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype],
+              gen, what + " vs the plain dot")
+        check(dense, torch.nn.functional.linear(x, dequantize(w).to(dtype), b), TOL[dtype], gen,
+              what + " dense")
+
+
 @pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
 def test_paired_scales_change_nothing_but_the_layout(gen, qtype):
     """`quant.pair_scales` (the form GPUs keep q4_k/q5_k in) moves (sc, mn) and (d, dmin) into

@@ -51,4 +51,11 @@ SM_90 = (
     'the forward-substitution inverse 32-token chunks (4096 x 1: 1.74 ms; 64-token 8.28), 32 x '
     '64 from 8 sequences (16384 x 8: 3.63 ms, 32 x 32 4.51), tf32x3 1.3-1.6x the time of tf32 '
     '(results/h200/gdn_prefill_session26_fwdsub.json), 2026-12-04'
+    '; qgemm_block_k 128, qgemm_swap, qgemm_split_k_min_programs 1056 (the skinny dot of 9-32 rows):'
+    ' bench/skinny_sweep.py on an H100 (sm_90), 1.5B q4_k / q6_k, 16 and 25 rows, 16 configs: 0.83x'
+    ' / 0.82x the time of the earlier entry (k 256, B operand, split 256; geometric means), '
+    'results/h100/skinny_sweep_swap_session48.json; in the engine (bench/tree_verify_cost.py --ab, 1.5B '
+    'Q4_K_M, batch 1, two alternating rounds) trees of 16 / 24 nodes 4.37-4.52 -> 4.07-4.19 ms, '
+    '4.45-4.67 -> 4.21-4.25 ms, chain k=4 unchanged, results/h100/tree_verify_q4km_skinny_ab_'
+    'session48.json, 2026-12-07'
 )

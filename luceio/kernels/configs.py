@@ -117,6 +117,9 @@ class KernelConfig:
     # next projection's loads whatever its launch size, and has no launch of its own
     dense_gemv_sum_ahead: bool = True
     qgemm_num_stages: int = 2
+    # the dot path with the weights as the product's A operand (acc^T = W x^T): on Hopper a
+    # warpgroup MMA takes the dequantized tile from registers, x^T from shared memory
+    qgemm_swap: bool = False
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16
     qgemm_min_tiles_per_split: int = 2
@@ -185,7 +188,8 @@ TABLE: dict[str, KernelConfig] = {
                           decode_min_tokens_per_split=64, decode_max_splits=64,
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220, prefill_split_max_programs=32,
-                          qgemm_block_n=64, qgemm_num_stages=3,
+                          qgemm_block_n=64, qgemm_block_k=128, qgemm_num_stages=3,
+                          qgemm_swap=True, qgemm_split_k_min_programs=1056,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
                           pdl=True, dense_gemv_max_m=1, dense_gemv_max_n=65536,

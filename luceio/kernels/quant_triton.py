@@ -144,13 +144,23 @@ def _dot_acc(acc, x, w, DOT_IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc_ab(acc, a, b, DOT_IEEE: tl.constexpr):
+    """acc + a @ b; a [BLOCK_N, k], b [k, BLOCK_M], both already in the dot dtype."""
+    if DOT_IEEE:
+        return acc + tl.dot(a, b, input_precision="ieee")
+    else:
+        return acc + tl.dot(a, b)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr, out_ptr,
                    part_ptr, M, N, K, KG, tiles_per_split, s_xm, s_om,
                    s_qs, s_qh, s_d, s_sc, e_d, e_sc,
                    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
                    DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+                   PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+                   SWAP: tl.constexpr = False):
     pdl_enter(PDL, PDL_EARLY)
     G: tl.constexpr = BLOCK_K // 32
     HALF: tl.constexpr = BLOCK_K // 2
@@ -171,7 +181,9 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
     lo_cols = (b // 16) * 32 + b % 16
     lo_cols3 = (tl.arange(0, G) * 32)[:, None] + tl.arange(0, 16)[None, :]
 
-    if USE_DOT:
+    if USE_DOT and SWAP:  # the weights are the product's A operand: acc^T [BLOCK_N, BLOCK_M]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    elif USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     elif QTYPE == "dense":  # one row of x: per-lane partial sums, reduced once after the loop
         acc_w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -184,7 +196,11 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
             cols = k0 + kk
             w = tl.load(qs_ptr + row * s_qs + cols[None, :],
                         mask=nmask[:, None] & (cols < K)[None, :], other=0.0)
-            if USE_DOT:
+            if USE_DOT and SWAP:
+                x = tl.load(x_ptr + offs_m[None, :] * s_xm + cols[:, None],
+                            mask=mmask[None, :] & (cols < K)[:, None], other=0.0)
+                acc = _dot_acc_ab(acc, w.to(dt), x.to(dt), DOT_IEEE)
+            elif USE_DOT:
                 x = tl.load(x_ptr + offs_m[:, None] * s_xm + cols[None, :],
                             mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
                 acc = _dot_acc(acc, x.to(dt), w.to(dt), DOT_IEEE)
@@ -195,7 +211,18 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
             lo, hi, scale_lo, scale_hi, offset = _quant_tile(
                 qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
                 s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G)
-            if USE_DOT:
+            if USE_DOT and SWAP:
+                w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
+                cols = k0 + lo_cols
+                xp = x_ptr + offs_m[None, :] * s_xm + cols[:, None]
+                xmask = mmask[None, :] & (cols < K)[:, None]
+                x_lo = tl.load(xp, mask=xmask, other=0.0)
+                x_hi = tl.load(xp + 16, mask=xmask, other=0.0)
+                acc = _dot_acc_ab(acc, tl.reshape(w_lo, [BLOCK_N, HALF]).to(dt), x_lo.to(dt),
+                                  DOT_IEEE)
+                acc = _dot_acc_ab(acc, tl.reshape(w_hi, [BLOCK_N, HALF]).to(dt), x_hi.to(dt),
+                                  DOT_IEEE)
+            elif USE_DOT:
                 w_lo, w_hi = _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE)
                 cols = k0 + lo_cols
                 xp = x_ptr + offs_m[:, None] * s_xm + cols[None, :]
@@ -225,6 +252,8 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
             acc = tl.sum(acc_w, 1)[None, :]
         else:
             acc = tl.sum(acc_g, 1)[None, :]
+    if USE_DOT and SWAP:
+        acc = tl.trans(acc)
     omask = mmask[:, None] & nmask[None, :]
     if SPLIT:
         p = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + rows[None, :]
@@ -307,7 +336,8 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_F32=interp and x.dtype == torch.bfloat16, DOT_IEEE=x.dtype == torch.float32,
         SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=num_warps,
-        num_stages=cfg.qgemm_num_stages, **pdl_kwargs(x.device, cfg, n_programs * split))
+        num_stages=cfg.qgemm_num_stages, SWAP=use_dot and cfg.qgemm_swap,
+        **pdl_kwargs(x.device, cfg, n_programs * split))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_kernel[(num_m, triton.cdiv(n, block))](

@@ -131,21 +131,31 @@ def test_skinny_in_cuda_graph(seed):
     check(out, xr @ dequantize(w).T, seed, "replayed")
 
 
-@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0"])
-def test_skinny_dot_past_16_rows(seed, qtype):
-    """Natively, the skinny tl.dot with M padded to 32 (`skinny_max_m` 32, forced): 17, 24 and
-    32 rows on both shapes, both scale forms, match the fp32 product."""
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0", "q8_0"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_skinny_dot_past_16_rows(seed, qtype, swap):
+    """Natively, the skinny tl.dot (`skinny_max_m` 32, forced; the int8 GEMV off) at 12 rows
+    (M padded to 16), 17, 24 and 32 (padded to 32) on both shapes, both scale forms, with the
+    weights as the dot's B operand and as its A operand (`qgemm_swap`, a warpgroup MMA from
+    registers on Hopper), match the fp32 product; so does the dense dot path."""
     from dataclasses import replace
 
     from luceio.kernels import prepare_weight
-    cfg = replace(configs.get_config(torch.device(DEV)), skinny_max_m=32, skinny_max_m_q6_k=0)
+    cfg = replace(configs.get_config(torch.device(DEV)), skinny_max_m=32, skinny_max_m_q6_k=0,
+                  gemv_max_m=1, qgemm_swap=swap)
     for n, k in SHAPES:
         w = quant.random_quant_weight(qtype, n, k, device=DEV)
         bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+        x = torch.randn(12, k, device=DEV).to(torch.bfloat16)
+        wd = dequantize(w).to(torch.bfloat16)
+        with configs.use_config(cfg):
+            got = qt.dense_matmul_skinny(x, wd, bias)
+        check(got, torch.addmm(bias.float(), x.float(), wd.float().T), seed,
+              f"dense [{n}, {k}] M=12 swap={swap}")
         for form in (w, prepare_weight(w, torch.bfloat16)):
-            for m in (17, 24, 32):
+            for m in (12, 17, 24, 32):
                 x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
                 with configs.use_config(cfg):
                     got = qt.quant_matmul(x, form, bias)
                 exact = torch.addmm(bias.float(), x.float(), dequantize(form).float().T)
-                check(got, exact, seed, f"{qtype} [{n}, {k}] M={m} (skinny, 32 rows)")
+                check(got, exact, seed, f"{qtype} [{n}, {k}] M={m} swap={swap} (skinny dot)")
