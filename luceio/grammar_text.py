@@ -263,3 +263,25 @@ def ascii_patterns(schema):
         else:
             out[key] = ascii_patterns(value)
     return out
+
+
+def schema_patterns(schema) -> list[str]:
+    """Every `pattern` and `patternProperties` regex of a JSON schema, in document order."""
+    if isinstance(schema, list):
+        return [p for s in schema for p in schema_patterns(s)]
+    if not isinstance(schema, dict):
+        return []
+    found = []
+    for key, value in schema.items():
+        if key in _NOT_SCHEMAS:
+            continue
+        if key == "pattern" and isinstance(value, str):
+            found.append(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            for k, v in value.items():
+                found += [k, *schema_patterns(v)]
+        elif key == "properties" and isinstance(value, dict):
+            found += [p for v in value.values() for p in schema_patterns(v)]
+        else:
+            found += schema_patterns(value)
+    return found

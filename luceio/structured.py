@@ -33,6 +33,9 @@ Rules:
   `.` and `\\S`, negated classes, a schema's `pattern`). The printed EBNF also has its `\\xHH`
   escapes rewritten: xgrammar reads them greedily, so a schema's `enum` of "Übersicht" or
   "école" could never be generated before.
+- A schema `pattern` that spells out a quote, backslash or control character outside a class
+  is refused (`refuse_unescapable_patterns`): xgrammar inlines it as EBNF that writes the
+  character raw, which is not JSON.
 - JSON schemas are strict: properties the schema does not name are never generated, and
   properties come in the schema's order. Whitespace between JSON tokens comes in runs of at most
   `JSON_MAX_WHITESPACE` characters (none with `disable_any_whitespace`; at most
@@ -62,7 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import StructuredOutputsParams
-from .grammar_text import ascii_patterns, exclude_surrogates, exclude_surrogates_regex
+from .grammar_text import ascii_patterns, exclude_surrogates, exclude_surrogates_regex, schema_patterns
 
 logger = logging.getLogger("luceio")
 
@@ -146,6 +149,7 @@ def constraint_text(spec: GrammarSpec) -> tuple[str, str]:
         return "grammar", exclude_surrogates(spec.text, source=True)
     if spec.kind == "json":
         schema = ascii_patterns(json.loads(spec.text))  # loads: a clear error for non-JSON text
+        refuse_unescapable_patterns(schema)
         grammar = xgrammar.Grammar.from_json_schema(
             json.dumps(schema), any_whitespace=spec.any_whitespace, strict_mode=True,
             max_whitespace_cnt=JSON_MAX_WHITESPACE if spec.any_whitespace else None)
@@ -156,12 +160,39 @@ def constraint_text(spec: GrammarSpec) -> tuple[str, str]:
 
 
 def _tag_patterns(tag):
-    """A structural tag with its JSON schemas' patterns through `grammar_text.ascii_patterns`."""
+    """A structural tag with its JSON schemas' patterns through `grammar_text.ascii_patterns`
+    (and `refuse_unescapable_patterns`)."""
     if isinstance(tag, list):
         return [_tag_patterns(t) for t in tag]
     if not isinstance(tag, dict):
         return tag
-    return {k: ascii_patterns(v) if k == "json_schema" else _tag_patterns(v) for k, v in tag.items()}
+    out = {}
+    for k, v in tag.items():
+        if k == "json_schema":
+            out[k] = ascii_patterns(v)
+            refuse_unescapable_patterns(out[k])
+        else:
+            out[k] = _tag_patterns(v)
+    return out
+
+
+def refuse_unescapable_patterns(schema) -> None:
+    """ValueError for a `pattern` that spells out a quote, a backslash or a control character
+    outside a character class (`^a"`, `\\\\`, `\\u0022`, `\\t`): xgrammar writes such a pattern as
+    plain EBNF rather than a JSON-string regex rule, where that character comes out raw (and
+    `.` takes quotes and control characters), so the output would not be JSON. Seen by
+    compiling the pattern alone: a pattern xgrammar keeps as `Regex(..., json_string=true)` is
+    safe."""
+    import xgrammar
+    for p in dict.fromkeys(schema_patterns(schema)):
+        alone = str(xgrammar.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": p})))
+        if not _REGEX_RULE.search(alone):
+            raise ValueError(f"the JSON schema pattern {p!r} is not supported: a quote, "
+                             "backslash or control character it spells out (outside a "
+                             "character class) cannot be written as valid JSON")
+
+
+_REGEX_RULE = re.compile(r'^root_1 ::= Regex\(".*", json_string=true\)$', re.M)
 
 
 class GrammarCompiler:

@@ -67,6 +67,7 @@ CODEX = {
 
 CODEX_CHAT = {
     "model": "qwen", "stream": True, "parallel_tool_calls": False, "tool_choice": "auto",
+    "reasoning_effort": "medium",
     "messages": [
         {"role": "system", "content": "You are Codex."},
         {"role": "system", "content": "<permissions>ro</permissions>"},
@@ -92,8 +93,9 @@ CODEX_CHAT = {
 def test_codex_turn_translates():
     chat, warnings = responses_to_chat(CODEX)
     assert chat == CODEX_CHAT
-    for needle in ("'reasoning'", "'include'", "tools[2] of type 'local_shell'",
-                   "tools[3] of type 'web_search'", "tools[4] of type 'custom'"):
+    for needle in ("'reasoning.summary'", "'include'",
+                   "tools[2] of type 'local_shell'", "tools[3] of type 'web_search'",
+                   "tools[4] of type 'custom'"):
         assert sum(needle in w for w in warnings) == 1, (needle, warnings)
     assert len(warnings) == 5
 
@@ -128,10 +130,27 @@ def test_store_and_unknown_fields_are_warned():
                                      "max_tool_calls": 3, "text": {"verbosity": "low"},
                                      "frobnicate": 1,
                                      "input": [{"role": "user", "content": "x", "zz": 1}]})
-    for needle in ("'store'", "'truncation: auto'", "'max_tool_calls'", "'text.verbosity'",
+    for needle in ("'store'", "'truncation: auto'", "'text.verbosity'",
                    "'frobnicate'", "'input[0].zz'"):
         assert sum(needle in w for w in warnings) == 1, (needle, warnings)
-    assert len(warnings) == 6
+    assert len(warnings) == 5  # max_tool_calls bounds built-in tools: none run, nothing to say
+
+
+@pytest.mark.parametrize("reasoning, effort, warned", [
+    ({"effort": "none"}, "none", []),
+    ({"effort": "high"}, "high", []),
+    ({"summary": "auto"}, None, ["'reasoning.summary'"]),
+    ({"effort": "none", "summary": "concise", "zz": 1}, "none",
+     ["'reasoning.summary'", "'reasoning.zz'"]),
+    ({}, None, []),
+])
+def test_reasoning_effort(reasoning, effort, warned):
+    """`reasoning.effort` becomes the chat body's `reasoning_effort` (what it does there:
+    tests/test_server_template_kwargs.py); summaries are warned about, not applied."""
+    chat, warnings = responses_to_chat({"input": "x", "reasoning": reasoning})
+    assert chat.get("reasoning_effort") == effort
+    assert len(warnings) == len(warned) and all(
+        sum(n in w for w in warnings) == 1 for n in warned), warnings
 
 
 # refusals ----------------------------------------------------------------------------------------
@@ -153,6 +172,8 @@ def _items(*items) -> dict:
     ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
+    ({"input": "x", "reasoning": {"effort": "maximal"}}, "reasoning.effort"),
+    ({"input": "x", "reasoning": "high"}, "reasoning"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}},
      "text.format.schema"),
     ({"input": []}, "input"),

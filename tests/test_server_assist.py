@@ -191,13 +191,13 @@ def test_tool_choice_values_through_the_sdk(tiny):
 def test_unknown_fields_are_logged_not_refused(tiny, caplog):
     with caplog.at_level(logging.WARNING, logger="luceio.server"):
         r = httpx.post(tiny + CH, headers=AUTH, timeout=60, json={
-            "messages": MSG, "max_tokens": 2, "reasoning_effort": "low", "guided_backend_x": 1})
+            "messages": MSG, "max_tokens": 2, "reasoning_effrot": "low", "guided_backend_x": 1})
         assert r.status_code == 200, r.text
         r = httpx.post(tiny + C, headers=AUTH, timeout=60,
                        json={"prompt": "hi", "max_tokens": 2, "frobnicate": True})
         assert r.status_code == 200, r.text
     logged = caplog.text
-    assert "'reasoning_effort', 'guided_backend_x'" in logged and "'frobnicate'" in logged
+    assert "'reasoning_effrot', 'guided_backend_x'" in logged and "'frobnicate'" in logged
 
 
 def test_logit_bias_and_allowed_token_ids(tiny, llm, hf_tok):

@@ -52,6 +52,37 @@ def ctx(model) -> ModelContext:
     return ModelContext(["m"], tok, tok.vocab_size, 4096, 4096, lambda n, m: None)
 
 
+EFFORT = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+          "{% if reasoning_effort is defined %}|effort={{ reasoning_effort }}{% endif %}")
+
+
+def test_reasoning_effort(ctx, model):
+    """`reasoning_effort`: "none" turns thinking off in a template that reads `enable_thinking`
+    (as `chat_template_kwargs` does, which wins where both are set); other efforts are warned
+    about there; a template that reads `reasoning_effort` (gpt-oss) gets it; a bad value is a
+    400 naming the field."""
+    none = parse_chat({"messages": MSG, "reasoning_effort": "none"}, ctx)
+    assert none.prompt_texts == [NO_THINKING] and none.warnings == []
+    high = parse_chat({"messages": MSG, "reasoning_effort": "high"}, ctx)
+    assert high.prompt_texts == [ASKED]
+    assert [w for w in high.warnings if "'reasoning_effort' 'high' is not applied" in w], \
+        high.warnings
+    both = parse_chat({"messages": MSG, "reasoning_effort": "none",
+                       "chat_template_kwargs": {"enable_thinking": True}}, ctx)
+    assert both.prompt_texts == [ASKED]
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": MSG, "reasoning_effort": "max"}, ctx)
+    assert (e.value.status, e.value.param) == (400, "reasoning_effort")
+    with open(os.path.join(model, "tokenizer_config.json")) as f:
+        config = {**json.load(f), "chat_template": EFFORT}
+    tok = Tokenizer(HFTokenizer.from_file(os.path.join(model, "tokenizer.json")), config, {}, {})
+    effort_ctx = ModelContext(["m"], tok, tok.vocab_size, 4096, 4096, lambda n, m: None)
+    low = parse_chat({"messages": MSG, "reasoning_effort": "low"}, effort_ctx)
+    assert low.prompt_texts == ["hi|effort=low"] and low.warnings == []
+    off = parse_chat({"messages": MSG, "reasoning_effort": "none"}, effort_ctx)
+    assert off.prompt_texts == ["hi|effort=none"]
+
+
 def test_kwargs_reach_the_template(ctx):
     plain = parse_chat({"messages": MSG}, ctx)
     off = parse_chat({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, ctx)

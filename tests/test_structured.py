@@ -25,7 +25,7 @@ from luceio import LLM, SamplingParams
 from luceio.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from luceio.server.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from luceio.structured import (GrammarCompiler, GrammarError, GrammarSpec, apply_token_bitmask,
-                               tool_call_constraint)
+                               constraint_text, tool_call_constraint)
 
 S = StructuredOutputsParams
 KEY = "sk-structured"
@@ -206,6 +206,28 @@ def test_non_ascii_enum_and_choice_are_generated(llm):
     out = llm.generate(["Pick:"], SamplingParams(max_tokens=20, temperature=1.0, seed=0,
                                                  structured_outputs=S(choice=words)), use_tqdm=False)
     assert out[0].outputs[0].text in words
+
+
+def test_patterns_xgrammar_would_inline_are_refused():
+    """xgrammar writes a `pattern` that spells out a quote, backslash or control character as
+    plain EBNF, where it comes out raw (`{"p": "say "hi""}`): such schemas are refused, with
+    the pattern named; patterns it keeps as JSON-string regex rules compile."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    inlined = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": '^a"$'}))
+    assert _is_grammar_accept_string(inlined, '"a""'), "xgrammar writes the quote raw"  # the bug
+    for pattern in ['^say "hi"$', '^a\\\\b$', '^\\u0022$', '^\\t$', '^x\n']:
+        schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+        with pytest.raises(ValueError, match="cannot be written as valid JSON") as e:
+            constraint_text(GrammarSpec("json", json.dumps(schema)))
+        assert repr(pattern) in str(e.value)
+    keys = {"type": "object", "patternProperties": {'^k"': {"type": "integer"}}}
+    with pytest.raises(ValueError, match="cannot be written"):
+        constraint_text(GrammarSpec("json", json.dumps(keys)))
+    for pattern in ['^[^"]+$', "^\\d{4}-\\d{2}$", "^(foo|bar)$", "", "^\\.$", "^[a-z\\\\]+$"]:
+        schema = {"type": "string", "pattern": pattern}
+        kind, text = constraint_text(GrammarSpec("json", json.dumps(schema)))
+        assert kind == "grammar" and "json_string=true" in text, pattern
 
 
 def test_every_constraint_kind_compiles_without_surrogates(llm):
@@ -499,6 +521,12 @@ def test_anthropic_and_responses_routes_enforce_it(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}],
       "tool_choice": "required"}, "tool_choice", "does not compile"),
     ({"min_tokens": 3, "guided_regex": "a+"}, "min_tokens", "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"q": {"type": "string", "pattern": '^say "hi"$'}}}}}},
+     "response_format", "cannot be written as valid JSON"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "^a\\tb$"}}}}}],
+      "tool_choice": "required"}, "tool_choice", "cannot be written as valid JSON"),
 ])
 def test_bad_constraints_are_refused_naming_the_field(server, body, param, needle):
     r = httpx.post(server + "/v1/chat/completions", timeout=60,

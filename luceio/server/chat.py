@@ -9,6 +9,11 @@ Rules
   template as extra variables (`{"enable_thinking": false}` for Qwen3). Names the renderer sets
   itself (`tokenizer.TEMPLATE_VARIABLES`: messages, tools, add_generation_prompt, the special
   tokens, the template's globals) are refused: each has its own field or is not the client's.
+- `reasoning_effort` (OpenAI's field: none, minimal, low, medium, high, xhigh) reaches a template
+  that reads a `reasoning_effort` variable (gpt-oss); for one that does not, "none" sets
+  `enable_thinking` false where the template reads that (Qwen3: no thinking), and any other
+  effort, or "none" where neither is read, is warned about as not applied. Variables set in
+  `chat_template_kwargs` win.
 Plain Python: no web framework here."""
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ from .reasoning import ChatTextParser
 if TYPE_CHECKING:
     from .protocol import ModelContext
 
-FIELDS = {"messages", "add_generation_prompt", "tools", "tool_choice", "chat_template_kwargs"}
+FIELDS = {"messages", "add_generation_prompt", "tools", "tool_choice", "chat_template_kwargs",
+          "reasoning_effort"}
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass
@@ -53,6 +60,8 @@ def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
         raise bad("tools", "this model's chat template has no tool-call format luceio knows, so "
                   "its calls could not be read; start the server with --tool-parser NAME if the "
                   "model writes one of them")
+    template_kwargs = {**_reasoning_effort(body, tok.chat_template_variables(), warnings),
+                       **template_kwargs}
     unread = sorted(set(template_kwargs) - tok.chat_template_variables()) \
         if template_kwargs else []
     if unread:
@@ -86,6 +95,23 @@ def chat_template_kwargs(body: dict) -> dict:
             raise bad("chat_template_kwargs", f"'chat_template_kwargs' names must be template "
                       f"variable names, got {show(name)}")
     return kwargs
+
+
+def _reasoning_effort(body: dict, reads: frozenset[str], warnings: list[str]) -> dict:
+    """`reasoning_effort` as template variables (see the module's rules)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise bad("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, "
+                  f"got {show(effort)}")
+    if "reasoning_effort" in reads:
+        return {"reasoning_effort": effort}
+    if effort == "none" and "enable_thinking" in reads:
+        return {"enable_thinking": False}
+    warnings.append(f"'reasoning_effort' {effort!r} is not applied: the chat template reads no "
+                    "reasoning_effort" + (" or enable_thinking" if effort == "none" else ""))
+    return {}
 
 
 def _text_parser(ctx: ModelContext, prompt: str, tools_offered: bool,

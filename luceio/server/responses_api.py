@@ -8,15 +8,19 @@ Request fields
   (function tools), `tool_choice` (auto/none/required or `{"type": "function", "name"}`),
   `parallel_tool_calls`, `max_output_tokens` → `max_tokens`, `temperature`, `top_p`, `stream`,
   `text.format` (json_schema/json_object → `response_format`; text is the default).
+- `reasoning.effort` → the chat body's `reasoning_effort` (`chat.py`: a template that reads it
+  gets it; else "none" sets `enable_thinking` false, as Anthropic's `thinking: disabled`, and
+  other efforts are warned about); another value is a 400. `reasoning.summary` is warned
+  about (no summaries are written).
 - accepted, no effect on the output: `metadata` (echoed), `user`, `safety_identifier`,
   `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`, `service_tier`,
-  `stream_options`, `store: false`, `background: false`, `truncation: "disabled"`.
+  `stream_options`, `store: false`, `background: false`, `truncation: "disabled"`,
+  `max_tool_calls` (it bounds calls of built-in tools, and none run here).
 - accepted with a warning, returned for the server to log: tools of other types (web_search,
   local_shell, custom, ...: Codex sends them; they are not offered to the model), `store: true`
-  (nothing is stored, so no later request can refer to this one), `reasoning` (effort and summary
-  are not applied), `include` (nothing extra is returned), `truncation: "auto"` (a prompt that
-  does not fit is refused, not cut), `max_tool_calls`, `text.verbosity`, `context_management`,
-  and every field or item key not named here.
+  (nothing is stored, so no later request can refer to this one), `include` (nothing extra is
+  returned), `truncation: "auto"` (a prompt that does not fit is refused, not cut),
+  `text.verbosity`, `context_management`, and every field or item key not named here.
 - refused, 400 naming the field: `previous_response_id` and `conversation` (no stored state: send
   the whole conversation in `input`), `background: true`, `prompt` (stored templates),
   `top_logprobs`, content other than text (images, files), items of other types
@@ -32,16 +36,15 @@ reasoning_text, else its summary; encrypted content is dropped).
 Output: `responses_stream.py`."""
 from __future__ import annotations
 
+from .chat import EFFORTS
 from .fields import bad
 
 _TRANSLATED = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-               "max_output_tokens", "temperature", "top_p", "stream", "text"}
+               "max_output_tokens", "temperature", "top_p", "stream", "text", "reasoning"}
 _NO_EFFECT = {"metadata", "user", "safety_identifier", "prompt_cache_key",
               "prompt_cache_retention", "prompt_cache_options", "service_tier", "stream_options",
-              "store", "background", "truncation"}
-_WARNED = {"reasoning": "'reasoning' (effort, summary) is not applied",
-           "include": "'include' is not applied: nothing extra is returned",
-           "max_tool_calls": "'max_tool_calls' is not applied",
+              "store", "background", "truncation", "max_tool_calls"}
+_WARNED = {"include": "'include' is not applied: nothing extra is returned",
            "context_management": "'context_management' is not applied"}
 _REFUSED = {"previous_response_id": "stored responses are not supported (store is not): send "
                                     "the whole conversation in 'input'",
@@ -107,7 +110,21 @@ def responses_to_chat(body: dict) -> tuple[dict, list[str]]:
                       "offered (only tools of type 'function' reach the model)")
     if body.get("text") is not None:
         chat.update(_text_format(_need(body, "text", dict, ""), warnings))
+    if body.get("reasoning") is not None:
+        chat.update(_reasoning(_need(body, "reasoning", dict, ""), warnings))
     return chat, warnings
+
+
+def _reasoning(reasoning: dict, warnings: list[str]) -> dict:
+    """`reasoning.effort` as the chat body's `reasoning_effort`; `summary` is warned about."""
+    _warn_unknown(reasoning, "reasoning.", {"effort", "summary", "generate_summary"}, warnings)
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad("reasoning.effort", f"'reasoning.effort' must be one of {', '.join(EFFORTS)}, "
+                  f"got {effort!r}")
+    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+        warnings.append("'reasoning.summary' is not applied: no summaries are written")
+    return {"reasoning_effort": effort} if effort is not None else {}
 
 
 def _input(items, warnings: list[str]) -> list[dict]:
