@@ -16,7 +16,10 @@
 Two inner products: one row of x (decode) runs as a GEMV, multiply + add in fp32 with per-lane
 partial sums reduced once after the K loop, and each group's scale applied once to its sum
 (scale * sum(code * x) - offset * sum(x)); 2..32 rows run `tl.dot` on the dequantized tile
-(the reference's per-weight formula, cast to x's dtype) with M padded to 16 or 32. Under
+(the reference's per-weight formula, cast to x's dtype) with M padded to 16 or 32; with
+`qgemm_swap` (the sm_90 entry) the tile is the dot's A operand and the product is transposed
+(acc^T = W x^T: a Hopper warpgroup MMA reads A from registers, so the dequantized tile skips
+shared memory; 0.82-0.83x the time at 16-25 rows on an H100, bench/skinny_sweep.py). Under
 TRITON_INTERPRET=1 bf16 dot operands go as fp32 (the interpreter's bf16 dot is wrong); fp32
 activations always dot in IEEE fp32 (no TF32). bench/qgemm.py measures both against cuBLAS.
 """
