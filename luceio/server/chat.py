@@ -60,8 +60,7 @@ def chat_prompt(body: dict, ctx: ModelContext) -> ChatPrompt:
         raise bad("tools", "this model's chat template has no tool-call format luceio knows, so "
                   "its calls could not be read; start the server with --tool-parser NAME if the "
                   "model writes one of them")
-    template_kwargs = {**_reasoning_effort(body, tok.chat_template_variables(), warnings),
-                       **template_kwargs}
+    template_kwargs = {**_reasoning_effort(body, tok, warnings), **template_kwargs}
     unread = sorted(set(template_kwargs) - tok.chat_template_variables()) \
         if template_kwargs else []
     if unread:
@@ -97,7 +96,7 @@ def chat_template_kwargs(body: dict) -> dict:
     return kwargs
 
 
-def _reasoning_effort(body: dict, reads: frozenset[str], warnings: list[str]) -> dict:
+def _reasoning_effort(body: dict, tok, warnings: list[str]) -> dict:
     """`reasoning_effort` as template variables (see the module's rules)."""
     effort = body.get("reasoning_effort")
     if effort is None:
@@ -105,6 +104,7 @@ def _reasoning_effort(body: dict, reads: frozenset[str], warnings: list[str]) ->
     if effort not in EFFORTS:
         raise bad("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, "
                   f"got {show(effort)}")
+    reads = tok.chat_template_variables()
     if "reasoning_effort" in reads:
         return {"reasoning_effort": effort}
     if effort == "none" and "enable_thinking" in reads:
