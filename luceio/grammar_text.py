@@ -28,6 +28,7 @@ are kept.
 """
 from __future__ import annotations
 
+import json
 import re
 
 SURROGATES = (0xD800, 0xDFFF)
@@ -285,3 +286,22 @@ def schema_patterns(schema) -> list[str]:
         else:
             found += schema_patterns(value)
     return found
+
+
+def refuse_unescapable_patterns(schema) -> None:
+    """ValueError for a `pattern` that spells out a quote, a backslash or a control character
+    outside a character class (`^a"`, `\\\\`, `\\u0022`, `\\t`): xgrammar writes such a pattern as
+    plain EBNF rather than a JSON-string regex rule, where that character comes out raw (and
+    `.` takes quotes and control characters), so the output would not be JSON. Seen by
+    compiling the pattern alone: a pattern xgrammar keeps as `Regex(..., json_string=true)` is
+    safe."""
+    import xgrammar
+    for p in dict.fromkeys(schema_patterns(schema)):
+        alone = str(xgrammar.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": p})))
+        if not _JSON_STRING_RULE.search(alone):
+            raise ValueError(f"the JSON schema pattern {p!r} is not supported: a quote, "
+                             "backslash or control character it spells out (outside a "
+                             "character class) cannot be written as valid JSON")
+
+
+_JSON_STRING_RULE = re.compile(r'^root_1 ::= Regex\(".*", json_string=true\)$', re.M)

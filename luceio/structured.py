@@ -65,7 +65,8 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import StructuredOutputsParams
-from .grammar_text import ascii_patterns, exclude_surrogates, exclude_surrogates_regex, schema_patterns
+from .grammar_text import (ascii_patterns, exclude_surrogates, exclude_surrogates_regex,
+                           refuse_unescapable_patterns)
 
 logger = logging.getLogger("luceio")
 
@@ -174,25 +175,6 @@ def _tag_patterns(tag):
         else:
             out[k] = _tag_patterns(v)
     return out
-
-
-def refuse_unescapable_patterns(schema) -> None:
-    """ValueError for a `pattern` that spells out a quote, a backslash or a control character
-    outside a character class (`^a"`, `\\\\`, `\\u0022`, `\\t`): xgrammar writes such a pattern as
-    plain EBNF rather than a JSON-string regex rule, where that character comes out raw (and
-    `.` takes quotes and control characters), so the output would not be JSON. Seen by
-    compiling the pattern alone: a pattern xgrammar keeps as `Regex(..., json_string=true)` is
-    safe."""
-    import xgrammar
-    for p in dict.fromkeys(schema_patterns(schema)):
-        alone = str(xgrammar.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": p})))
-        if not _REGEX_RULE.search(alone):
-            raise ValueError(f"the JSON schema pattern {p!r} is not supported: a quote, "
-                             "backslash or control character it spells out (outside a "
-                             "character class) cannot be written as valid JSON")
-
-
-_REGEX_RULE = re.compile(r'^root_1 ::= Regex\(".*", json_string=true\)$', re.M)
 
 
 class GrammarCompiler:

@@ -1,6 +1,6 @@
 """`dequantize_triton(w, dtype)`: a quantized weight as a dense [N, K] tensor on the device, in
 one launch over (row tiles, K tiles), through the same tile decoding as the skinny GEMM
-(quant_triton.py `_quant_tile`, `_weights`). The prefill path's first half: past
+(quant_tile_triton.py `_quant_tile`, `_weights`). The prefill path's first half: past
 `skinny_max_m` rows a layer is dequantized into a scratch buffer and multiplied by cuBLAS."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import triton.language as tl
 from .configs import get_config
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args
-from .quant_triton import _quant_tile, _weights
+from .quant_tile_triton import _quant_tile, _weights
 
 
 @triton.jit

@@ -36,105 +36,14 @@ from .configs import KernelConfig, get_config, skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args, words as _words
+from .quant_tile_triton import _quant_tile, _weights
 
 
 DENSE = "dense"
 
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# A quantized tile is [BLOCK_N, G, 16] with G = BLOCK_K / 32 groups: byte j of a group's codes
-# holds element j (low nibble, the "lo" half) and element j + 16 (high nibble, "hi"), so both
-# halves come from one plain, vectorised load of 16 bytes, and each lane holds whole groups
-# (per-group scales are one load per group, sums over a group stay inside a lane). The 5-bit
-# high bits are one int32 per group (bit e = element e), q6_k's two (bits 2e, 2e + 1 of the
-# first word for e < 16, of the second for the rest). Codes become floats by the exponent
-# trick: (q | 0x4B000000) read as fp32 is exactly 2^23 + q for 0 <= q < 2^23, one integer op
-# where a conversion instruction runs at a quarter of the rate.
-_MAGIC = tl.constexpr(8388608.0)  # 2^23
-
-
-@triton.jit
-def _as_float(q, zero: tl.constexpr):
-    """int32 codes 0 <= q < 2^23 -> fp32 q - zero, exactly."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (_MAGIC + zero)
-
-
-@triton.jit
-def _quant_tile(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG,
-                s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr):
-    """Groups g0 .. g0+G-1 of `row` ([BLOCK_N, 1] int64): (lo, hi), fp32 [BLOCK_N, G, 16] codes
-    minus the zero point, and (scale_lo, scale_hi, offset), fp32 [BLOCK_N, G]: a weight is
-    scale * code - offset, scale_hi for the hi half (differs from scale_lo only for q6_k).
-    Rows >= N and groups >= KG read as 0. `e_d` / `e_sc`: element strides of d, m / sc, mn
-    (1, or 2 in the paired form of `quant.pair_scales`)."""
-    grp = g0 + tl.arange(0, G)[None, :]                                   # [1, G]
-    j = tl.arange(0, 16)[None, None, :]
-    gmask = nmask[:, None] & (grp < KG)                                   # [BLOCK_N, G]
-    mask = gmask[:, :, None]
-    if QTYPE == "q8_0":
-        off = (row * s_qs + grp * 32)[:, :, None] + j
-        lo = _as_float(tl.load(qs_ptr + off, mask=mask, other=0).to(tl.int32) + 128, 128.0)
-        hi = _as_float(tl.load(qs_ptr + off + 16, mask=mask, other=0).to(tl.int32) + 128, 128.0)
-    else:
-        byte = tl.load(qs_ptr + (row * s_qs + grp * 16)[:, :, None] + j, mask=mask, other=0)
-        byte = byte.to(tl.int32)
-        q_lo = byte & 15
-        q_hi = byte >> 4
-        if QTYPE == "q5_0" or QTYPE == "q5_1" or QTYPE == "q5_k":
-            word = tl.load(qh_ptr + row * s_qh + grp, mask=gmask, other=0)[:, :, None]
-            q_lo |= ((word >> j) & 1) << 4
-            q_hi |= ((word >> (j + 16)) & 1) << 4
-        if QTYPE == "q6_k":
-            w_lo = tl.load(qh_ptr + row * s_qh + 2 * grp, mask=gmask, other=0)[:, :, None]
-            w_hi = tl.load(qh_ptr + row * s_qh + 2 * grp + 1, mask=gmask, other=0)[:, :, None]
-            q_lo |= ((w_lo >> (2 * j)) & 3) << 4
-            q_hi |= ((w_hi >> (2 * j)) & 3) << 4
-        if QTYPE == "q4_0":
-            lo, hi = _as_float(q_lo, 8.0), _as_float(q_hi, 8.0)
-        elif QTYPE == "q5_0":
-            lo, hi = _as_float(q_lo, 16.0), _as_float(q_hi, 16.0)
-        elif QTYPE == "q6_k":
-            lo, hi = _as_float(q_lo, 32.0), _as_float(q_hi, 32.0)
-        else:
-            lo, hi = _as_float(q_lo, 0.0), _as_float(q_hi, 0.0)
-
-    if QTYPE == "q4_k" or QTYPE == "q5_k" or QTYPE == "q6_k":  # d (and dmin) per 8 groups
-        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0).to(tl.float32)
-    else:
-        d = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
-    scale_lo = d
-    scale_hi = d
-    offset = tl.zeros_like(d)
-    if QTYPE == "q4_1" or QTYPE == "q5_1":                 # d * q + m
-        offset = -tl.load(m_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
-    if QTYPE == "q4_k" or QTYPE == "q5_k":                 # (d * sc) * q - dmin * mn
-        sc = tl.load(sc_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
-        dmin = tl.load(m_ptr + row * s_d + (grp // 8) * e_d, mask=gmask,
-                       other=0.0).to(tl.float32)
-        scale_lo = d * sc
-        scale_hi = scale_lo
-        offset = dmin * mn
-    if QTYPE == "q6_k":                                    # (d * sc) * (q - 32), sc per 16
-        sc_lo = tl.load(sc_ptr + row * s_sc + 2 * grp, mask=gmask, other=0)
-        sc_hi = tl.load(sc_ptr + row * s_sc + 2 * grp + 1, mask=gmask, other=0)
-        scale_lo = d * sc_lo.to(tl.float32)
-        scale_hi = d * sc_hi.to(tl.float32)
-    return lo, hi, scale_lo, scale_hi, offset
-
-
-@triton.jit
-def _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE: tl.constexpr):
-    """fp32 weights of both halves, in the reference's order of operations."""
-    if QTYPE == "q8_0":
-        return lo * scale_lo[:, :, None], hi * scale_hi[:, :, None]
-    elif QTYPE == "q4_0" or QTYPE == "q5_0" or QTYPE == "q6_k":
-        return scale_lo[:, :, None] * lo, scale_hi[:, :, None] * hi
-    else:  # q4_1, q5_1: d * q + m (offset = -m); q4_k, q5_k: (d * sc) * q - dmin * mn
-        return (scale_lo[:, :, None] * lo - offset[:, :, None],
-                scale_hi[:, :, None] * hi - offset[:, :, None])
 
 
 @triton.jit
