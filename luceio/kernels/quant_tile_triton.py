@@ -98,3 +98,99 @@ def _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE: tl.constexpr):
     else:  # q4_1, q5_1: d * q + m (offset = -m); q4_k, q5_k: (d * sc) * q - dmin * mn
         return (scale_lo[:, :, None] * lo - offset[:, :, None],
                 scale_hi[:, :, None] * hi - offset[:, :, None])
+
+
+# Packed dequantization (`_packed_weights`): one PTX sequence per 4 code bytes (8 weights),
+# two weights a 32-bit register throughout. prmt spreads bytes b0, b1 into the two 16-bit
+# halves, lop3 keeps a nibble and ors in 0x4300, making bf16 128 + q exactly (bf16 holds 8
+# significant bits), and two bf16x2 FMAs give (q - zero) exactly, then scale * (q - zero) + o
+# rounded once. $0 $1: the lo half's 4 weights, $2 $3 the hi half's, $4 four code bytes, $5 $6
+# the scale (a group's value in every lane), $7 $8 the offset o. NEG: -(128 + zero) as bf16x2.
+_PACKED_ASM = """{
+.reg .b32 t0, t1, u0, u1, one, neg;
+mov.b32 one, 0x3F803F80;
+mov.b32 neg, NEG;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u0, u0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u1, u1, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t0, t0, one, neg;
+fma.rn.bf16x2 t1, t1, one, neg;
+fma.rn.bf16x2 u0, u0, one, neg;
+fma.rn.bf16x2 u1, u1, one, neg;
+fma.rn.bf16x2 $0, t0, $5, $7;
+fma.rn.bf16x2 $1, t1, $6, $8;
+fma.rn.bf16x2 $2, u0, $5, $7;
+fma.rn.bf16x2 $3, u1, $6, $8;
+}"""
+_PACKED_ZERO0 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC300C300"))  # -128
+_PACKED_ZERO8 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC308C308"))  # -136
+PACKED_QTYPES = ("q4_0", "q4_1", "q4_k")
+
+
+@triton.jit
+def _packed_weights(qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG, s_qs, s_d, s_sc,
+                    e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
+    """The bf16 weights [BLOCK_N, 32 * G] of groups g0 .. g0+G-1 of a 4-bit type
+    (`PACKED_QTYPES`; G a multiple of 4) with the scale and offset rounded to bf16 first:
+    bf16(s * (q - zero) + o) for s = bf16(scale), o = bf16(-offset), where `_weights` rounds
+    the fp32 weight once (a weight moves by at most ~2^-9 of |s * q| + |o| more: ~3% of a
+    quantization step at q = 15). ASM: the packed PTX above (NVIDIA); else the same formula in
+    fp32 (the product is exact, the sum may round before the bf16 rounding).
+
+    The K slots are a permutation of the tile's elements (`quant_triton._skinny_kernel`
+    permutes x's tile to match): slot 16q + 8h + 2c + e holds nibble h of byte
+    c * (NB / 4) + 2q + e of the tile's NB = 16 G code bytes. An MMA's A fragment gives a
+    thread slots 2c, 2c + 1, 2c + 8, 2c + 9 of each 16: both nibbles of two adjacent bytes,
+    and over the K tile a thread's bytes are NB / 4 contiguous ones (the sm_90 machine code:
+    4.7 instructions a weight in the K loop against 9.1, `bench/sass_stats.py --packed 0,1`)."""
+    GPC: tl.constexpr = G // 4                                           # groups per c
+    BN: tl.constexpr = row.shape[0]
+    NB: tl.constexpr = 16 * G
+    b = tl.arange(0, NB)[None, :]
+    grp = g0 + tl.arange(0, G)[None, :]                                   # [1, G]
+    gmask = nmask[:, None] & (grp < KG)                                   # [BLOCK_N, G]
+    byte = tl.load(qs_ptr + row * s_qs + g0 * 16 + b,
+                   mask=nmask[:, None] & (g0 * 16 + b < KG * 16), other=0)
+    if QTYPE == "q4_k":
+        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
+        dmin = tl.load(m_ptr + row * s_d + (grp // 8) * e_d, mask=gmask,
+                       other=0.0).to(tl.float32)
+        scale = d * sc
+        o = -(dmin * mn)
+    else:
+        scale = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
+        if QTYPE == "q4_1":
+            o = tl.load(m_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
+        else:
+            o = tl.zeros_like(scale)
+    byte5 = tl.reshape(byte, [BN, 4, GPC, 8, 2])                         # [BN, c, gp, qq, e]
+    s5 = tl.broadcast_to(tl.reshape(scale.to(tl.bfloat16), [BN, 4, GPC, 1, 1]), byte5.shape)
+    o5 = tl.broadcast_to(tl.reshape(o.to(tl.bfloat16), [BN, 4, GPC, 1, 1]), byte5.shape)
+    if ASM:
+        if QTYPE == "q4_0":
+            lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO8, "=r,=r,=r,=r,r,r,r,r,r",
+                                               [byte5, s5, o5],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                               pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO0, "=r,=r,=r,=r,r,r,r,r,r",
+                                               [byte5, s5, o5],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                               pack=4)
+    else:
+        zero: tl.constexpr = 8.0 if QTYPE == "q4_0" else 0.0
+        code = byte5.to(tl.int32)
+        sf = s5.to(tl.float32)
+        of = o5.to(tl.float32)
+        lo = (((code & 15).to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
+        hi = (((code >> 4).to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
+    # [BN, c, gp, qq, e, h] -> [BN, gp, qq, h, c, e]: slot 16 (8 gp + qq) + 8h + 2c + e
+    w = tl.permute(tl.join(lo, hi), (0, 2, 3, 5, 1, 4))
+    return tl.reshape(w, [BN, 32 * G])

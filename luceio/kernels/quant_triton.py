@@ -36,7 +36,7 @@ from .configs import KernelConfig, get_config, skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args, words as _words
-from .quant_tile_triton import _quant_tile, _weights
+from .quant_tile_triton import PACKED_QTYPES, _packed_weights, _quant_tile, _weights
 
 
 DENSE = "dense"
@@ -72,7 +72,8 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
                    DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
-                   SWAP: tl.constexpr = False):
+                   SWAP: tl.constexpr = False, PACKED: tl.constexpr = False,
+                   ASM: tl.constexpr = False):
     pdl_enter(PDL, PDL_EARLY)
     G: tl.constexpr = BLOCK_K // 32
     HALF: tl.constexpr = BLOCK_K // 2
@@ -119,6 +120,16 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
             else:
                 x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
                 acc_w += w.to(tl.float32) * x[None, :]
+        elif PACKED:  # bf16 weights made two a register (`_packed_weights`), the A operand
+            w = _packed_weights(qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
+                                s_qs, s_d, s_sc, e_d, e_sc, QTYPE, G, ASM)
+            cols = k0 + kk
+            x = tl.load(x_ptr + offs_m[:, None] * s_xm + cols[None, :],
+                        mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
+            # element (c * GPC + gp) * 32 + 16h + 2qq + e to slot 16 (8 gp + qq) + 8h + 2c + e
+            x = tl.reshape(x, [BLOCK_M, 4, BLOCK_K // 128, 2, 8, 2])   # [m, c, gp, h, qq, e]
+            x = tl.reshape(tl.permute(x, (2, 4, 3, 1, 5, 0)), [BLOCK_K, BLOCK_M])
+            acc = _dot_acc_ab(acc, w.to(dt), x.to(dt), DOT_IEEE)
         else:
             lo, hi, scale_lo, scale_hi, offset = _quant_tile(
                 qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
@@ -236,6 +247,9 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
              bias.contiguous() if bias is not None else None, out2, cfg,
              use_asm=use_asm(x), xqs=xqs, tail=tail)
         return out
+    swap = use_dot and cfg.qgemm_swap
+    packed = swap and packed_tiles(cfg, qtype, block_k, x.dtype)
+    asm = packed and x.is_cuda and torch.version.hip is None and not interp
     n_programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))
     part = torch.empty((split, num_m, n), dtype=torch.float32, device=x.device) \
@@ -248,7 +262,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_F32=interp and x.dtype == torch.bfloat16, DOT_IEEE=x.dtype == torch.float32,
         SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=num_warps,
-        num_stages=cfg.qgemm_num_stages, SWAP=use_dot and cfg.qgemm_swap,
+        num_stages=cfg.qgemm_num_stages, SWAP=swap, PACKED=packed, ASM=asm,
         **pdl_kwargs(x.device, cfg, n_programs * split))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -257,6 +271,13 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
             HAS_BIAS=has_bias, num_warps=4,
             **pdl_kwargs(x.device, cfg, num_m * triton.cdiv(n, block)))
     return out
+
+
+def packed_tiles(cfg: KernelConfig, qtype: str, block_k: int, dtype: torch.dtype) -> bool:
+    """Whether the dot path (with `qgemm_swap`) dequantizes two weights a register
+    (`qgemm_packed`: 4-bit types, bf16 x, K tiles of whole 128s)."""
+    return bool(cfg.qgemm_packed) and qtype in PACKED_QTYPES and block_k % 128 == 0 \
+        and dtype == torch.bfloat16
 
 
 def quant_matmul_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
