@@ -129,25 +129,62 @@ fma.rn.bf16x2 $3, u1, $6, $8;
 }"""
 _PACKED_ZERO0 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC300C300"))  # -128
 _PACKED_ZERO8 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC308C308"))  # -136
-PACKED_QTYPES = ("q4_0", "q4_1", "q4_k")
+# q6_k: the same with each code's two high bits ored in at bits 4-5 of its 16-bit half. $9 (and
+# its copies $10-$12) holds the 8 high bits of the lo half's 4 codes (code k: bits 2k, 2k + 1),
+# $13 the hi half's; a multiply moves two 2-bit fields to bits 4-5 and 20-21 at once (h * 0x10
+# and h * 0x40000, or h and h * 0x4000, do not overlap). $5 $6 / $7 $8: the lo / hi scales
+# (q6_k's sub-scales cover 16 elements), no offset; zero point 32.
+_PACKED_Q6K = tl.constexpr("""{
+.reg .b32 t0, t1, u0, u1, a, one, neg, zero;
+mov.b32 one, 0x3F803F80;
+mov.b32 neg, 0xC320C320;
+mov.b32 zero, 0;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+mul.lo.u32 a, $9, 0x00040010;
+lop3.b32 a, a, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 t0, t0, 0x000F000F, a, 0xEA;
+mul.lo.u32 a, $9, 0x00004001;
+lop3.b32 a, a, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 t1, t1, 0x000F000F, a, 0xEA;
+mul.lo.u32 a, $13, 0x00040010;
+lop3.b32 a, a, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 u0, u0, 0x000F000F, a, 0xEA;
+mul.lo.u32 a, $13, 0x00004001;
+lop3.b32 a, a, 0x00300030, 0x43004300, 0xEA;
+lop3.b32 u1, u1, 0x000F000F, a, 0xEA;
+fma.rn.bf16x2 t0, t0, one, neg;
+fma.rn.bf16x2 t1, t1, one, neg;
+fma.rn.bf16x2 u0, u0, one, neg;
+fma.rn.bf16x2 u1, u1, one, neg;
+fma.rn.bf16x2 $0, t0, $5, zero;
+fma.rn.bf16x2 $1, t1, $6, zero;
+fma.rn.bf16x2 $2, u0, $7, zero;
+fma.rn.bf16x2 $3, u1, $8, zero;
+}""")
+PACKED_QTYPES = ("q4_0", "q4_1", "q4_k", "q6_k")
 
 
 @triton.jit
-def _packed_weights(qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG, s_qs, s_d, s_sc,
-                    e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
-    """The bf16 weights [BLOCK_N, 32 * G] of groups g0 .. g0+G-1 of a 4-bit type
-    (`PACKED_QTYPES`; G a multiple of 4) with the scale and offset rounded to bf16 first:
-    bf16(s * (q - zero) + o) for s = bf16(scale), o = bf16(-offset), where `_weights` rounds
-    the fp32 weight once (a weight moves by at most ~2^-9 of |s * q| + |o| more: ~3% of a
-    quantization step at q = 15). ASM: the packed PTX above (NVIDIA); else the same formula in
-    fp32 (the product is exact, the sum may round before the bf16 rounding).
+def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG, s_qs,
+                    s_qh, s_d, s_sc, e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr,
+                    ASM: tl.constexpr):
+    """The bf16 weights [BLOCK_N, 32 * G] of groups g0 .. g0+G-1 of a `PACKED_QTYPES` type
+    (4-bit codes, and q6_k's 4 + 2; G a multiple of 4) with the scale and offset rounded to
+    bf16 first: bf16(s * (q - zero) + o) for s = bf16(scale), o = bf16(-offset), where
+    `_weights` rounds the fp32 weight once (a weight moves by at most ~2^-9 of |s * q| + |o|
+    more: ~3% of a quantization step at q = 15). ASM: the packed PTX above (NVIDIA); else the
+    same formula in fp32 (the product is exact, the sum may round before the bf16 rounding).
 
     The K slots are a permutation of the tile's elements (`quant_triton._skinny_kernel`
     permutes x's tile to match): slot 16q + 8h + 2c + e holds nibble h of byte
     c * (NB / 4) + 2q + e of the tile's NB = 16 G code bytes. An MMA's A fragment gives a
     thread slots 2c, 2c + 1, 2c + 8, 2c + 9 of each 16: both nibbles of two adjacent bytes,
     and over the K tile a thread's bytes are NB / 4 contiguous ones (the sm_90 machine code:
-    4.7 instructions a weight in the K loop against 9.1, `bench/sass_stats.py --packed 0,1`)."""
+    4.7 instructions a weight in the K loop against 9.1 for q4_k, 6.1 against 10.5 for q6_k,
+    `bench/sass_stats.py --packed 0,1`)."""
     GPC: tl.constexpr = G // 4                                           # groups per c
     BN: tl.constexpr = row.shape[0]
     NB: tl.constexpr = 16 * G
@@ -164,33 +201,64 @@ def _packed_weights(qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG, s_
                        other=0.0).to(tl.float32)
         scale = d * sc
         o = -(dmin * mn)
+    elif QTYPE == "q6_k":
+        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0).to(tl.float32)
+        scale = d * tl.load(sc_ptr + row * s_sc + 2 * grp, mask=gmask, other=0).to(tl.float32)
+        o = d * tl.load(sc_ptr + row * s_sc + 2 * grp + 1, mask=gmask,   # the hi half's scale
+                        other=0).to(tl.float32)
     else:
         scale = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
         if QTYPE == "q4_1":
             o = tl.load(m_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
         else:
             o = tl.zeros_like(scale)
-    byte5 = tl.reshape(byte, [BN, 4, GPC, 8, 2])                         # [BN, c, gp, qq, e]
-    s5 = tl.broadcast_to(tl.reshape(scale.to(tl.bfloat16), [BN, 4, GPC, 1, 1]), byte5.shape)
-    o5 = tl.broadcast_to(tl.reshape(o.to(tl.bfloat16), [BN, 4, GPC, 1, 1]), byte5.shape)
+    # [BN, c, gp, i, p, e]: byte c * (NB / 4) + 16 gp + 4i + 2p + e (a quad i of 4 bytes)
+    byte6 = tl.reshape(byte, [BN, 4, GPC, 4, 2, 2])
+    s6 = tl.broadcast_to(tl.reshape(scale.to(tl.bfloat16), [BN, 4, GPC, 1, 1, 1]), byte6.shape)
+    o6 = tl.broadcast_to(tl.reshape(o.to(tl.bfloat16), [BN, 4, GPC, 1, 1, 1]), byte6.shape)
+    if QTYPE == "q6_k":
+        # the high bits of quad i: byte i of the group's first word (lo half), second (hi)
+        f = tl.arange(0, 4 * G)[None, :]
+        hq = qh_ptr.to(tl.pointer_type(tl.uint8)) + row * (4 * s_qh) + (g0 + f // 4) * 8 + f % 4
+        hmask = nmask[:, None] & (g0 + f // 4 < KG)
+        h0 = tl.reshape(tl.load(hq, mask=hmask, other=0).to(tl.int32), [BN, 4, GPC, 4, 1, 1])
+        h1 = tl.reshape(tl.load(hq + 4, mask=hmask, other=0).to(tl.int32),
+                        [BN, 4, GPC, 4, 1, 1])
+        h0 = tl.broadcast_to(h0, byte6.shape)
+        h1 = tl.broadcast_to(h1, byte6.shape)
     if ASM:
-        if QTYPE == "q4_0":
+        if QTYPE == "q6_k":
+            lo, hi = tl.inline_asm_elementwise(
+                _PACKED_Q6K, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r", [byte6, s6, o6, h0, h1],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif QTYPE == "q4_0":
             lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO8, "=r,=r,=r,=r,r,r,r,r,r",
-                                               [byte5, s5, o5],
+                                               [byte6, s6, o6],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
                                                pack=4)
         else:
             lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO0, "=r,=r,=r,=r,r,r,r,r,r",
-                                               [byte5, s5, o5],
+                                               [byte6, s6, o6],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
                                                pack=4)
     else:
-        zero: tl.constexpr = 8.0 if QTYPE == "q4_0" else 0.0
-        code = byte5.to(tl.int32)
-        sf = s5.to(tl.float32)
-        of = o5.to(tl.float32)
-        lo = (((code & 15).to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
-        hi = (((code >> 4).to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
+        code = byte6.to(tl.int32)
+        q_lo = code & 15
+        q_hi = code >> 4
+        zero: tl.constexpr = 8.0 if QTYPE == "q4_0" else (32.0 if QTYPE == "q6_k" else 0.0)
+        sf = s6.to(tl.float32)
+        if QTYPE == "q6_k":
+            k = (2 * tl.arange(0, 2)[:, None] + tl.arange(0, 2)[None, :])[None, None, None, None]
+            q_lo |= ((h0 >> (2 * k)) & 3) << 4
+            q_hi |= ((h1 >> (2 * k)) & 3) << 4
+            lo = ((q_lo.to(tl.float32) - zero) * sf).to(tl.bfloat16)
+            hi = ((q_hi.to(tl.float32) - zero) * o6.to(tl.float32)).to(tl.bfloat16)
+        else:
+            of = o6.to(tl.float32)
+            lo = ((q_lo.to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
+            hi = ((q_hi.to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
+    lo = tl.reshape(lo, [BN, 4, GPC, 8, 2])
+    hi = tl.reshape(hi, [BN, 4, GPC, 8, 2])
     # [BN, c, gp, qq, e, h] -> [BN, gp, qq, h, c, e]: slot 16 (8 gp + qq) + 8h + 2c + e
     w = tl.permute(tl.join(lo, hi), (0, 2, 3, 5, 1, 4))
     return tl.reshape(w, [BN, 32 * G])

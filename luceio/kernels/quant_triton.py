@@ -121,8 +121,8 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
                 x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
                 acc_w += w.to(tl.float32) * x[None, :]
         elif PACKED:  # bf16 weights made two a register (`_packed_weights`), the A operand
-            w = _packed_weights(qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
-                                s_qs, s_d, s_sc, e_d, e_sc, QTYPE, G, ASM)
+            w = _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G,
+                                KG, s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G, ASM)
             cols = k0 + kk
             x = tl.load(x_ptr + offs_m[:, None] * s_xm + cols[None, :],
                         mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
