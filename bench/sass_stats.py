@@ -126,8 +126,6 @@ def main() -> None:
     for qtype, bm, bn, bk, w, s, sw, pk in itertools.product(
             a.qtypes.split(","), _ints(a.block_ms), _ints(a.block_ns), _ints(a.block_ks),
             _ints(a.warps), _ints(a.stages), _ints(a.swaps), _ints(a.packed)):
-        if pk and not sw:
-            continue
         kernel = compile_skinny(a.arch, qtype, bm, bn, bk, w, s, bool(sw), a.n, a.k, bool(pk))
         st = sass_stats(kernel.asm["cubin"])
         loop = max(st["loops"], key=lambda lp: lp["instructions"], default=None)

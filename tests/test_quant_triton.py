@@ -127,18 +127,20 @@ def test_swapped_operands_give_the_same_product(gen, qtype):
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q4_0", "q4_1"])
 def test_packed_tiles_give_the_product(gen, qtype):
-    """`qgemm_packed` (4-bit and q6_k tiles dequantized two weights a register, in a permuted K order
-    that x follows) matches the reference: K tiles of 128 and 256 (one and two groups a
-    fragment column), a partial last tile (K = 160 for the 32-element types), split-K, bias,
-    M padded to 16 and to 32. Under the interpreter this runs the kernel's fp32 stand-in for the
-    PTX (the same formula); the GPU tests run the PTX."""
+    """`qgemm_packed` (4-bit and q6_k tiles dequantized two weights a register, in a
+    permuted K order that x follows) matches the reference: K tiles of 128 and 256 (one and
+    two groups a fragment column), a partial last tile (K = 160 for the 32-element types),
+    split-K, bias, M padded to 16 and to 32, the weights as the dot's A operand (`qgemm_swap`)
+    and as its B. Under the interpreter this runs the kernel's fp32 stand-in for the PTX (the
+    same formula); the GPU tests run the PTX."""
     n, k = (33, 512) if qtype.endswith("_k") else (33, 160)
     w = weight(gen, qtype, n, k)
     bias = gen.randn(n).to(torch.bfloat16)
-    for block_k, split, with_bias, m in ((128, False, True, 3), (256, True, False, 17),
-                                         (128, True, True, 16)):
+    for block_k, split, with_bias, m, swap in ((128, False, True, 3, True),
+                                               (256, True, False, 17, True),
+                                               (128, True, True, 16, False)):
         cfg = KernelConfig(**{**(SPLIT if split else SMALL).__dict__, "gemv_max_m": 1,
-                              "qgemm_block_k": block_k, "qgemm_swap": True,
+                              "qgemm_block_k": block_k, "qgemm_swap": swap,
                               "qgemm_packed": True, "skinny_max_m": 32})
         assert qt.packed_tiles(cfg, qtype, block_k, torch.bfloat16)
         x = gen.randn(m, k, dtype=torch.bfloat16)
@@ -146,7 +148,7 @@ def test_packed_tiles_give_the_product(gen, qtype):
         with configs.use_config(cfg):
             got = qt.quant_matmul_skinny(x, w, b)
         check(got, quant_linear_ref(x, w, b), TOL[torch.bfloat16], gen,
-              f"{qtype} M={m} block_k={block_k} split={split} bias={with_bias}")
+              f"{qtype} M={m} block_k={block_k} split={split} bias={with_bias} swap={swap}")
     assert not qt.packed_tiles(cfg, "q5_k", 128, torch.bfloat16)
     assert not qt.packed_tiles(cfg, qtype, 128, torch.float16)
     assert not qt.packed_tiles(cfg, qtype, 64, torch.bfloat16)

@@ -120,9 +120,9 @@ class KernelConfig:
     # the dot path with the weights as the product's A operand (acc^T = W x^T): on Hopper a
     # warpgroup MMA takes the dequantized tile from registers, x^T from shared memory
     qgemm_swap: bool = False
-    # ... with 4-bit weights (q4_0, q4_1, q4_k) or q6_k and bf16 x, the tile dequantized two weights a
-    # register by PTX (`quant_tile_triton._packed_weights`; NVIDIA, sm_80+), in a K order
-    # that puts each thread's codes where its MMA fragment wants them
+    # the dot path with 4-bit weights (q4_0, q4_1, q4_k) or q6_k and bf16 x: the tile
+    # dequantized two weights a register by PTX (`quant_tile_triton._packed_weights`; NVIDIA,
+    # sm_80+), in a K order that puts each thread's codes where its MMA fragment wants them
     qgemm_packed: bool = False
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16

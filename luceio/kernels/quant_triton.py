@@ -120,7 +120,7 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
             else:
                 x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
                 acc_w += w.to(tl.float32) * x[None, :]
-        elif PACKED:  # bf16 weights made two a register (`_packed_weights`), the A operand
+        elif PACKED:  # bf16 weights made two a register (`_packed_weights`)
             w = _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G,
                                 KG, s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G, ASM)
             cols = k0 + kk
@@ -128,8 +128,12 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
                         mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
             # element (c * GPC + gp) * 32 + 16h + 2qq + e to slot 16 (8 gp + qq) + 8h + 2c + e
             x = tl.reshape(x, [BLOCK_M, 4, BLOCK_K // 128, 2, 8, 2])   # [m, c, gp, h, qq, e]
-            x = tl.reshape(tl.permute(x, (2, 4, 3, 1, 5, 0)), [BLOCK_K, BLOCK_M])
-            acc = _dot_acc_ab(acc, w.to(dt), x.to(dt), DOT_IEEE)
+            if SWAP:
+                x = tl.reshape(tl.permute(x, (2, 4, 3, 1, 5, 0)), [BLOCK_K, BLOCK_M])
+                acc = _dot_acc_ab(acc, w.to(dt), x.to(dt), DOT_IEEE)
+            else:
+                x = tl.reshape(tl.permute(x, (0, 2, 4, 3, 1, 5)), [BLOCK_M, BLOCK_K])
+                acc = _dot_acc(acc, x.to(dt), w.to(dt), DOT_IEEE)
         else:
             lo, hi, scale_lo, scale_hi, offset = _quant_tile(
                 qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G, KG,
@@ -248,7 +252,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
              use_asm=use_asm(x), xqs=xqs, tail=tail)
         return out
     swap = use_dot and cfg.qgemm_swap
-    packed = swap and packed_tiles(cfg, qtype, block_k, x.dtype)
+    packed = use_dot and packed_tiles(cfg, qtype, block_k, x.dtype)
     asm = packed and x.is_cuda and torch.version.hip is None and not interp
     n_programs = triton.cdiv(n, block_n)
     split, tiles = skinny_split_k(cfg, n_programs, triton.cdiv(k, block_k))
@@ -274,8 +278,8 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
 
 
 def packed_tiles(cfg: KernelConfig, qtype: str, block_k: int, dtype: torch.dtype) -> bool:
-    """Whether the dot path (with `qgemm_swap`) dequantizes two weights a register
-    (`qgemm_packed`: 4-bit types, bf16 x, K tiles of whole 128s)."""
+    """Whether the dot path dequantizes two weights a register (`qgemm_packed`: 4-bit types
+    and q6_k, bf16 x, K tiles of whole 128s)."""
     return bool(cfg.qgemm_packed) and qtype in PACKED_QTYPES and block_k % 128 == 0 \
         and dtype == torch.bfloat16
 
