@@ -132,19 +132,21 @@ def test_skinny_in_cuda_graph(seed):
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0", "q8_0", "q4_0", "q4_1"])
-@pytest.mark.parametrize("swap", [False, True, "packed"])
+@pytest.mark.parametrize("swap", [False, True, "packed", "packed_b"])
 def test_skinny_dot_past_16_rows(seed, qtype, swap):
     """Natively, the skinny tl.dot (`skinny_max_m` 32, forced; the int8 GEMV off) at 12 rows
     (M padded to 16), 17, 24 and 32 (padded to 32) on both shapes, both scale forms, with the
     weights as the dot's B operand and as its A operand (`qgemm_swap`, a warpgroup MMA from
-    registers on Hopper), and as the A operand dequantized by the packed PTX (`qgemm_packed`,
-    K tiles of 128, 4-bit types and q6_k), match the fp32 product; so does the dense dot path."""
+    registers on Hopper), and dequantized by the packed PTX (`qgemm_packed`, K tiles of 128,
+    4-bit types and q6_k) as the A operand and as the B, match the fp32 product; so does the
+    dense dot path."""
     from dataclasses import replace
 
     from luceio.kernels import prepare_weight
     cfg = replace(configs.get_config(torch.device(DEV)), skinny_max_m=32, skinny_max_m_q6_k=0,
-                  gemv_max_m=1, qgemm_swap=bool(swap), qgemm_packed=swap == "packed")
-    if swap == "packed":
+                  gemv_max_m=1, qgemm_swap=swap in (True, "packed"),
+                  qgemm_packed=swap in ("packed", "packed_b"))
+    if cfg.qgemm_packed:
         cfg = replace(cfg, qgemm_block_k=max(128, cfg.qgemm_block_k))
         assert qt.packed_tiles(cfg, qtype, cfg.qgemm_block_k, torch.bfloat16) == \
             (qtype in ("q4_k", "q6_k", "q4_0", "q4_1"))
