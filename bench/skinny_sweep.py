@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--swaps", default="0", help="qgemm_swap values (0,1)")
     ap.add_argument("--packeds", default="0",
-                    help="qgemm_packed values (0,1; 1 only where swap is on)")
+                    help="qgemm_packed values (0,1)")
     ap.add_argument("--split-mins", default="",
                     help="qgemm_split_k_min_programs values ('' keeps the table's)")
     ap.add_argument("--repeats", type=int, default=10)
@@ -92,7 +92,7 @@ def main() -> None:
                     qgemm_packed=bool(pk))
             for n, k, w, s, sw, sm, pk in itertools.product(
                 _ints(a.block_ns), _ints(a.block_ks), _ints(a.warps), _ints(a.stages),
-                _ints(a.swaps), split_mins, _ints(a.packeds)) if sw or not pk]
+                _ints(a.swaps), split_mins, _ints(a.packeds))]
     rows_m = _ints(a.rows)
     copy_gbps = copy_bandwidth() / 1e9
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; {len(grid)} configs", flush=True)
