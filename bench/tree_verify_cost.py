@@ -10,7 +10,8 @@ Tokens per verify from bench/spec_tree.py divided by these costs give the speedu
     python bench/tree_verify_cost.py [--shape qwen2.5-1.5b] [--type Q4_K_M] [--context 512]
         [--chain-ks 2,4] [--ab gemv_row_blocks=2 --ab-rounds 2] [--profile]
 Writes OUT/tree_verify_cost.json (`--json-name`). `--ab FIELD=JSON` times every step under the
-arch's kernel config and under that one change to it, alternating, in one process.
+arch's kernel config and under that one change to it, alternating, in one process; several
+changes separated by `|` (`--ab 'a=1|a=1;b=2'`) each take their turn after the table's.
 `--profile` adds, per step, what torch.profiler (CUPTI; it sees the kernels a CUDA graph runs)
 records over `--repeats` more steps: kernels a step, the GPU's busy microseconds a step (the
 union of kernel spans) against the profiled step's wall time, and the kernels with the most GPU
@@ -141,7 +142,8 @@ def main() -> None:
     ap.add_argument("--ab", default=None,
                     help="FIELD=JSON[;FIELD=JSON...] or a JSON object of fields: alternate "
                          "the arch's kernel config and this change to it "
-                         "(--ab-rounds times each, one process, one model)")
+                         "(--ab-rounds times each, one process, one model); several "
+                         "changes separated by |")
     ap.add_argument("--ab-rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true",
                     help="also profile each step's kernels (torch.profiler)")
@@ -153,13 +155,17 @@ def main() -> None:
     settings = [("table", None)]
     if a.ab:
         base = configs.get_config(torch.device("cuda"))
-        if a.ab.startswith("{"):  # a JSON object of fields (bench/skinny_sweep.py's BEST line)
-            change = json.loads(a.ab)
-        else:
-            change = dict(kv.split("=", 1) for kv in a.ab.split(";"))
-            change = {f: json.loads(v) for f, v in change.items()}
-        alt = replace(base, **{f: type(getattr(base, f))(v) for f, v in change.items()})
-        settings = [("table", base), (a.ab, alt)] * a.ab_rounds
+        alts = []
+        for one in a.ab.split("|"):  # several changes: each alternates with the table
+            one = one.strip()
+            if one.startswith("{"):  # a JSON object of fields (skinny_sweep.py's BEST line)
+                change = json.loads(one)
+            else:
+                change = dict(kv.split("=", 1) for kv in one.split(";"))
+                change = {f: json.loads(v) for f, v in change.items()}
+            alts.append((one, replace(base, **{f: type(getattr(base, f))(v)
+                                               for f, v in change.items()})))
+        settings = [("table", base), *alts] * a.ab_rounds
     rows = []
     for batch in batches:
         for label, cfg in settings:
