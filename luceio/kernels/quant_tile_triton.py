@@ -182,9 +182,12 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
     permutes x's tile to match): slot 16q + 8h + 2c + e holds nibble h of byte
     c * (NB / 4) + 2q + e of the tile's NB = 16 G code bytes. An MMA's A fragment gives a
     thread slots 2c, 2c + 1, 2c + 8, 2c + 9 of each 16: both nibbles of two adjacent bytes,
-    and over the K tile a thread's bytes are NB / 4 contiguous ones (the sm_90 machine code:
-    4.7 instructions a weight in the K loop against 9.1 for q4_k, 6.1 against 10.5 for q6_k,
-    `bench/sass_stats.py --packed 0,1`)."""
+    and over the K tile a thread's bytes are NB / 4 contiguous ones, so the codes arrive in
+    whole 32-bit registers of 4 bytes (a K order that keeps each group's 16 bytes together
+    had the bytes read from shared memory one at a time and packed by prmt). Triton 3.9 still
+    moves the bf16 tile to the MMA's layout through shared memory (stmatrix / ldmatrix). The
+    sm_90 machine code: 4.7 instructions a weight in the K loop against 9.1 for q4_k, 6.1
+    against 10.5 for q6_k (`bench/sass_stats.py --packed 0,1`)."""
     GPC: tl.constexpr = G // 4                                           # groups per c
     BN: tl.constexpr = row.shape[0]
     NB: tl.constexpr = 16 * G
