@@ -58,4 +58,11 @@ SM_90 = (
     'Q4_K_M, batch 1, two alternating rounds) trees of 16 / 24 nodes 4.37-4.52 -> 4.07-4.19 ms, '
     '4.45-4.67 -> 4.21-4.25 ms, chain k=4 unchanged, results/h100/tree_verify_q4km_skinny_ab_'
     'session48.json, 2026-12-07'
+    '; qgemm_packed (q4_0 / q4_k / q6_k tiles dequantized two bf16 weights a register; with it '
+    'q6_k takes the skinny dot to 32 rows): bench/tree_verify_cost.py --ab on an H100, 1.5B '
+    'Q4_K_M, batch 1, one round: 24-node tree 3.90 ms (table) -> 3.73 (packed, q6_k past 8 rows '
+    'still dequantized) -> 3.25 (packed, q6_k on the skinny dot), chain k=4 2.24 / 2.24 / 2.22, '
+    'plain 1.34 / 1.34 / 1.33, results/h100/tree_verify_q4km_packed_ab_session49.json; the '
+    'packed GPU kernel test passed for q4_k, q6_k and q4_0 (results/h100/test_past16_packed_'
+    'session49.log), 2026-12-07'
 )

@@ -120,7 +120,7 @@ class KernelConfig:
     # the dot path with the weights as the product's A operand (acc^T = W x^T): on Hopper a
     # warpgroup MMA takes the dequantized tile from registers, x^T from shared memory
     qgemm_swap: bool = False
-    # the dot path with 4-bit weights (q4_0, q4_1, q4_k) or q6_k and bf16 x: the tile
+    # the dot path with q4_0, q4_k or q6_k weights and bf16 x: the tile
     # dequantized two weights a register by PTX (`quant_tile_triton._packed_weights`; NVIDIA,
     # sm_80+), in a K order that puts each thread's codes where its MMA fragment wants them
     qgemm_packed: bool = False
@@ -193,7 +193,7 @@ TABLE: dict[str, KernelConfig] = {
                           prefill_block_m=64, prefill_block_n=64, prefill_num_warps=4,
                           prefill_num_stages=3, max_shared_kb=220, prefill_split_max_programs=32,
                           qgemm_block_n=64, qgemm_block_k=128, qgemm_num_stages=3,
-                          qgemm_swap=True, qgemm_split_k_min_programs=1056,
+                          qgemm_swap=True, qgemm_split_k_min_programs=1056, qgemm_packed=True,
                           gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1, gemv_prefetch=True,
                           gemv_split_min_programs=4224, gemv_min_tiles_per_split=1,
                           pdl=True, dense_gemv_max_m=1, dense_gemv_max_n=65536,

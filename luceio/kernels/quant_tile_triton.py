@@ -164,7 +164,10 @@ fma.rn.bf16x2 $1, t1, $6, zero;
 fma.rn.bf16x2 $2, u0, $7, zero;
 fma.rn.bf16x2 $3, u1, $8, zero;
 }""")
-PACKED_QTYPES = ("q4_0", "q4_1", "q4_k", "q6_k")
+# q4_1 is not among them: its offset (the group's minimum, as large as the weights) rounded to
+# bf16 moves all 32 weights of a group the same way, and the errors add up along K (max error
+# 0.029 at [4096, 4096], 32 rows, against the GPU test's 0.02 + 1%; q4_k's offsets are smaller)
+PACKED_QTYPES = ("q4_0", "q4_k", "q6_k")
 
 
 @triton.jit
@@ -209,12 +212,9 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
         scale = d * tl.load(sc_ptr + row * s_sc + 2 * grp, mask=gmask, other=0).to(tl.float32)
         o = d * tl.load(sc_ptr + row * s_sc + 2 * grp + 1, mask=gmask,   # the hi half's scale
                         other=0).to(tl.float32)
-    else:
+    else:  # q4_0
         scale = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
-        if QTYPE == "q4_1":
-            o = tl.load(m_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
-        else:
-            o = tl.zeros_like(scale)
+        o = tl.zeros_like(scale)
     # [BN, c, gp, i, p, e]: byte c * (NB / 4) + 16 gp + 4i + 2p + e (a quad i of 4 bytes)
     byte6 = tl.reshape(byte, [BN, 4, GPC, 4, 2, 2])
     s6 = tl.broadcast_to(tl.reshape(scale.to(tl.bfloat16), [BN, 4, GPC, 1, 1, 1]), byte6.shape)

@@ -242,7 +242,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
     if use_dot:  # M padded to 16 or 32 rows; a dot takes K >= 16 (BLOCK_K / 2 per half)
         block_m = 16 if num_m <= 16 else 32
         block_n, num_warps = max(16, cfg.qgemm_block_n), cfg.qgemm_num_warps
-        block_k = max(cfg.qgemm_block_k, 32 if interp else 64)
+        block_k = _dot_block_k(cfg)
     else:
         block_m, block_n, num_warps = 1, cfg.skinny_row_block_n, cfg.skinny_row_num_warps
         block_k = cfg.skinny_row_block_k
@@ -280,8 +280,8 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
 
 
 def packed_tiles(cfg: KernelConfig, qtype: str, block_k: int, dtype: torch.dtype) -> bool:
-    """Whether the dot path dequantizes two weights a register (`qgemm_packed`: 4-bit types
-    and q6_k, bf16 x, K tiles of whole 128s)."""
+    """Whether the dot path dequantizes two weights a register (`qgemm_packed`: q4_0, q4_k
+    and q6_k weights, bf16 x, K tiles of whole 128s)."""
     return bool(cfg.qgemm_packed) and qtype in PACKED_QTYPES and block_k % 128 == 0 \
         and dtype == torch.bfloat16
 
@@ -314,7 +314,7 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
     bias added by the kernels), and at one row x is quantized once for all the parts."""
     num_m = x.numel() // max(x.shape[-1], 1)
     cfg = get_config(x.device)
-    if any(num_m > skinny_rows(cfg, w.qtype) for w in parts):
+    if any(num_m > skinny_rows(cfg, w.qtype, x.dtype) for w in parts):
         out = torch.cat([quant_matmul(x, w) for w in parts], dim=-1)
         return out + bias if bias is not None else out
     n = sum(w.shape[0] for w in parts)
@@ -334,13 +334,23 @@ def quant_matmul_parts(x: torch.Tensor, parts: list, bias: torch.Tensor | None =
     return out
 
 
-def skinny_rows(cfg: KernelConfig, qtype: str) -> int:
+def _dot_block_k(cfg: KernelConfig) -> int:
+    """BLOCK_K of the skinny kernel's dot path (2-32 rows)."""
+    return max(cfg.qgemm_block_k, 32 if _interpreting() else 64)
+
+
+def skinny_rows(cfg: KernelConfig, qtype: str, dtype: torch.dtype | None = None) -> int:
     """How many rows of x times a `qtype` weight the skinny kernels take (<= 32): past it
     `quant_matmul` dequantizes the weight for cuBLAS. `skinny_max_m`, or `skinny_max_m_q6_k`
     for q6_k (on an H200 its tl.dot tile costs more than the dequantized copy at 9-16 rows,
-    bench/results/h200/gemv_mma_pergroup_session22.json)."""
-    limit = cfg.skinny_max_m_q6_k if qtype == "q6_k" and cfg.skinny_max_m_q6_k else \
-        cfg.skinny_max_m
+    bench/results/h200/gemv_mma_pergroup_session22.json) unless x's `dtype` gets packed tiles
+    (`packed_tiles`; on an H100 a 24-node tree verify of the 1.5B Q4_K_M shape took 3.25 ms with
+    its q6_k matrices on packed tiles against 3.73 ms dequantized,
+    bench/results/h100/tree_verify_q4km_packed_ab_session49.json)."""
+    limit = cfg.skinny_max_m
+    if qtype == "q6_k" and cfg.skinny_max_m_q6_k and not (
+            dtype is not None and packed_tiles(cfg, qtype, _dot_block_k(cfg), dtype)):
+        limit = cfg.skinny_max_m_q6_k
     return min(32, limit)
 
 
@@ -350,7 +360,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     """x [..., K] @ w^T + bias in x's dtype: the skinny kernel for up to `skinny_rows` rows,
     else a dequantized scratch copy of w and torch's GEMM. `tail`: see `quant_gemv.gemv`."""
     num_m = x.numel() // max(x.shape[-1], 1)
-    if num_m <= skinny_rows(get_config(x.device), w.qtype):
+    if num_m <= skinny_rows(get_config(x.device), w.qtype, x.dtype):
         return quant_matmul_skinny(x, w, bias, out, xqs, tail)
     y = F.linear(x, dequantize_triton(w, x.dtype), bias)
     return y if out is None else out.copy_(y)

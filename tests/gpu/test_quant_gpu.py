@@ -138,7 +138,7 @@ def test_skinny_dot_past_16_rows(seed, qtype, swap):
     (M padded to 16), 17, 24 and 32 (padded to 32) on both shapes, both scale forms, with the
     weights as the dot's B operand and as its A operand (`qgemm_swap`, a warpgroup MMA from
     registers on Hopper), and dequantized by the packed PTX (`qgemm_packed`, K tiles of 128,
-    4-bit types and q6_k) as the A operand and as the B, match the fp32 product; so does the
+    q4_0, q4_k and q6_k) as the A operand and as the B, match the fp32 product; so does the
     dense dot path."""
     from dataclasses import replace
 
@@ -149,7 +149,7 @@ def test_skinny_dot_past_16_rows(seed, qtype, swap):
     if cfg.qgemm_packed:
         cfg = replace(cfg, qgemm_block_k=max(128, cfg.qgemm_block_k))
         assert qt.packed_tiles(cfg, qtype, cfg.qgemm_block_k, torch.bfloat16) == \
-            (qtype in ("q4_k", "q6_k", "q4_0", "q4_1"))
+            (qtype in ("q4_k", "q6_k", "q4_0"))
     for n, k in SHAPES:
         w = quant.random_quant_weight(qtype, n, k, device=DEV)
         bias = torch.randn(n, device=DEV).to(torch.bfloat16)
