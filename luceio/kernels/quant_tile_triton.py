@@ -166,7 +166,7 @@ fma.rn.bf16x2 $3, u1, $8, zero;
 }""")
 # q4_1 is not among them: its offset (the group's minimum, as large as the weights) rounded to
 # bf16 moves all 32 weights of a group the same way, and the errors add up along K (max error
-# 0.029 at [4096, 4096], 32 rows, against the GPU test's 0.02 + 1%; q4_k's offsets are smaller)
+# 0.029 at [4096, 4096], 32 rows, against the GPU test's 0.02 + 1%; q4_k passed that test)
 PACKED_QTYPES = ("q4_0", "q4_k", "q6_k")
 
 

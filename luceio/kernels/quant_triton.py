@@ -20,7 +20,7 @@ partial sums reduced once after the K loop, and each group's scale applied once 
 `qgemm_swap` (the sm_90 entry) the tile is the dot's A operand and the product is transposed
 (acc^T = W x^T: a Hopper warpgroup MMA reads A from registers, so the dequantized tile skips
 shared memory; 0.82-0.83x the time at 16-25 rows on an H100, bench/skinny_sweep.py). With
-`qgemm_packed` a 4-bit or q6_k tile is dequantized two bf16 weights a register by PTX in a
+`qgemm_packed` a q4_0, q4_k or q6_k tile is dequantized two bf16 weights a register by PTX in a
 permuted K order that x's tile follows (`quant_tile_triton._packed_weights`). Under
 TRITON_INTERPRET=1 bf16 dot operands go as fp32 (the interpreter's bf16 dot is wrong); fp32
 activations always dot in IEEE fp32 (no TF32). bench/qgemm.py measures both against cuBLAS.
