@@ -103,13 +103,16 @@ def _weights(lo, hi, scale_lo, scale_hi, offset, QTYPE: tl.constexpr):
 # Packed dequantization (`_packed_weights`): one PTX sequence per 4 code bytes (8 weights),
 # two weights a 32-bit register throughout. prmt spreads bytes b0, b1 into the two 16-bit
 # halves, lop3 keeps a nibble and ors in 0x4300, making bf16 128 + q exactly (bf16 holds 8
-# significant bits), and two bf16x2 FMAs give (q - zero) exactly, then scale * (q - zero) + o
-# rounded once. $0 $1: the lo half's 4 weights, $2 $3 the hi half's, $4 four code bytes, $5 $6
-# the scale (a group's value in every lane), $7 $8 the offset o. NEG: -(128 + zero) as bf16x2.
+# significant bits), and a bf16x2 FMA gives (q - zero) exactly. The scale s and offset o come
+# as bf16 pairs hi + lo (hi = bf16(v), lo = bf16(v - hi): a scale rounded to bf16 alone added a
+# rounding a weight, and the GPU test of q4_0 at [4096, 4096], 32 rows, reached its bound);
+# TAIL applies them. $0 $1: the lo half's 4 weights, $2 $3 the hi half's, $4 four code bytes,
+# $5 $6 s_hi (a group's value in every lane), then the type's other pairs. NEG: -(128 + zero).
 _PACKED_ASM = """{
-.reg .b32 t0, t1, u0, u1, one, neg;
+.reg .b32 t0, t1, u0, u1, one, neg, a, v, zero;
 mov.b32 one, 0x3F803F80;
 mov.b32 neg, NEG;
+mov.b32 zero, 0;
 prmt.b32 t0, $4, 0, 0x4140;
 prmt.b32 t1, $4, 0, 0x4342;
 shr.b32 u0, t0, 4;
@@ -122,20 +125,43 @@ fma.rn.bf16x2 t0, t0, one, neg;
 fma.rn.bf16x2 t1, t1, one, neg;
 fma.rn.bf16x2 u0, u0, one, neg;
 fma.rn.bf16x2 u1, u1, one, neg;
-fma.rn.bf16x2 $0, t0, $5, $7;
-fma.rn.bf16x2 $1, t1, $6, $8;
-fma.rn.bf16x2 $2, u0, $5, $7;
-fma.rn.bf16x2 $3, u1, $6, $8;
-}"""
-_PACKED_ZERO0 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC300C300"))  # -128
-_PACKED_ZERO8 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC308C308"))  # -136
+TAIL}"""
+# q4_0 (zero point 8, no offset): w = q s_hi + (q s_lo), q s_lo exact (s_lo has <= 3 bits), so
+# the one rounding is of q d: $5 $6 s_hi, $7 $8 s_lo
+_PACKED_ZERO8 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC308C308").replace("TAIL", """\
+fma.rn.bf16x2 a, t0, $7, zero;
+fma.rn.bf16x2 $0, t0, $5, a;
+fma.rn.bf16x2 a, t1, $8, zero;
+fma.rn.bf16x2 $1, t1, $6, a;
+fma.rn.bf16x2 a, u0, $7, zero;
+fma.rn.bf16x2 $2, u0, $5, a;
+fma.rn.bf16x2 a, u1, $8, zero;
+fma.rn.bf16x2 $3, u1, $6, a;
+"""))
+# q4_k (zero point 0): w = (q s_hi + o_hi) + (q s_lo + o_lo), $5 $6 s_hi, $7 $8 o_hi, $9 $10
+# s_lo, $11 $12 o_lo: two roundings of the size of w's, none of a whole group's scale
+_PACKED_ZERO0 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC300C300").replace("TAIL", """\
+fma.rn.bf16x2 a, t0, $9, $11;
+fma.rn.bf16x2 v, t0, $5, $7;
+fma.rn.bf16x2 $0, v, one, a;
+fma.rn.bf16x2 a, t1, $10, $12;
+fma.rn.bf16x2 v, t1, $6, $8;
+fma.rn.bf16x2 $1, v, one, a;
+fma.rn.bf16x2 a, u0, $9, $11;
+fma.rn.bf16x2 v, u0, $5, $7;
+fma.rn.bf16x2 $2, v, one, a;
+fma.rn.bf16x2 a, u1, $10, $12;
+fma.rn.bf16x2 v, u1, $6, $8;
+fma.rn.bf16x2 $3, v, one, a;
+"""))
 # q6_k: the same with each code's two high bits ored in at bits 4-5 of its 16-bit half. $9 (and
 # its copies $10-$12) holds the 8 high bits of the lo half's 4 codes (code k: bits 2k, 2k + 1),
 # $13 the hi half's; a multiply moves two 2-bit fields to bits 4-5 and 20-21 at once (h * 0x10
 # and h * 0x40000, or h and h * 0x4000, do not overlap). $5 $6 / $7 $8: the lo / hi scales
-# (q6_k's sub-scales cover 16 elements), no offset; zero point 32.
+# (q6_k's sub-scales cover 16 elements), $17 $18 / $19 $20 their low parts (as q4_0's), no
+# offset; zero point 32.
 _PACKED_Q6K = tl.constexpr("""{
-.reg .b32 t0, t1, u0, u1, a, one, neg, zero;
+.reg .b32 t0, t1, u0, u1, a, b, one, neg, zero;
 mov.b32 one, 0x3F803F80;
 mov.b32 neg, 0xC320C320;
 mov.b32 zero, 0;
@@ -159,15 +185,28 @@ fma.rn.bf16x2 t0, t0, one, neg;
 fma.rn.bf16x2 t1, t1, one, neg;
 fma.rn.bf16x2 u0, u0, one, neg;
 fma.rn.bf16x2 u1, u1, one, neg;
-fma.rn.bf16x2 $0, t0, $5, zero;
-fma.rn.bf16x2 $1, t1, $6, zero;
-fma.rn.bf16x2 $2, u0, $7, zero;
-fma.rn.bf16x2 $3, u1, $8, zero;
+fma.rn.bf16x2 b, t0, $17, zero;
+fma.rn.bf16x2 $0, t0, $5, b;
+fma.rn.bf16x2 b, t1, $18, zero;
+fma.rn.bf16x2 $1, t1, $6, b;
+fma.rn.bf16x2 b, u0, $19, zero;
+fma.rn.bf16x2 $2, u0, $7, b;
+fma.rn.bf16x2 b, u1, $20, zero;
+fma.rn.bf16x2 $3, u1, $8, b;
 }""")
-# q4_1 is not among them: its offset (the group's minimum, as large as the weights) rounded to
-# bf16 moves all 32 weights of a group the same way, and the errors add up along K (max error
-# 0.029 at [4096, 4096], 32 rows, against the GPU test's 0.02 + 1%; q4_k passed that test)
+# q4_1 is not among them: with its offset (the group's minimum, as large as the weights) rounded
+# to bf16 it failed the GPU test (max error 0.029 at [4096, 4096], 32 rows, against 0.02 + 1%;
+# session 49, before the hi + lo pairs; not tried since)
 PACKED_QTYPES = ("q4_0", "q4_k", "q6_k")
+
+
+@triton.jit
+def _rne_bf16(v):
+    """fp32 -> bf16 rounded to nearest even, also under TRITON_INTERPRET=1 (whose casts
+    truncate): the stand-in for the PTX rounds as the PTX does (finite v)."""
+    u = v.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
@@ -175,11 +214,14 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
                     s_qh, s_d, s_sc, e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr,
                     ASM: tl.constexpr):
     """The bf16 weights [BLOCK_N, 32 * G] of groups g0 .. g0+G-1 of a `PACKED_QTYPES` type
-    (4-bit codes, and q6_k's 4 + 2; G a multiple of 4) with the scale and offset rounded to
-    bf16 first: bf16(s * (q - zero) + o) for s = bf16(scale), o = bf16(-offset), where
-    `_weights` rounds the fp32 weight once (a weight moves by at most ~2^-9 of |s * q| + |o|
-    more: ~3% of a quantization step at q = 15). ASM: the packed PTX above (NVIDIA); else the
-    same formula in fp32 (the product is exact, the sum may round before the bf16 rounding).
+    (4-bit codes, and q6_k's 4 + 2; G a multiple of 4), from the scale s and offset o
+    (= -offset) as bf16 pairs hi + lo. q4_0: bf16((q - 8) s_hi + (q - 8) s_lo), the inner
+    product exact, so the weights are `_weights`' (the fp32 weight rounded once) bit for bit;
+    q6_k: the same but for rare near-ties; q4_k: bf16(bf16(q s_hi + o_hi) + bf16(q s_lo +
+    o_lo)), two roundings (GPU, [4096, 4096], 32 rows, worst error over 8 seeds in units of the
+    test's bound: q4_0 0.69 and q6_k 0.43 as unpacked, q4_k 0.57 against 0.37; with s and o
+    rounded to bf16 whole, q4_0 reached 1.0). ASM: the packed PTX above (NVIDIA); else the
+    same roundings in fp32 (`_rne_bf16`).
 
     The K slots are a permutation of the tile's elements (`quant_triton._skinny_kernel`
     permutes x's tile to match): slot 16q + 8h + 2c + e holds nibble h of byte
@@ -189,8 +231,9 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
     whole 32-bit registers of 4 bytes (a K order that keeps each group's 16 bytes together
     had the bytes read from shared memory one at a time and packed by prmt). Triton 3.9 still
     moves the bf16 tile to the MMA's layout through shared memory (stmatrix / ldmatrix). The
-    sm_90 machine code: 4.7 instructions a weight in the K loop against 9.1 for q4_k, 6.1
-    against 10.5 for q6_k (`bench/sass_stats.py --packed 0,1`)."""
+    sm_90 machine code (M 16, K tile 128): 6.0 instructions a weight in the K loop against 9.1
+    for q4_k, 6.9 against 10.5 for q6_k, 4.6 against 7.5 for q4_0 (`bench/sass_stats.py
+    --packed 0,1`; 4.7 / 6.1 / 4.0 with s and o rounded to bf16 whole)."""
     GPC: tl.constexpr = G // 4                                           # groups per c
     BN: tl.constexpr = row.shape[0]
     NB: tl.constexpr = 16 * G
@@ -217,8 +260,15 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
         o = tl.zeros_like(scale)
     # [BN, c, gp, i, p, e]: byte c * (NB / 4) + 16 gp + 4i + 2p + e (a quad i of 4 bytes)
     byte6 = tl.reshape(byte, [BN, 4, GPC, 4, 2, 2])
-    s6 = tl.broadcast_to(tl.reshape(scale.to(tl.bfloat16), [BN, 4, GPC, 1, 1, 1]), byte6.shape)
-    o6 = tl.broadcast_to(tl.reshape(o.to(tl.bfloat16), [BN, 4, GPC, 1, 1, 1]), byte6.shape)
+    # scale and offset as bf16 pairs hi + lo: hi = bf16(v), lo = bf16(v - hi)
+    s_hi = scale.to(tl.bfloat16)
+    o_hi = o.to(tl.bfloat16)
+    s_lo = (scale - s_hi.to(tl.float32)).to(tl.bfloat16)
+    o_lo = (o - o_hi.to(tl.float32)).to(tl.bfloat16)
+    s6 = tl.broadcast_to(tl.reshape(s_hi, [BN, 4, GPC, 1, 1, 1]), byte6.shape)
+    o6 = tl.broadcast_to(tl.reshape(o_hi, [BN, 4, GPC, 1, 1, 1]), byte6.shape)
+    sl6 = tl.broadcast_to(tl.reshape(s_lo, [BN, 4, GPC, 1, 1, 1]), byte6.shape)
+    ol6 = tl.broadcast_to(tl.reshape(o_lo, [BN, 4, GPC, 1, 1, 1]), byte6.shape)
     if QTYPE == "q6_k":
         # the high bits of quad i: byte i of the group's first word (lo half), second (hi)
         f = tl.arange(0, 4 * G)[None, :]
@@ -232,16 +282,16 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
     if ASM:
         if QTYPE == "q6_k":
             lo, hi = tl.inline_asm_elementwise(
-                _PACKED_Q6K, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r", [byte6, s6, o6, h0, h1],
+                _PACKED_Q6K, "=r,=r,=r,=r" + ",r" * 17, [byte6, s6, o6, h0, h1, sl6, ol6],
                 dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         elif QTYPE == "q4_0":
             lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO8, "=r,=r,=r,=r,r,r,r,r,r",
-                                               [byte6, s6, o6],
+                                               [byte6, s6, sl6],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
                                                pack=4)
         else:
-            lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO0, "=r,=r,=r,=r,r,r,r,r,r",
-                                               [byte6, s6, o6],
+            lo, hi = tl.inline_asm_elementwise(_PACKED_ZERO0, "=r,=r,=r,=r" + ",r" * 9,
+                                               [byte6, s6, o6, sl6, ol6],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
                                                pack=4)
     else:
@@ -249,17 +299,23 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
         q_lo = code & 15
         q_hi = code >> 4
         zero: tl.constexpr = 8.0 if QTYPE == "q4_0" else (32.0 if QTYPE == "q6_k" else 0.0)
-        sf = s6.to(tl.float32)
+        sh, sl = s6.to(tl.float32), sl6.to(tl.float32)
+        oh, ol = o6.to(tl.float32), ol6.to(tl.float32)
         if QTYPE == "q6_k":
             k = (2 * tl.arange(0, 2)[:, None] + tl.arange(0, 2)[None, :])[None, None, None, None]
             q_lo |= ((h0 >> (2 * k)) & 3) << 4
             q_hi |= ((h1 >> (2 * k)) & 3) << 4
-            lo = ((q_lo.to(tl.float32) - zero) * sf).to(tl.bfloat16)
-            hi = ((q_hi.to(tl.float32) - zero) * o6.to(tl.float32)).to(tl.bfloat16)
-        else:
-            of = o6.to(tl.float32)
-            lo = ((q_lo.to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
-            hi = ((q_hi.to(tl.float32) - zero) * sf + of).to(tl.bfloat16)
+            lo = _rne_bf16((q_lo.to(tl.float32) - zero) * (sh + sl))
+            hi = _rne_bf16((q_hi.to(tl.float32) - zero) * (oh + ol))
+        elif QTYPE == "q4_0":
+            lo = _rne_bf16((q_lo.to(tl.float32) - zero) * (sh + sl))
+            hi = _rne_bf16((q_hi.to(tl.float32) - zero) * (sh + sl))
+        else:  # the two roundings of the PTX, then their sum rounded
+            ql, qh = q_lo.to(tl.float32), q_hi.to(tl.float32)
+            lo = _rne_bf16(_rne_bf16(ql * sh + oh).to(tl.float32)
+                           + _rne_bf16(ql * sl + ol).to(tl.float32))
+            hi = _rne_bf16(_rne_bf16(qh * sh + oh).to(tl.float32)
+                           + _rne_bf16(qh * sl + ol).to(tl.float32))
     lo = tl.reshape(lo, [BN, 4, GPC, 8, 2])
     hi = tl.reshape(hi, [BN, 4, GPC, 8, 2])
     # [BN, c, gp, qq, e, h] -> [BN, gp, qq, h, c, e]: slot 16 (8 gp + qq) + 8h + 2c + e

@@ -131,6 +131,30 @@ def test_skinny_in_cuda_graph(seed):
     check(out, xr @ dequantize(w).T, seed, "replayed")
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q6_k", "q4_k"])
+@pytest.mark.parametrize("swap", [True, False])
+def test_packed_tiles_round_like_the_reference_gpu(qtype, swap):
+    """The PTX's bf16 weights (`qgemm_packed`, as the dot's A and B operand), read back exactly
+    through rows of the identity: q4_0's equal the reference's bf16 weights bit for bit, q6_k's
+    but for rare near-ties, q4_k's (two roundings) within one ulp where they do not nearly
+    cancel, and over 3 in 4 equal; tests/test_quant_triton.py holds the interpreter's stand-in to
+    the same."""
+    from dataclasses import replace
+    cfg = replace(configs.get_config(torch.device(DEV)), skinny_max_m=32, skinny_max_m_q6_k=0,
+                  gemv_max_m=1, qgemm_swap=swap, qgemm_packed=True,
+                  qgemm_block_k=max(128, configs.get_config(torch.device(DEV)).qgemm_block_k))
+    n, k = 896, 4864
+    w = quant.random_quant_weight(qtype, n, k, device=DEV)
+    ref = dequantize(w)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEV)
+    with configs.use_config(cfg):
+        got = torch.cat([qt.quant_matmul(eye[i:i + 32], w) for i in range(0, k, 32)]).float().T
+    same = (got == ref.to(torch.bfloat16).float()).float().mean().item()
+    what = f"{qtype} swap={swap}: {same:.4f} of the weights equal the reference's bf16"
+    assert ((got - ref).abs() <= 2.0**-7 * ref.abs() + 2.0**-15 * ref.abs().max()).all(), what
+    assert same == 1.0 if qtype == "q4_0" else same > (0.99 if qtype == "q6_k" else 0.75), what
+
+
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0", "q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("swap", [False, True, "packed", "packed_b"])
 def test_skinny_dot_past_16_rows(seed, qtype, swap):
