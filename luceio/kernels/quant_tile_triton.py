@@ -126,34 +126,27 @@ fma.rn.bf16x2 t1, t1, one, neg;
 fma.rn.bf16x2 u0, u0, one, neg;
 fma.rn.bf16x2 u1, u1, one, neg;
 TAIL}"""
+
+
+def _scaled(his, los, tmp: str) -> str:
+    """PTX: output $i = (q s_hi + (q s_lo)) for the codes (q - zero) in t0, t1, u0, u1 and the
+    pairs' registers his[i], los[i]; with s_lo's few bits q s_lo is exact, so one rounding."""
+    return "".join(f"fma.rn.bf16x2 {tmp}, {c}, {lo}, zero;\nfma.rn.bf16x2 ${i}, {c}, {hi}, {tmp};\n"
+                   for i, (c, hi, lo) in enumerate(zip(("t0", "t1", "u0", "u1"), his, los)))
+
+
 # q4_0 (zero point 8, no offset): w = q s_hi + (q s_lo), q s_lo exact (s_lo has <= 3 bits), so
 # the one rounding is of q d: $5 $6 s_hi, $7 $8 s_lo
-_PACKED_ZERO8 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC308C308").replace("TAIL", """\
-fma.rn.bf16x2 a, t0, $7, zero;
-fma.rn.bf16x2 $0, t0, $5, a;
-fma.rn.bf16x2 a, t1, $8, zero;
-fma.rn.bf16x2 $1, t1, $6, a;
-fma.rn.bf16x2 a, u0, $7, zero;
-fma.rn.bf16x2 $2, u0, $5, a;
-fma.rn.bf16x2 a, u1, $8, zero;
-fma.rn.bf16x2 $3, u1, $6, a;
-"""))
+_PACKED_ZERO8 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC308C308").replace(
+    "TAIL", _scaled(("$5", "$6", "$5", "$6"), ("$7", "$8", "$7", "$8"), "a")))
 # q4_k (zero point 0): w = (q s_hi + o_hi) + (q s_lo + o_lo), $5 $6 s_hi, $7 $8 o_hi, $9 $10
 # s_lo, $11 $12 o_lo: two roundings of the size of w's, none of a whole group's scale
-_PACKED_ZERO0 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC300C300").replace("TAIL", """\
-fma.rn.bf16x2 a, t0, $9, $11;
-fma.rn.bf16x2 v, t0, $5, $7;
-fma.rn.bf16x2 $0, v, one, a;
-fma.rn.bf16x2 a, t1, $10, $12;
-fma.rn.bf16x2 v, t1, $6, $8;
-fma.rn.bf16x2 $1, v, one, a;
-fma.rn.bf16x2 a, u0, $9, $11;
-fma.rn.bf16x2 v, u0, $5, $7;
-fma.rn.bf16x2 $2, v, one, a;
-fma.rn.bf16x2 a, u1, $10, $12;
-fma.rn.bf16x2 v, u1, $6, $8;
-fma.rn.bf16x2 $3, v, one, a;
-"""))
+_PACKED_ZERO0 = tl.constexpr(_PACKED_ASM.replace("NEG", "0xC300C300").replace("TAIL", "".join(
+    f"fma.rn.bf16x2 a, {c}, {sl}, {ol};\nfma.rn.bf16x2 v, {c}, {sh}, {oh};\n"
+    f"fma.rn.bf16x2 ${i}, v, one, a;\n"
+    for i, (c, sh, oh, sl, ol) in enumerate(zip(
+        ("t0", "t1", "u0", "u1"), ("$5", "$6") * 2, ("$7", "$8") * 2, ("$9", "$10") * 2,
+        ("$11", "$12") * 2)))))
 # q6_k: the same with each code's two high bits ored in at bits 4-5 of its 16-bit half. $9 (and
 # its copies $10-$12) holds the 8 high bits of the lo half's 4 codes (code k: bits 2k, 2k + 1),
 # $13 the hi half's; a multiply moves two 2-bit fields to bits 4-5 and 20-21 at once (h * 0x10
@@ -185,15 +178,7 @@ fma.rn.bf16x2 t0, t0, one, neg;
 fma.rn.bf16x2 t1, t1, one, neg;
 fma.rn.bf16x2 u0, u0, one, neg;
 fma.rn.bf16x2 u1, u1, one, neg;
-fma.rn.bf16x2 b, t0, $17, zero;
-fma.rn.bf16x2 $0, t0, $5, b;
-fma.rn.bf16x2 b, t1, $18, zero;
-fma.rn.bf16x2 $1, t1, $6, b;
-fma.rn.bf16x2 b, u0, $19, zero;
-fma.rn.bf16x2 $2, u0, $7, b;
-fma.rn.bf16x2 b, u1, $20, zero;
-fma.rn.bf16x2 $3, u1, $8, b;
-}""")
+""" + _scaled(("$5", "$6", "$7", "$8"), ("$17", "$18", "$19", "$20"), "b") + "}")
 # q4_1 is not among them: with its offset (the group's minimum, as large as the weights) rounded
 # to bf16 it failed the GPU test (max error 0.029 at [4096, 4096], 32 rows, against 0.02 + 1%;
 # session 49, before the hi + lo pairs; not tried since)
