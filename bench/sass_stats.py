@@ -7,7 +7,7 @@ between GPU sessions; time them on the GPU (bench/skinny_sweep.py) before a conf
 
     python bench/sass_stats.py [--arch 90] [--qtypes q4_k,q6_k] [--block-ms 16,32]
         [--block-ns 64] [--block-ks 128,256] [--warps 4] [--stages 3] [--swaps 0,1]
-        [--n 17920 --k 1536] [--json OUT.json]
+        [--packed 0,1] [--prefetch 0,1] [--n 17920 --k 1536] [--json OUT.json]
 
 `--n` / `--k` set the integer arguments Triton specialises on (multiples of 16 are marked
 divisible by 16, as a launch marks them): the 1.5B gate/up projection by default. Needs the
@@ -42,7 +42,8 @@ def _bin(name: str) -> str:
 
 
 def compile_skinny(arch: int, qtype: str, block_m: int, block_n: int, block_k: int, warps: int,
-                   stages: int, swap: bool, n: int, k: int, packed: bool = False):
+                   stages: int, swap: bool, n: int, k: int, packed: bool = False,
+                   prefetch: bool = False):
     """The compiled `_skinny_kernel` (a triton CompiledKernel) for one config, on the dot path,
     unsplit, no bias, no PDL; q4_k / q5_k scales in the paired form the GPU keeps them in."""
     import triton
@@ -62,7 +63,8 @@ def compile_skinny(arch: int, qtype: str, block_m: int, block_n: int, block_k: i
             "e_sc": paired, "s_xm": k, "s_om": n}
     const = dict(QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=True,
                  DOT_F32=False, DOT_IEEE=False, SPLIT=False, HAS_BIAS=False, PDL=False,
-                 PDL_EARLY=False, SWAP=swap, PACKED=packed, ASM=packed)
+                 PDL_EARLY=False, SWAP=swap, PACKED=packed, ASM=packed,
+                 PREFETCH=packed and prefetch)
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         sig[name] = ptrs.get(name, "constexpr" if name in const else "i32")
@@ -118,23 +120,30 @@ def main() -> None:
     ap.add_argument("--swaps", default="0,1")
     ap.add_argument("--packed", default="0", help="0,1: packed bf16x2 dequantization "
                     "(qgemm_packed; 4-bit types, swapped operands only)")
+    ap.add_argument("--prefetch", default="0", help="0,1: packed tiles' scales loaded a K tile "
+                    "ahead (qgemm_prefetch_scales)")
     ap.add_argument("--n", type=int, default=17920)
     ap.add_argument("--k", type=int, default=1536)
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     rows = []
-    for qtype, bm, bn, bk, w, s, sw, pk in itertools.product(
+    for qtype, bm, bn, bk, w, s, sw, pk, pf in itertools.product(
             a.qtypes.split(","), _ints(a.block_ms), _ints(a.block_ns), _ints(a.block_ks),
-            _ints(a.warps), _ints(a.stages), _ints(a.swaps), _ints(a.packed)):
-        kernel = compile_skinny(a.arch, qtype, bm, bn, bk, w, s, bool(sw), a.n, a.k, bool(pk))
+            _ints(a.warps), _ints(a.stages), _ints(a.swaps), _ints(a.packed), _ints(a.prefetch)):
+        if pf and not pk:
+            continue
+        kernel = compile_skinny(a.arch, qtype, bm, bn, bk, w, s, bool(sw), a.n, a.k, bool(pk),
+                                bool(pf))
         st = sass_stats(kernel.asm["cubin"])
         loop = max(st["loops"], key=lambda lp: lp["instructions"], default=None)
         per_weight = loop and loop["instructions"] * w * 32 / (bn * bk)
         row = dict(arch=a.arch, qtype=qtype, block_m=bm, block_n=bn, block_k=bk, warps=w,
-                   stages=s, swap=bool(sw), packed=bool(pk), shared=kernel.metadata.shared, **st,
+                   stages=s, swap=bool(sw), packed=bool(pk), prefetch=bool(pf),
+                   shared=kernel.metadata.shared, **st,
                    loop_instructions_per_weight=per_weight and round(per_weight, 2))
         rows.append(row)
-        print(f"{qtype} m{bm} n{bn} k{bk} w{w} s{s} swap{sw} packed{pk}: {st['registers']} regs, "
+        print(f"{qtype} m{bm} n{bn} k{bk} w{w} s{s} swap{sw} packed{pk} prefetch{pf}: "
+              f"{st['registers']} regs, "
               f"stack {st['stack']}, shared {kernel.metadata.shared} B, K loop "
               f"{loop and loop['instructions']} instructions a thread "
               f"({row['loop_instructions_per_weight']} per weight), "

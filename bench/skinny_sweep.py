@@ -6,7 +6,7 @@ dequantized to bf16 (read 3.5x the bytes).
 
     python bench/skinny_sweep.py [--rows 5,16,25] [--qtypes q4_k,q6_k] [--shapes 1.5b,8b]
         [--block-ns 32,64,128] [--block-ks 64,128,256] [--warps 4,8] [--stages 3,4]
-        [--swaps 0,1] [--split-mins 256,1056] [--packeds 0,1]
+        [--swaps 0,1] [--split-mins 256,1056] [--packeds 0,1] [--prefetches 0,1]
         [--out DIR] [--json-name skinny_sweep.json]
 
 Every config's output is checked against the fp32 product of the same inputs (as
@@ -53,16 +53,18 @@ def _ints(s: str) -> list[int]:
 def _label(cfg) -> str:
     return (f"n{cfg.qgemm_block_n} k{cfg.qgemm_block_k} w{cfg.qgemm_num_warps} "
             f"s{cfg.qgemm_num_stages} swap{int(cfg.qgemm_swap)} "
-            f"split{cfg.qgemm_split_k_min_programs} packed{int(cfg.qgemm_packed)}")
+            f"split{cfg.qgemm_split_k_min_programs} packed{int(cfg.qgemm_packed)}"
+            + (" prefetch1" if cfg.qgemm_prefetch_scales else ""))
 
 
 def fields(label: str) -> dict:
     """The config fields a `_label` names."""
     n, k, w, s, sw, sm, *pk = label.split()
+    pf = pk[1:] == ["prefetch1"]
     return dict(qgemm_block_n=int(n[1:]), qgemm_block_k=int(k[1:]), qgemm_num_warps=int(w[1:]),
                 qgemm_num_stages=int(s[1:]), qgemm_swap=bool(int(sw[4:])),
                 qgemm_split_k_min_programs=int(sm[5:]),
-                qgemm_packed=bool(pk and int(pk[0][6:])))
+                qgemm_packed=bool(pk and int(pk[0][6:])), qgemm_prefetch_scales=pf)
 
 
 def main() -> None:
@@ -78,6 +80,8 @@ def main() -> None:
     ap.add_argument("--swaps", default="0", help="qgemm_swap values (0,1)")
     ap.add_argument("--packeds", default="0",
                     help="qgemm_packed values (0,1)")
+    ap.add_argument("--prefetches", default="0",
+                    help="qgemm_prefetch_scales values (0,1; packed tiles only)")
     ap.add_argument("--split-mins", default="",
                     help="qgemm_split_k_min_programs values ('' keeps the table's)")
     ap.add_argument("--repeats", type=int, default=10)
@@ -89,10 +93,11 @@ def main() -> None:
     split_mins = _ints(a.split_mins) or [table.qgemm_split_k_min_programs]
     grid = [replace(table, gemv_max_m=1, qgemm_block_n=n, qgemm_block_k=k, qgemm_num_warps=w,
                     qgemm_num_stages=s, qgemm_swap=bool(sw), qgemm_split_k_min_programs=sm,
-                    qgemm_packed=bool(pk))
-            for n, k, w, s, sw, sm, pk in itertools.product(
+                    qgemm_packed=bool(pk), qgemm_prefetch_scales=bool(pf))
+            for n, k, w, s, sw, sm, pk, pf in itertools.product(
                 _ints(a.block_ns), _ints(a.block_ks), _ints(a.warps), _ints(a.stages),
-                _ints(a.swaps), split_mins, _ints(a.packeds))]
+                _ints(a.swaps), split_mins, _ints(a.packeds), _ints(a.prefetches))
+            if pk or not pf]
     rows_m = _ints(a.rows)
     copy_gbps = copy_bandwidth() / 1e9
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; {len(grid)} configs", flush=True)

@@ -180,6 +180,33 @@ def test_packed_tiles_round_like_the_reference(gen, qtype):
     assert same == 1.0 if qtype == "q4_0" else same > (0.99 if qtype == "q6_k" else 0.75), what
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q4_0"])
+def test_prefetched_scales_change_nothing(gen, qtype):
+    """`qgemm_prefetch_scales` (packed tiles load the next K tile's scales one tile ahead) gives
+    the same bits as loading them in their own tile: split K (the last split's prefetch runs
+    past K: q4_0 K = 640, splits of 3 and 2 tiles of 128; the k-quants K = 768, 3 splits of 2),
+    M padded to 16 and 32, bias, the weights as the dot's A and B operand."""
+    n, k = (40, 768) if qtype.endswith("_k") else (40, 640)
+    w = weight(gen, qtype, n, k)
+    bias = gen.randn(n).to(torch.bfloat16)
+    for m, swap, split in ((5, True, True), (17, False, True), (3, True, False)):
+        base = KernelConfig(**{**(SPLIT if split else SMALL).__dict__, "gemv_max_m": 1,
+                               "qgemm_block_k": 128, "qgemm_swap": swap, "qgemm_packed": True,
+                               "skinny_max_m": 32, "qgemm_min_tiles_per_split": 2})
+        if split:
+            assert qt.skinny_split_k(base, -(-n // base.qgemm_block_n), k // 128) == \
+                ((3, 2) if qtype.endswith("_k") else (2, 3))
+        x = gen.randn(m, k, dtype=torch.bfloat16)
+        out = []
+        for prefetch in (False, True):
+            with configs.use_config(KernelConfig(**{**base.__dict__,
+                                                    "qgemm_prefetch_scales": prefetch})):
+                out.append(qt.quant_matmul_skinny(x, w, bias))
+        what = f"{qtype} M={m} swap={swap} split={split} (seed {gen.seed_value})"
+        assert torch.equal(out[0], out[1]), what
+        check(out[1], quant_linear_ref(x, w, bias), TOL[torch.bfloat16], gen, what)
+
+
 @pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
 def test_paired_scales_change_nothing_but_the_layout(gen, qtype):
     """`quant.pair_scales` (the form GPUs keep q4_k/q5_k in) moves (sc, mn) and (d, dmin) into

@@ -124,6 +124,7 @@ class KernelConfig:
     # dequantized two weights a register by PTX (`quant_tile_triton._packed_weights`; NVIDIA,
     # sm_80+), in a K order that puts each thread's codes where its MMA fragment wants them
     qgemm_packed: bool = False
+    qgemm_prefetch_scales: bool = False  # packed tiles: load the next K tile's scales a tile ahead
     qgemm_split_k_min_programs: int = 256  # split K while N alone gives fewer programs
     qgemm_max_split_k: int = 16
     qgemm_min_tiles_per_split: int = 2

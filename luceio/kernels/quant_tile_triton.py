@@ -195,12 +195,53 @@ def _rne_bf16(v):
 
 
 @triton.jit
-def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG, s_qs,
-                    s_qh, s_d, s_sc, e_d, e_sc, QTYPE: tl.constexpr, G: tl.constexpr,
-                    ASM: tl.constexpr):
+def _packed_scale_loads(d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0, KG, s_d, s_sc, e_d, e_sc,
+                        QTYPE: tl.constexpr, G: tl.constexpr):
+    """The scales of groups g0 .. g0+G-1 of `row` ([BLOCK_N, 1]) as loaded, [BLOCK_N, G] each,
+    no arithmetic on them (so a load issued one K tile ahead, `qgemm_prefetch_scales`, has its
+    first use in the next tile): q4_k (d, sc, mn, dmin), q6_k (d, sc of the lo half, sc of the
+    hi half, d), q4_0 (d, d, d, d). `_packed_scales` makes them a scale and an offset."""
+    grp = g0 + tl.arange(0, G)[None, :]                                   # [1, G]
+    gmask = nmask[:, None] & (grp < KG)                                   # [BLOCK_N, G]
+    if QTYPE == "q4_k" or QTYPE == "q6_k":                  # d (and dmin) per 8 groups
+        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0)
+    else:
+        d = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0)
+    b = d
+    c = d
+    e = d
+    if QTYPE == "q4_k":
+        b = tl.load(sc_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0)
+        c = tl.load(mn_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0)
+        e = tl.load(m_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0)
+    elif QTYPE == "q6_k":
+        b = tl.load(sc_ptr + row * s_sc + 2 * grp, mask=gmask, other=0)
+        c = tl.load(sc_ptr + row * s_sc + 2 * grp + 1, mask=gmask, other=0)
+    return d, b, c, e
+
+
+@triton.jit
+def _packed_scales(d, b, c, e, QTYPE: tl.constexpr):
+    """(scale, o), fp32 [BLOCK_N, G], from `_packed_scale_loads`: a weight is scale * (q - zero)
+    + o (q6_k: o is the hi half's scale, and it has no offset)."""
+    if QTYPE == "q4_k":
+        scale = d.to(tl.float32) * b.to(tl.float32)
+        o = -(e.to(tl.float32) * c.to(tl.float32))
+    elif QTYPE == "q6_k":
+        scale = d.to(tl.float32) * b.to(tl.float32)
+        o = d.to(tl.float32) * c.to(tl.float32)
+    else:  # q4_0
+        scale = d.to(tl.float32)
+        o = tl.zeros_like(scale)
+    return scale, o
+
+
+@triton.jit
+def _packed_weights(qs_ptr, qh_ptr, scale, o, row, nmask, g0, KG, s_qs, s_qh,
+                    QTYPE: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
     """The bf16 weights [BLOCK_N, 32 * G] of groups g0 .. g0+G-1 of a `PACKED_QTYPES` type
     (4-bit codes, and q6_k's 4 + 2; G a multiple of 4), from the scale s and offset o
-    (= -offset) as bf16 pairs hi + lo. q4_0: bf16((q - 8) s_hi + (q - 8) s_lo), the inner
+    (= -offset; `_packed_scales`) as bf16 pairs hi + lo. q4_0: bf16((q - 8) s_hi + (q - 8) s_lo), the inner
     product exact, so the weights are `_weights`' (the fp32 weight rounded once) bit for bit;
     q6_k: the same but for rare near-ties; q4_k: bf16(bf16(q s_hi + o_hi) + bf16(q s_lo +
     o_lo)), two roundings (GPU, [4096, 4096], 32 rows, worst error over 8 seeds in units of the
@@ -223,26 +264,8 @@ def _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, g0
     BN: tl.constexpr = row.shape[0]
     NB: tl.constexpr = 16 * G
     b = tl.arange(0, NB)[None, :]
-    grp = g0 + tl.arange(0, G)[None, :]                                   # [1, G]
-    gmask = nmask[:, None] & (grp < KG)                                   # [BLOCK_N, G]
     byte = tl.load(qs_ptr + row * s_qs + g0 * 16 + b,
                    mask=nmask[:, None] & (g0 * 16 + b < KG * 16), other=0)
-    if QTYPE == "q4_k":
-        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + row * s_sc + grp * e_sc, mask=gmask, other=0).to(tl.float32)
-        dmin = tl.load(m_ptr + row * s_d + (grp // 8) * e_d, mask=gmask,
-                       other=0.0).to(tl.float32)
-        scale = d * sc
-        o = -(dmin * mn)
-    elif QTYPE == "q6_k":
-        d = tl.load(d_ptr + row * s_d + (grp // 8) * e_d, mask=gmask, other=0.0).to(tl.float32)
-        scale = d * tl.load(sc_ptr + row * s_sc + 2 * grp, mask=gmask, other=0).to(tl.float32)
-        o = d * tl.load(sc_ptr + row * s_sc + 2 * grp + 1, mask=gmask,   # the hi half's scale
-                        other=0).to(tl.float32)
-    else:  # q4_0
-        scale = tl.load(d_ptr + row * s_d + grp, mask=gmask, other=0.0).to(tl.float32)
-        o = tl.zeros_like(scale)
     # [BN, c, gp, i, p, e]: byte c * (NB / 4) + 16 gp + 4i + 2p + e (a quad i of 4 bytes)
     byte6 = tl.reshape(byte, [BN, 4, GPC, 4, 2, 2])
     # scale and offset as bf16 pairs hi + lo: hi = bf16(v), lo = bf16(v - hi)

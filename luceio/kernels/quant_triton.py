@@ -38,7 +38,8 @@ from .configs import KernelConfig, get_config, skinny_split_k
 from .pdl import pdl_enter, pdl_kwargs
 from .quant import QuantWeight
 from .quant_args import weight_args as _weight_args, words as _words
-from .quant_tile_triton import PACKED_QTYPES, _packed_weights, _quant_tile, _weights
+from .quant_tile_triton import (PACKED_QTYPES, _packed_scale_loads, _packed_scales,
+                                _packed_weights, _quant_tile, _weights)
 
 
 DENSE = "dense"
@@ -75,7 +76,7 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
                    DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
                    SWAP: tl.constexpr = False, PACKED: tl.constexpr = False,
-                   ASM: tl.constexpr = False):
+                   ASM: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     pdl_enter(PDL, PDL_EARLY)
     G: tl.constexpr = BLOCK_K // 32
     HALF: tl.constexpr = BLOCK_K // 2
@@ -105,6 +106,10 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
     else:
         acc_g = tl.zeros([BLOCK_N, G], tl.float32)
     t_end = tl.minimum((split + 1) * tiles_per_split, tl.cdiv(K, BLOCK_K))
+    if PACKED and PREFETCH:  # the first tile's scales; each tile then loads the next one's
+        sd, sb, sc_, se = _packed_scale_loads(d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask,
+                                              split * tiles_per_split * G, KG, s_d, s_sc, e_d,
+                                              e_sc, QTYPE, G)
     for t in range(split * tiles_per_split, t_end):
         k0 = t * BLOCK_K
         if QTYPE == "dense":
@@ -123,8 +128,18 @@ def _skinny_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, bias_ptr
                 x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
                 acc_w += w.to(tl.float32) * x[None, :]
         elif PACKED:  # bf16 weights made two a register (`_packed_weights`)
-            w = _packed_weights(qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask, t * G,
-                                KG, s_qs, s_qh, s_d, s_sc, e_d, e_sc, QTYPE, G, ASM)
+            if PREFETCH:  # scales are byte loads, which Triton's pipeliner leaves in place
+                nd, nb, nc, ne = _packed_scale_loads(d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask,
+                                                     (t + 1) * G, KG, s_d, s_sc, e_d, e_sc,
+                                                     QTYPE, G)
+                scale, o = _packed_scales(sd, sb, sc_, se, QTYPE)
+                sd, sb, sc_, se = nd, nb, nc, ne
+            else:
+                ld, lb, lc, le = _packed_scale_loads(d_ptr, m_ptr, sc_ptr, mn_ptr, row, nmask,
+                                                     t * G, KG, s_d, s_sc, e_d, e_sc, QTYPE, G)
+                scale, o = _packed_scales(ld, lb, lc, le, QTYPE)
+            w = _packed_weights(qs_ptr, qh_ptr, scale, o, row, nmask, t * G, KG, s_qs, s_qh,
+                                QTYPE, G, ASM)
             cols = k0 + kk
             x = tl.load(x_ptr + offs_m[:, None] * s_xm + cols[None, :],
                         mask=mmask[:, None] & (cols < K)[None, :], other=0.0)
@@ -269,6 +284,7 @@ def _skinny(x: torch.Tensor, weights: tuple, strides: tuple, qtype: str, n: int,
         DOT_F32=interp and x.dtype == torch.bfloat16, DOT_IEEE=x.dtype == torch.float32,
         SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=num_warps,
         num_stages=cfg.qgemm_num_stages, SWAP=swap, PACKED=packed, ASM=asm,
+        PREFETCH=packed and bool(cfg.qgemm_prefetch_scales),
         **pdl_kwargs(x.device, cfg, n_programs * split))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))

@@ -155,6 +155,35 @@ def test_packed_tiles_round_like_the_reference_gpu(qtype, swap):
     assert same == 1.0 if qtype == "q4_0" else same > (0.99 if qtype == "q6_k" else 0.75), what
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q6_k", "q4_k"])
+def test_prefetched_scales_change_nothing_gpu(seed, qtype):
+    """`qgemm_prefetch_scales` (the packed tile's scales loaded one K tile ahead) gives the same
+    bits as the scales loaded in their own tile, in the PTX: the 1.5B shapes' split-K (gate/up
+    [17920, 1536]), the unsplit down projection [1536, 8960] and a K of whole tiles but for a
+    partial last one (K 4864), 5 / 17 / 25 rows, bias, in the form the engine keeps
+    (`prepare_weight`: q4_k's scales paired)."""
+    from dataclasses import replace
+
+    from luceio.kernels import prepare_weight
+    cfg = replace(configs.get_config(torch.device(DEV)), skinny_max_m=32, skinny_max_m_q6_k=0,
+                  gemv_max_m=1, qgemm_swap=True, qgemm_packed=True,
+                  qgemm_block_k=max(128, configs.get_config(torch.device(DEV)).qgemm_block_k))
+    for n, k in ((17920, 1536), (1536, 8960), (896, 4864)):
+        w = prepare_weight(quant.random_quant_weight(qtype, n, k, device=DEV), torch.bfloat16)
+        bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+        for m in (5, 17, 25):
+            x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            out = []
+            for prefetch in (False, True):
+                with configs.use_config(replace(cfg, qgemm_prefetch_scales=prefetch)):
+                    out.append(qt.quant_matmul(x, w, bias))
+            what = f"{qtype} [{n}, {k}] M={m} (seed {seed})"
+            assert torch.equal(out[0], out[1]), what
+            if k <= 4864:  # as the other tests' shapes (their tolerance does not grow with K)
+                check(out[1], torch.addmm(bias.float(), x.float(), dequantize(w).float().T),
+                      seed, what)
+
+
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0", "q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("swap", [False, True, "packed", "packed_b"])
 def test_skinny_dot_past_16_rows(seed, qtype, swap):
