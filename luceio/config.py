@@ -131,9 +131,10 @@ class EngineArgs(CliArgs):
                                    "for the event loop (oversubscribed threads slow small "
                                    "matmuls by an order of magnitude)")
     cpu_activations: str = _opt("auto", "how the CPU's quantized matrix-vector kernels round "
-                                "their activations: int16 (~2e-5 relative), int8 (AVX-512 VNNI; "
-                                "~1e-2, as llama.cpp; faster), auto = int8 where the CPU has "
-                                "VNNI, else int16", choices=["auto", "int16", "int8"])
+                                "their activations: int16 (~2e-5 relative), int8 (AVX-512 "
+                                "VNNI or AVX2; ~1e-2, as llama.cpp; faster), auto = int8 where "
+                                "the CPU has either, else int16",
+                                choices=["auto", "int16", "int8"])
     block_size: int = _opt(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _opt(None, "fixed number of KV blocks (overrides memory sizing)")
     kv_cache_memory: int = _opt(0, "bytes for the KV cache; 0 = on GPU what "

@@ -1,4 +1,4 @@
-"""The int8-activation CPU kernels (luceio/kernels/qdot8_kernels_cpu.py, AVX-512 VNNI) for every
+"""The int8-activation CPU kernels (luceio/kernels/qdot8_kernels_cpu.py, AVX-512 VNNI or AVX2) for every
 GGUF type: the dot products against the exact dot of the same quantized activations, the loss
 against fp32, the quantization of x against its definition, the choice of kernels
 (`set_activations`, `--cpu-activations`), and a quantized engine on them.
@@ -7,7 +7,7 @@ Tolerances. Given the kernel's own xq and dx (`_quantize_groups8`), the code par
 output is an exact integer sum scaled in fp32, and the offsets are fp32 products: each output is
 held to K 2^-22 sum_k |x_k| A_k, A = |w| + 2 |offset| (test_qdot_cpu.py's `magnitude`); against
 fp32 x, to that plus sum_k (step_k / 2) A_k with step = max|x of the group| / 127. The kernels
-run only where the CPU has VNNI (skipped elsewhere); the refusal test runs everywhere.
+run only where the CPU has VNNI or AVX2 (skipped elsewhere); the refusal test runs everywhere.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ if not qd.available():
     pytest.skip("numba is not installed", allow_module_level=True)
 from test_qdot_cpu import magnitude  # noqa: E402
 
-vnni = pytest.mark.skipif(not qd.int8_available(), reason="the CPU has no AVX-512 VNNI")
+vnni = pytest.mark.skipif(not qd.int8_available(), reason="the CPU has neither AVX-512 VNNI nor AVX2")
 
 
 @contextlib.contextmanager
@@ -164,11 +164,11 @@ def test_set_activations_refuses_what_the_cpu_cannot_run(monkeypatch):
     with activations("int16"):
         with pytest.raises(ValueError, match="auto, int16 or int8"):
             qd.set_activations("int4")
-        monkeypatch.setattr(qd.qdot8_kernels_cpu, "VNNI", False)
+        monkeypatch.setattr(qd.qdot8_kernels_cpu, "AVAILABLE", False)
         with pytest.raises(ValueError, match="VNNI"):
             qd.set_activations("int8")
         assert qd.set_activations("auto") == "int16" and qd.ACTIVATIONS == ["int16"]
-        monkeypatch.setattr(qd.qdot8_kernels_cpu, "VNNI", True)
+        monkeypatch.setattr(qd.qdot8_kernels_cpu, "AVAILABLE", True)
         assert qd.set_activations("auto") == "int8"
 
 

@@ -25,7 +25,7 @@ from luceio.kernels.qdot_ir_cpu import XN_MAX  # noqa: E402
 from test_qdot8_cpu import activations  # noqa: E402
 
 KINDS = ["int16", pytest.param("int8", marks=pytest.mark.skipif(
-    not qd.int8_available(), reason="the CPU has no AVX-512 VNNI"))]
+    not qd.int8_available(), reason="the CPU has neither AVX-512 VNNI nor AVX2"))]
 
 
 def _shapes(qtype: str) -> list[tuple[int, int]]:

@@ -95,12 +95,14 @@ def dequantize_t(packed, scale, zero, chunk, factors, layout, start, stop, out) 
 _SCRATCH: list[torch.Tensor] = []
 
 
-def scratch(numel: int) -> torch.Tensor:
-    """A bf16 buffer of numel, reused by every call: a fresh one costs its page faults on each
-    call (a third of the dequantization's time). Valid until the next call."""
-    if not _SCRATCH or _SCRATCH[0].numel() < numel:
-        _SCRATCH[:] = [torch.empty(numel, dtype=torch.bfloat16)]
-    return _SCRATCH[0][:numel]
+def scratch(numel: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A buffer of numel `dtype` elements, the same memory for every call: a fresh one costs
+    its page faults on each call (a third of the dequantization's time). Valid until the next
+    call."""
+    nbytes = numel * dtype.itemsize
+    if not _SCRATCH or _SCRATCH[0].numel() < nbytes:
+        _SCRATCH[:] = [torch.empty(nbytes, dtype=torch.uint8)]
+    return _SCRATCH[0][:nbytes].view(dtype)
 
 
 def warm_up(chunk: int, factors: tuple[int, ...]) -> None:

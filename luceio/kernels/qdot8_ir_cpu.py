@@ -12,10 +12,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot_ir_cpu import (_F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fma, _fmul,
+from .qdot_ir_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fma, _fmul,
                           _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales, _vec,
                           _widen, q6_k_high, row_loop, weight_group)
 
+VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
+"""`vpdpbusd` in one instruction."""
+AVX2_ONLY = not VNNI and "avx2" in _CPU
+"""`vpdpbusd` made of AVX2's `vpmaddubsw` and `vpmaddwd` (`_dpbusd`)."""
 OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32, "q8_0": 128}
 """The code offsets taken back through sum(xq) (q6_k: per 16 codes; q8_0's codes enter as
 q + 128)."""
@@ -101,18 +105,45 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
 
 
 def _plane_select(b, bits, value):
-    """64 bits (bit j for code j) -> <64 x i8> of 0 or value."""
-    mask = b.bitcast(bits, _vec(ir.IntType(1), 64))
-    return b.select(mask, _const(_I8, 64, value), _const(_I8, 64, 0))
+    """64 bits (bit j for code j) -> <64 x i8> of 0 or value. AVX2 has no mask registers (LLVM
+    took the <64 x i1> apart bit by bit: the 0.5B's q5_0 matvecs ran at half the int16 path's
+    rate): byte j of the bits spread to bytes 8j .. 8j + 7, each compared with its bit."""
+    if not AVX2_ONLY:
+        mask = b.bitcast(bits, _vec(ir.IntType(1), 64))
+        return b.select(mask, _const(_I8, 64, value), _const(_I8, 64, 0))
+    bytes8 = b.bitcast(bits, _vec(_I8, 8))
+    spread = b.shuffle_vector(bytes8, bytes8, _const(_I32, 64, [j // 8 for j in range(64)]))
+    bit = _const(_I8, 64, [1 << (j % 8) for j in range(64)])
+    on = b.icmp_unsigned("==", b.and_(spread, bit), bit)
+    return b.and_(b.sext(on, _vec(_I8, 64)), _const(_I8, 64, value))
 
 
-def _dpbusd(b, u, s, acc=None):
+def _dpbusd(b, u, s, acc=None, wide=False):
     """acc + <64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
-    4j..4j+3's products."""
+    4j..4j+3's products. With AVX-512 VNNI one `vpdpbusd`; on AVX2 (`AVX2_ONLY`) per 32 bytes
+    `vpmaddubsw` (pairs of products summed to int16, saturating) then `vpmaddwd` by ones (pairs
+    of those to int32): exact while a pair stays within int16, which codes u < 128 keep
+    (|s| <= 127: 2 * 127 * 127); `wide` codes (q8_0's q + 128, up to 255) go as u & 127 plus
+    128 times the s of the bytes whose bit 7 is set (a second pair of instructions)."""
     if acc is None:
         acc = ir.Constant(_vec(_I32, 16), [0] * 16)
-    as32 = [b.bitcast(v, _vec(_I32, 16)) for v in (u, s)]  # the pre-LLVM-21 signature; newer
-    return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgrade it
+    if not AVX2_ONLY:
+        as32 = [b.bitcast(v, _vec(_I32, 16)) for v in (u, s)]  # the pre-LLVM-21 signature;
+        return _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # upgraded
+    halves = []
+    for h in (0, 32):
+        pick = _const(_I32, 32, range(h, h + 32))
+        uh, sh = (b.shuffle_vector(v, v, pick) for v in (u, s))
+        parts = [(b.and_(uh, _const(_I8, 32, 127)), 1), (b.lshr(uh, _const(_I8, 32, 7)), 128)] \
+            if wide else [(uh, 1)]
+        total = None
+        for code, weight in parts:
+            pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), code, sh)
+            quads = _call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), pairs,
+                          _const(_I16, 16, weight))
+            total = quads if total is None else b.add(total, quads)
+        halves.append(total)
+    return b.add(acc, b.shuffle_vector(halves[0], halves[1], _const(_I32, 16, range(16))))
 
 
 def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
@@ -149,6 +180,7 @@ def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
 
 def _dot8_codegen(qtype, wrows, xrows, interleaved):
     halves = qtype == "q6_k"
+    wide = qtype == "q8_0"  # codes q + 128, up to 255 (`_dpbusd`)
 
     def codegen(context, b, sig, args):
         xs = [context.make_array(sig.args[i])(context, b, args[i]) for i in (6, 7, 8, 9)]
@@ -228,7 +260,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 sums = {}
                 for i, (c, h) in enumerate(quarters):
                     key = (c, h) if halves else c
-                    sums[key] = _dpbusd(b, codes[id(p)][i], xv[i], sums.get(key))
+                    sums[key] = _dpbusd(b, codes[id(p)][i], xv[i], sums.get(key), wide)
                 total = b.load(acc)
                 for key, v in sums.items():
                     c, h = key if halves else (key, 0)
@@ -242,7 +274,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
         def pair(g, codes, lanes, pairs, acc_p):
             for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
                 xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
-                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
+                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv, wide=wide), _vec(_F32, 16))
                 v = lanes[id(p), id(x)]  # lanes 0-7 group g's, 8-15 g + 1's
                 scale = b.shuffle_vector(v, v, _const(_I32, 16, [j // 8 for j in range(16)]))
                 b.store(_fma(b, sums, scale, b.load(acc)), acc)
@@ -252,7 +284,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
                 xv = b.shuffle_vector(xv, ir.Constant(xv.type, [0] * 32),
                                       _const(_I32, 64, range(64)))
-                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv), _vec(_F32, 16))
+                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv, wide=wide), _vec(_F32, 16))
                 v = lanes[id(p), id(x)]  # lanes 0-7 the group's (q6_k: 0-3, 4-7 its halves)
                 scale = b.shuffle_vector(v, v, _const(
                     _I32, 16, [j // 4 if halves else 0 for j in range(16)]))

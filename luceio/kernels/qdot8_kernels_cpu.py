@@ -1,5 +1,6 @@
 """int8-activation kernels of qdot_cpu.py, for CPUs with AVX-512 VNNI (`vpdpbusd`: 64 unsigned
-bytes times 64 signed bytes, summed by fours into 16 int32 lanes, in one instruction).
+bytes times 64 signed bytes, summed by fours into 16 int32 lanes, in one instruction) or AVX2
+(the same sums from `vpmaddubsw` and `vpmaddwd`, `qdot8_ir_cpu._dpbusd`).
 
 The activations are quantized per group of 32 to int8 (xq = round(x / dx), dx = max|x| / 127,
 as llama.cpp's CPU kernels do); the weights' codes enter unsigned, before their offset, so one
@@ -56,13 +57,13 @@ import numpy as np
 from numba import njit, prange
 
 from .numba_cache import depend_on
-from .qdot8_ir_cpu import dot8_intrinsic
-from .qdot_ir_cpu import _CPU, KINDS, XN_MAX
+from .qdot8_ir_cpu import AVX2_ONLY, VNNI as _VNNI, dot8_intrinsic
+from .qdot_ir_cpu import KINDS, XN_MAX
 from .qdot_kernels_cpu import _by_kind, group_step, task_rows
 
-VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
-"""Whether this CPU runs these kernels (`qdot_cpu.int8_available`)."""
-if VNNI:
+AVAILABLE = _VNNI or AVX2_ONLY
+"""Whether this CPU runs these kernels (`qdot_cpu.int8_available`): AVX-512 VNNI, or AVX2."""
+if AVAILABLE:
     _dot_w1x1, _dot_w4x1, _dot_w1x4, _dot_w4x2 = (
         _by_kind([dot8_intrinsic(q, w, x) for q in KINDS]) for w, x in ((1, 1), (4, 1), (1, 4),
                                                                         (4, 2)))
@@ -105,7 +106,7 @@ def natural_order(xq: np.ndarray) -> np.ndarray:
     return np.concatenate([ordered, xq[:, whole:]], axis=1)
 
 
-if VNNI:
+if AVAILABLE:
     @njit(nogil=True, inline="always")  # inlined: as a call, a decode step took 1.3x longer
     def _four_rows(kind, f, rows, xq, dx, xsum, qsum, out, col, interleaved, res):
         """4 weight rows (fields f: 4 rows, or one interleaved row) against `rows` activation

@@ -36,7 +36,7 @@ ones of llama.cpp's CPU kernels take steps 258x coarser). Per 32 weights that is
 operations after the unpacking, where fp32 arithmetic takes 6 (convert, multiply, scale, for
 two 16-lane halves): 2.1-3.6x faster per call on in-cache matrices (AVX-512, one run).
 
-With `activations="int8"` (CPUs with AVX-512 VNNI; `--cpu-activations`, by default where the
+With `activations="int8"` (CPUs with AVX-512 VNNI or AVX2; `--cpu-activations`, by default where the
 CPU has it) x is rounded to int8 instead and one `vpdpbusd` multiplies two groups
 (qdot8_kernels_cpu.py): outputs ~1-2% off in norm, as llama.cpp's CPU kernels', and 1.2-1.5x
 less time for a decode step's matrices of most types (`bench/cpu_quant.py --kernels`).
@@ -78,26 +78,26 @@ def available() -> bool:
 
 
 def int8_available() -> bool:
-    """Whether `set_activations("int8")` can take effect: numba and AVX-512 VNNI."""
-    return numba is not None and qdot8_kernels_cpu.VNNI
+    """Whether `set_activations("int8")` can take effect: numba and AVX-512 VNNI or AVX2."""
+    return numba is not None and qdot8_kernels_cpu.AVAILABLE
 
 
 def _check_int8(kind: str) -> None:
     if kind == "int8" and not int8_available():
-        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI "
+        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI or AVX2 "
                          "(avx512vnni, avx512bw); this one lacks them")
 
 
 ACTIVATIONS = ["int16"]
 """How `matvec` quantizes the activations of the weights `prepare`d from now on: "int16" (~2e-5
-relative) or "int8" (qdot8_kernels_cpu.py: AVX-512 VNNI; ~1% as llama.cpp's CPU kernels).
+relative) or "int8" (qdot8_kernels_cpu.py: AVX-512 VNNI or AVX2; ~1% as llama.cpp's CPU kernels).
 An engine sets it from `--cpu-activations` (`set_activations`) before it loads its weights;
 each weight keeps its own (`CpuQuant.activations`), so engines of either kind coexist."""
 
 
 def set_activations(kind: str) -> str:
     """Sets `ACTIVATIONS` ("auto": int8 where `int8_available`, else int16); returns the kind
-    in effect. "int8" on a CPU without VNNI is refused."""
+    in effect. "int8" on a CPU without VNNI or AVX2 is refused."""
     if kind == "auto":
         kind = "int8" if int8_available() else "int16"
     if kind not in ("int16", "int8"):

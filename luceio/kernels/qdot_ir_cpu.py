@@ -59,9 +59,17 @@ def _nibbles(b, qs, g):
 
 
 def _bit_plane(b, qh, at, value):
-    """The 32 bits at qh bytes at..at+4 (bit j for code j) -> <32 x i8> of 0 or value."""
-    bits = b.bitcast(_load(b, qh, at, _I32), _vec(ir.IntType(1), 32))
-    return b.select(bits, _const(_I8, 32, value), _const(_I8, 32, 0))
+    """The 32 bits at qh bytes at..at+4 (bit j for code j) -> <32 x i8> of 0 or value. Without
+    AVX-512's mask registers byte j of the bits is spread to bytes 8j .. 8j + 7, each compared
+    with its bit (LLVM takes a <32 x i1> apart bit by bit there)."""
+    if "avx512bw" in _CPU:
+        bits = b.bitcast(_load(b, qh, at, _I32), _vec(ir.IntType(1), 32))
+        return b.select(bits, _const(_I8, 32, value), _const(_I8, 32, 0))
+    bytes4 = _load(b, qh, at, _I8, 4)
+    spread = b.shuffle_vector(bytes4, bytes4, _const(_I32, 32, [j // 8 for j in range(32)]))
+    bit = _const(_I8, 32, [1 << (j % 8) for j in range(32)])
+    on = b.icmp_unsigned("==", b.and_(spread, bit), bit)
+    return b.and_(b.sext(on, _vec(_I8, 32)), _const(_I8, 32, value))
 
 
 def q6_k_high(b, qh, g):
