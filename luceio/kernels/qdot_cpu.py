@@ -84,8 +84,8 @@ def int8_available() -> bool:
 
 def _check_int8(kind: str) -> None:
     if kind == "int8" and not int8_available():
-        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI or AVX2 "
-                         "(avx512vnni, avx512bw); this one lacks them")
+        raise ValueError("int8 activations need numba and a CPU with AVX-512 VNNI "
+                         "(avx512vnni, avx512bw) or AVX2; this one lacks them")
 
 
 ACTIVATIONS = ["int16"]
