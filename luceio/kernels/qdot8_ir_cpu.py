@@ -14,7 +14,7 @@ from numba.extending import intrinsic
 
 from .qdot_ir_cpu import (_CPU, _F32, _I8, _I16, _I32, BLOCK, _bit_plane, _call, _const, _fadd, _fma, _fmul,
                           _load, _nibbles, _prefetch, _row_pointers, _run_blocks, _scales, _vec,
-                          _widen, q6_k_high, row_loop, weight_group)
+                          _widen, bits_to_bytes, q6_k_high, row_loop, weight_group)
 
 VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """`vpdpbusd` in one instruction."""
@@ -62,7 +62,7 @@ def _pair_codes(qtype, b, p, g):
                                                    *range(48, 64)]))
     if qtype in ("q5_0", "q5_1", "q5_k"):  # both groups' 32-bit planes are adjacent
         bits = _load(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), ir.IntType(64))
-        q = b.or_(q, _plane_select(b, bits, 16))
+        q = b.or_(q, bits_to_bytes(b, bits, 16))
     return q
 
 
@@ -94,7 +94,7 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
         for i, (c, h) in enumerate(quarters):
             bits = b.shuffle_vector(planes, planes, _const(
                 _I32, 4, [2 * (4 * c + j) + h for j in range(4)]))
-            out[i] = b.or_(out[i], _plane_select(b, b.bitcast(bits, ir.IntType(64)), 16))
+            out[i] = b.or_(out[i], bits_to_bytes(b, b.bitcast(bits, ir.IntType(64)), 16))
     elif qtype == "q6_k":  # two bits per code, vector v's at bits 2v (`qdot_cpu._q6_k_high`)
         high = _load(b, p["qh"], b.mul(g0, ir.Constant(g0.type, 8)), _I8, 64)
         for v in range(len(quarters)):
@@ -102,20 +102,6 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
                    b.lshr(high, _const(_I8, 64, 2 * v - 4)) if v > 2 else high)
             out[v] = b.or_(out[v], b.and_(at4, _const(_I8, 64, 0x30)))
     return out
-
-
-def _plane_select(b, bits, value):
-    """64 bits (bit j for code j) -> <64 x i8> of 0 or value. AVX2 has no mask registers (LLVM
-    took the <64 x i1> apart bit by bit: the 0.5B's q5_0 matvecs ran at half the int16 path's
-    rate): byte j of the bits spread to bytes 8j .. 8j + 7, each compared with its bit."""
-    if not AVX2_ONLY:
-        mask = b.bitcast(bits, _vec(ir.IntType(1), 64))
-        return b.select(mask, _const(_I8, 64, value), _const(_I8, 64, 0))
-    bytes8 = b.bitcast(bits, _vec(_I8, 8))
-    spread = b.shuffle_vector(bytes8, bytes8, _const(_I32, 64, [j // 8 for j in range(64)]))
-    bit = _const(_I8, 64, [1 << (j % 8) for j in range(64)])
-    on = b.icmp_unsigned("==", b.and_(spread, bit), bit)
-    return b.and_(b.sext(on, _vec(_I8, 64)), _const(_I8, 64, value))
 
 
 def _dpbusd(b, u, s, acc=None, wide=False):

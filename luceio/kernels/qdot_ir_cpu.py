@@ -59,17 +59,24 @@ def _nibbles(b, qs, g):
 
 
 def _bit_plane(b, qh, at, value):
-    """The 32 bits at qh bytes at..at+4 (bit j for code j) -> <32 x i8> of 0 or value. Without
-    AVX-512's mask registers byte j of the bits is spread to bytes 8j .. 8j + 7, each compared
-    with its bit (LLVM takes a <32 x i1> apart bit by bit there)."""
+    """The 32 bits at qh bytes at..at+4 (bit j for code j) -> <32 x i8> of 0 or value."""
+    return bits_to_bytes(b, _load(b, qh, at, _I32), value)
+
+
+def bits_to_bytes(b, bits, value):
+    """An n-bit integer (bit j for code j) -> <n x i8> of 0 or value. Without AVX-512's mask
+    registers LLVM takes a <n x i1> select apart bit by bit (the 0.5B's q5_0 int8 matvecs ran
+    at half the int16 path's rate on AVX2), so there byte j of the bits is spread to bytes
+    8j .. 8j + 7, each compared with its bit."""
+    n = bits.type.width
     if "avx512bw" in _CPU:
-        bits = b.bitcast(_load(b, qh, at, _I32), _vec(ir.IntType(1), 32))
-        return b.select(bits, _const(_I8, 32, value), _const(_I8, 32, 0))
-    bytes4 = _load(b, qh, at, _I8, 4)
-    spread = b.shuffle_vector(bytes4, bytes4, _const(_I32, 32, [j // 8 for j in range(32)]))
-    bit = _const(_I8, 32, [1 << (j % 8) for j in range(32)])
+        mask = b.bitcast(bits, _vec(ir.IntType(1), n))
+        return b.select(mask, _const(_I8, n, value), _const(_I8, n, 0))
+    octets = b.bitcast(bits, _vec(_I8, n // 8))
+    spread = b.shuffle_vector(octets, octets, _const(_I32, n, [j // 8 for j in range(n)]))
+    bit = _const(_I8, n, [1 << (j % 8) for j in range(n)])
     on = b.icmp_unsigned("==", b.and_(spread, bit), bit)
-    return b.and_(b.sext(on, _vec(_I8, 32)), _const(_I8, 32, value))
+    return b.and_(b.sext(on, _vec(_I8, n)), _const(_I8, n, value))
 
 
 def q6_k_high(b, qh, g):
