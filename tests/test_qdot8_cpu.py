@@ -213,3 +213,27 @@ def test_engine_decodes_on_int8_activations(tmp_path, arch, monkeypatch):
     out = llms["int8"].generate(["hello"], SamplingParams(temperature=0, max_tokens=8,
                                                           ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8 and calls["int8"] > 0
+
+
+@vnni
+@pytest.mark.parametrize("one_row", [False, True])
+def test_q8_0_extreme_codes_are_exact(one_row, monkeypatch):
+    """q8_0's codes at -128 and 127 against activations at +-127 (every group's largest
+    |x| repeated): the sums the kernel makes in int16 pairs (`vpmaddubsw` on AVX2: |q| times x
+    with q's sign, 2 * 128 * 127 at most; with VNNI q + 128 in int32) stay exact, so the output
+    equals the exact dot of the quantized activations within fp32 rounding."""
+    monkeypatch.setitem(qd.ONE_ROW_MIN_K, "q8_0", 0 if one_row else 1 << 30)
+    n, k = 8, 32 * 14
+    w = random_quant_weight("q8_0", n, k, generator=torch.Generator().manual_seed(3))
+    codes = torch.tensor([-128, 127, -128, -128, 127, 127, -127, 0], dtype=torch.int8)
+    w.qs.copy_(codes.repeat(n, k // 8).view(w.qs.dtype))
+    x = np.where(np.arange(k) % 3 == 0, -2.0, 2.0).astype(np.float32)[None].repeat(2, 0)
+    x[1] *= np.where(np.arange(k) % 5 == 0, -1, 1)  # two sign patterns; |xq| = 127 everywhere
+    y = np.empty((2, n), np.float32)
+    qd.matvec(x, qd.prepare(w, activations="int8"), y)
+    xq, dx, _, _ = quantized_x(x)
+    assert (np.abs(xq) == 127).all()
+    xdeq = torch.from_numpy(xq.reshape(2, -1, 32) * dx[..., None]).reshape(2, k).double()
+    exact = xdeq @ dequantize(w).double().t()
+    fp32 = k * 2.0 ** -22 * (torch.from_numpy(x).double().abs() @ magnitude(w).double().t())
+    assert bool(((torch.from_numpy(y).double() - exact).abs() <= fp32).all())

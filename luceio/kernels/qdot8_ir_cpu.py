@@ -20,9 +20,13 @@ VNNI = "avx512vnni" in _CPU and "avx512bw" in _CPU
 """`vpdpbusd` in one instruction."""
 AVX2_ONLY = not VNNI and "avx2" in _CPU
 """`vpdpbusd` made of AVX2's `vpmaddubsw` and `vpmaddwd` (`_dpbusd`)."""
-OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32, "q8_0": 128}
+SIGNED = AVX2_ONLY
+"""q8_0's codes enter signed (`_dpbusd` takes |q| and moves q's sign onto x, as `vpsignb`
+does) where there is no `vpdpbusd`; with it they enter as q + 128, its offset taken back
+through sum(xq)."""
+OFFSET = {"q4_0": 8, "q5_0": 16, "q6_k": 32, **({} if SIGNED else {"q8_0": 128})}
 """The code offsets taken back through sum(xq) (q6_k: per 16 codes; q8_0's codes enter as
-q + 128)."""
+q + 128 unless `SIGNED`)."""
 QUARTERS = ((0, 0), (0, 1), (1, 0), (1, 1))
 """Block order: a block of 8 groups (256 codes) as four vectors of 64, vector 2c + h holding
 codes 16h .. 16h + 16 of groups 4c .. 4c + 4, group by group; `_quantize_groups8` stores the
@@ -34,12 +38,17 @@ _LANES = 2 * BLOCK
 pair's accumulator they are added into."""
 
 
+def _q8_0_codes(b, q):
+    """q8_0's signed bytes as the kernel takes them: q + 128 (the sign bit flipped), or q
+    itself where `SIGNED`."""
+    return q if SIGNED else b.xor(q, _const(_I8, q.type.count, 0x80))
+
+
 def _ucodes(qtype, b, p, g):
     """Group g of one row's codes as <32 x i8>, unsigned and before the offset (q8_0's: its
-    signed bytes plus 128, `OFFSET`)."""
+    signed bytes plus 128, `OFFSET`, or as they are where `SIGNED`)."""
     if qtype == "q8_0":
-        q = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
-        return b.xor(q, _const(_I8, 32, 0x80))
+        return _q8_0_codes(b, _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 32))
     q = _nibbles(b, p["qs"], g)
     if qtype in ("q5_0", "q5_1", "q5_k"):
         q = b.or_(q, _bit_plane(b, p["qh"], b.mul(g, ir.Constant(g.type, 4)), 16))
@@ -53,8 +62,7 @@ def _pair_codes(qtype, b, p, g):
     pair, so not q6_k, whose rows are whole blocks): one 32-byte load of their nibbles, one
     mask, one shift, one shuffle; their fifth bits one 64-bit select."""
     if qtype == "q8_0":
-        q = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
-        return b.xor(q, _const(_I8, 64, 0x80))
+        return _q8_0_codes(b, _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 32)), _I8, 64))
     both = _load(b, p["qs"], b.mul(g, ir.Constant(g.type, 16)), _I8, 32)
     lo = b.and_(both, _const(_I8, 32, 15))
     hi = b.lshr(both, _const(_I8, 32, 4))  # group g: lo[:16], hi[:16]; g + 1: lo[16:], hi[16:]
@@ -81,7 +89,7 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
         for c, h in quarters:  # group j of the four: qwords 4j + 2h, + 1 of the pair's 16
             v = b.shuffle_vector(words[2 * c], words[2 * c + 1], _const(
                 _I32, 8, [4 * j + 2 * h + t for j in range(4) for t in (0, 1)]))
-            out.append(b.xor(b.bitcast(v, _vec(_I8, 64)), _const(_I8, 64, 0x80)))
+            out.append(_q8_0_codes(b, b.bitcast(v, _vec(_I8, 64))))
         return out
     halves = [_load(b, p["qs"], b.add(b.mul(g0, ir.Constant(g0.type, 16)),
                                       ir.Constant(g0.type, 64 * c)), _I8, 64)
@@ -104,13 +112,13 @@ def _block_codes(qtype, b, p, g0, quarters=QUARTERS):
     return out
 
 
-def _dpbusd(b, u, s, acc=None, wide=False):
+def _dpbusd(b, u, s, acc=None, signed=False):
     """acc + <64 x i8> unsigned u . <64 x i8> signed s -> <16 x i32>, lane j the sum of bytes
     4j..4j+3's products. With AVX-512 VNNI one `vpdpbusd`; on AVX2 (`AVX2_ONLY`) per 32 bytes
     `vpmaddubsw` (pairs of products summed to int16, saturating) then `vpmaddwd` by ones (pairs
     of those to int32): exact while a pair stays within int16, which codes u < 128 keep
-    (|s| <= 127: 2 * 127 * 127); `wide` codes (q8_0's q + 128, up to 255) go as u & 127 plus
-    128 times the s of the bytes whose bit 7 is set (a second pair of instructions)."""
+    (|s| <= 127: 2 * 127 * 127). `signed` codes (q8_0's, `SIGNED`) go as |u| times s with u's
+    sign (`vpabsb`, `vpsignb`): |u| <= 128, so a pair stays within 2 * 128 * 127."""
     if acc is None:
         acc = ir.Constant(_vec(_I32, 16), [0] * 16)
     if not AVX2_ONLY:
@@ -120,15 +128,12 @@ def _dpbusd(b, u, s, acc=None, wide=False):
     for h in (0, 32):
         pick = _const(_I32, 32, range(h, h + 32))
         uh, sh = (b.shuffle_vector(v, v, pick) for v in (u, s))
-        parts = [(b.and_(uh, _const(_I8, 32, 127)), 1), (b.lshr(uh, _const(_I8, 32, 7)), 128)] \
-            if wide else [(uh, 1)]
-        total = None
-        for code, weight in parts:
-            pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), code, sh)
-            quads = _call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), pairs,
-                          _const(_I16, 16, weight))
-            total = quads if total is None else b.add(total, quads)
-        halves.append(total)
+        if signed:
+            sh = _call(b, "llvm.x86.avx2.psign.b", _vec(_I8, 32), sh, uh)
+            uh = _call(b, "llvm.abs.v32i8", _vec(_I8, 32), uh, ir.Constant(ir.IntType(1), 0))
+        pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), uh, sh)
+        halves.append(_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), pairs,
+                            _const(_I16, 16, 1)))
     return b.add(acc, b.shuffle_vector(halves[0], halves[1], _const(_I32, 16, range(16))))
 
 
@@ -166,7 +171,7 @@ def dot8_intrinsic(qtype, wrows, xrows, interleaved=False):
 
 def _dot8_codegen(qtype, wrows, xrows, interleaved):
     halves = qtype == "q6_k"
-    wide = qtype == "q8_0"  # codes q + 128, up to 255 (`_dpbusd`)
+    signed = qtype == "q8_0" and SIGNED  # signed codes (`_dpbusd`)
 
     def codegen(context, b, sig, args):
         xs = [context.make_array(sig.args[i])(context, b, args[i]) for i in (6, 7, 8, 9)]
@@ -246,7 +251,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 sums = {}
                 for i, (c, h) in enumerate(quarters):
                     key = (c, h) if halves else c
-                    sums[key] = _dpbusd(b, codes[id(p)][i], xv[i], sums.get(key), wide)
+                    sums[key] = _dpbusd(b, codes[id(p)][i], xv[i], sums.get(key), signed)
                 total = b.load(acc)
                 for key, v in sums.items():
                     c, h = key if halves else (key, 0)
@@ -260,7 +265,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
         def pair(g, codes, lanes, pairs, acc_p):
             for (p, (x, dp, sp, hp)), acc in zip(pairs, acc_p):
                 xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 64)
-                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv, wide=wide), _vec(_F32, 16))
+                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv, signed=signed), _vec(_F32, 16))
                 v = lanes[id(p), id(x)]  # lanes 0-7 group g's, 8-15 g + 1's
                 scale = b.shuffle_vector(v, v, _const(_I32, 16, [j // 8 for j in range(16)]))
                 b.store(_fma(b, sums, scale, b.load(acc)), acc)
@@ -270,7 +275,7 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 xv = _load(b, x, b.mul(g, ir.Constant(g.type, 32)), _I8, 32)
                 xv = b.shuffle_vector(xv, ir.Constant(xv.type, [0] * 32),
                                       _const(_I32, 64, range(64)))
-                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv, wide=wide), _vec(_F32, 16))
+                sums = b.sitofp(_dpbusd(b, codes[id(p)], xv, signed=signed), _vec(_F32, 16))
                 v = lanes[id(p), id(x)]  # lanes 0-7 the group's (q6_k: 0-3, 4-7 its halves)
                 scale = b.shuffle_vector(v, v, _const(
                     _I32, 16, [j // 4 if halves else 0 for j in range(16)]))

@@ -26,7 +26,8 @@ block:
   q4_1, q5_1   codes q                             + m * sum(x)   (fp32 sum, as the int16 path)
   q4_k, q5_k   codes q                             - dmin mn * sum(x)
   q6_k         codes q (six bits)                  + (d sc) * dx * (-32) * sum(xq) per 16
-  q8_0         q + 128 (its bytes, sign bit flipped) + d * dx * (-128) * sum(xq)
+  q8_0         q + 128 (its bytes, sign bit flipped) + d * dx * (-128) * sum(xq); on AVX2
+               q itself (`qdot8_ir_cpu.SIGNED`: |q| times xq with q's sign, no offset term)
 
 Every integer sum is exact; what int8 activations lose is the rounding of xq, up to
 max|x of the group| / 254 per element, 258x the int16 path's step: a projection's output moves
