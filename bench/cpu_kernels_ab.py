@@ -30,10 +30,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import env_info, write_json  # noqa: E402
 
-FILES = ("qdot_cpu.py", "qdot_kernels_cpu.py", "qdot8_kernels_cpu.py", "qdot_ir_cpu.py",
-         "qdot8_ir_cpu.py")
-"""The kernels' files (qdot_ir_cpu.py only from session 28's split on, qdot8_ir_cpu.py from
-session 32's: skipped where absent)."""
+FILES = ("qdot_cpu.py", "qdot_kernels_cpu.py", "qdot8_kernels_cpu.py", "numba_cache.py",
+         "qdot_ir_cpu.py", "qdot8_ir_cpu.py")
+"""The kernels' files (numba_cache.py, qdot_ir_cpu.py and qdot8_ir_cpu.py only from the
+sessions that added them: skipped where absent; without numba_cache.py the base's kernels would
+fail to import and its int8 activations be refused)."""
 
 
 def base_package(rev: str, root: str):
@@ -50,7 +51,7 @@ def base_package(rev: str, root: str):
         got = subprocess.run(["git", "show", f"{rev}:luceio/kernels/{name}"], cwd=repo,
                              capture_output=True, text=True)
         if got.returncode:
-            if name in FILES[-2:]:
+            if name in FILES[-3:]:
                 continue
             raise RuntimeError(got.stderr)
         with open(os.path.join(pkg, name), "w") as f:

@@ -283,12 +283,16 @@ its q8_0 v projections (128 x 896) 0.88 / 0.92 (0.015 ms a step), its step's mat
 1.09 with q8_0 from 896 against 1.025 from 1,536 (the second run:
 `cpu_one_row_session30_q8_896.json`). The int16 kernels stay at 4 rows (their q4_k lost 10% one
 row at a time, their q6_k gained 15%)."""
-if qdot8_kernels_cpu is not None and qdot8_kernels_cpu.AVX2_ONLY:
+SLOW_ONE_ROW_Q8_0 = qdot8_kernels_cpu is not None and qdot8_kernels_cpu.AVX2_ONLY
+"""Without VNNI (q8_0's codes signed, `qdot8_ir_cpu.SIGNED`) q8_0 goes 4 rows at a time up to
+K = 3,072. 2-core AVX2 EPYC, `python bench/cpu_one_row.py --random q8_0 --shapes
+8960x1536,1536x8960,4096x3584,18944x896` (4-row / 1-row time): 0.80 at K = 896, 0.95 at 1,536,
+1.34 at 3,584, 1.38 at 8,960; the real 0.5B's LM head 0.82, its decode step's matvecs 0.96
+(`bench/results/cpu/cpu_one_row_avx2_session52*.json`). Its rows from K = 896 stay row-major
+(`ROW_MAJOR_MIN_K`): 4 of them at a time ran as fast as 4 interleaved ones at K = 1,536 and
+2,048 (0.99x, `cpu_interleave_avx2_session52_q8_0.json`)."""
+if SLOW_ONE_ROW_Q8_0:
     ONE_ROW_MIN_K["q8_0"] = 3072
-    """Without VNNI (q8_0's codes signed, `qdot8_ir_cpu.SIGNED`; 2-core AVX2 EPYC, `python
-    bench/cpu_one_row.py --random q8_0 --shapes 8960x1536,1536x8960,4096x3584,18944x896`, 4-row /
-    1-row time): 0.80 at K = 896, 0.95 at 1,536, 1.34 at 3,584, 1.38 at 8,960; the real 0.5B's
-    LM head 0.82, its decode step's matvecs 0.96 (`bench/results/cpu/cpu_one_row_avx2_session52*.json`)."""
 TASKS_PER_THREAD = 4
 """Parallel iterations of a matvec per thread (`qdot_kernels_cpu.task_rows`)."""
 
