@@ -119,10 +119,10 @@ def _dpbusd(b, u, s, acc=None, signed=False, more=()):
     of those to int32): exact while a pair stays within int16, which codes u < 128 keep
     (|s| <= 127: 2 * 127 * 127). `signed` codes (q8_0's, `SIGNED`) go as |u| times s with u's
     sign (`vpabsb`, `vpsignb`): |u| <= 128, so a pair stays within 2 * 128 * 127.
-    `more`: further (u, s) of codes below 64 (not `signed`) whose products add into the same
-    lanes: with VNNI one `vpdpbusd` each; on AVX2 their `vpmaddubsw` pairs add in int16 before
-    the one `vpmaddwd` (exact with one more: 2 * 2 * 63 * 127 < 2^15), which saves a `vpmaddwd`
-    and an add per 32 bytes of the second."""
+    `more`: one more (u, s) whose products add into the same lanes: with VNNI a second
+    `vpdpbusd`; on AVX2, for codes below 64 (not `signed`), the two `vpmaddubsw` results add in
+    int16 before one `vpmaddwd` (exact: 2 * 2 * 63 * 127 < 2^15), which saves a `vpmaddwd` and an
+    add per 32 bytes; `signed` ones each take their own `vpmaddwd`."""
     if acc is None:
         acc = ir.Constant(_vec(_I32, 16), [0] * 16)
     terms = [(u, s), *more]
@@ -131,20 +131,22 @@ def _dpbusd(b, u, s, acc=None, signed=False, more=()):
             as32 = [b.bitcast(v, _vec(_I32, 16)) for v in (uu, ss)]  # the pre-LLVM-21
             acc = _call(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16), acc, *as32)  # form
         return acc
-    assert len(terms) <= 2 and not (signed and more)
+    assert len(terms) <= 2
     halves = []
     for h in (0, 32):
         pick = _const(_I32, 32, range(h, h + 32))
-        total = None
+        pairs = []
         for uu, ss in terms:
             uh, sh = (b.shuffle_vector(v, v, pick) for v in (uu, ss))
             if signed:
                 sh = _call(b, "llvm.x86.avx2.psign.b", _vec(_I8, 32), sh, uh)
                 uh = _call(b, "llvm.abs.v32i8", _vec(_I8, 32), uh, ir.Constant(ir.IntType(1), 0))
-            pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), uh, sh)
-            total = pairs if total is None else b.add(total, pairs)
-        halves.append(_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), total,
-                            _const(_I16, 16, 1)))
+            pairs.append(_call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), uh, sh))
+        if not signed:  # codes below 64: the pairs' int16 sum is exact
+            pairs = [pairs[0] if len(pairs) == 1 else b.add(*pairs)]
+        quads = [_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), v, _const(_I16, 16, 1))
+                 for v in pairs]
+        halves.append(quads[0] if len(quads) == 1 else b.add(*quads))
     return b.add(acc, b.shuffle_vector(halves[0], halves[1], _const(_I32, 16, range(16))))
 
 
@@ -259,14 +261,13 @@ def _dot8_codegen(qtype, wrows, xrows, interleaved):
                 at = b.mul(g0, ir.Constant(g0.type, 32))
                 xv = [_load(b, x, b.add(at, ir.Constant(at.type, 64 * i)), _I8, 64)
                       for i in range(len(quarters))]
-                sums, cw = {}, codes[id(p)]
-                if halves or signed:  # a vpdpbusd (AVX2: vpmaddubsw, vpmaddwd) each
-                    for i, (c, h) in enumerate(quarters):
-                        key = (c, h) if halves else c
-                        sums[key] = _dpbusd(b, cw[i], xv[i], sums.get(key), signed)
-                else:  # a c's two vectors into the same lanes (`_dpbusd`'s more)
-                    for i in range(0, len(quarters), 2):
-                        sums[quarters[i][0]] = _dpbusd(b, cw[i], xv[i], more=[(cw[i + 1], xv[i + 1])])
+                cw = codes[id(p)]
+                if halves:  # each half group its own scale: a vector's sums alone
+                    sums = {key: _dpbusd(b, cw[i], xv[i]) for i, key in enumerate(quarters)}
+                else:  # a c's two vectors (the same groups) into the same lanes
+                    sums = {quarters[i][0]: _dpbusd(b, cw[i], xv[i], signed=signed,
+                                                    more=[(cw[i + 1], xv[i + 1])])
+                            for i in range(0, len(quarters), 2)}
                 total = b.load(acc)
                 for key, v in sums.items():
                     c, h = key if halves else (key, 0)
